@@ -1,0 +1,129 @@
+"""Config validation, all in one place, run before anything is compiled.
+
+Each failure is a ValueError naming the field, the value and what would be valid. The known fields
+and their types are those of configs/default.py; a field this module does not know is an error, so
+that a typo (`--config.outer.momentun=0.9`) can never be silently ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import ml_collections
+
+from noloco_jax import model as model_lib
+from noloco_jax.outer import KINDS, MESSAGE_DTYPES
+from noloco_jax.outer.pairing import MODES
+
+_TOP = {"seed", "num_steps", "num_replicas", "num_devices", "eval_every", "log_every", "checkpoint_every",
+        "model", "data", "inner", "outer"}
+_MODEL = {"preset", "d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size", "max_seq_len",
+          "rope_theta", "norm_eps", "param_dtype", "dtype", "remat"}
+_INNER = {"optimizer", "lr", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps", "weight_decay", "grad_clip"}
+_OUTER = {"kind", "inner_steps", "group_size", "momentum", "lr", "gamma", "nesterov", "message_dtype",
+          "pairing", "pairing_pool"}
+# Sections owned by other modules validate their own keys (data: noloco_jax.data.validate).
+_SECTIONS = {"": _TOP, "model": _MODEL, "inner": _INNER, "outer": _OUTER}
+
+
+class ConfigError(ValueError):
+  pass
+
+
+def _fail(field: str, value, valid: str):
+  raise ConfigError(f"config.{field}={value!r} is not valid: {valid}.")
+
+
+def check_known_fields(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset()) -> None:
+  for section, known in _SECTIONS.items():
+    node = config if not section else config.get(section)
+    if node is None:
+      raise ConfigError(f"config.{section} is missing: every config needs the sections {sorted(_SECTIONS)[1:]}.")
+    known = known | extra_top if not section else known
+    for key in node.keys():
+      if key not in known:
+        prefix = f"{section}." if section else ""
+        raise ConfigError(f"config.{prefix}{key} is not a known field; valid fields of config"
+                          f"{'.' + section if section else ''}: {sorted(known)}.")
+
+
+def _positive(config, field: str, allow_zero: bool = False):
+  value = config
+  for part in field.split("."):
+    value = value[part]
+  if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
+    _fail(field, value, f"an integer {'≥ 0' if allow_zero else '≥ 1'}")
+
+
+def stability_interval(alpha: float, n: int) -> tuple[float, float]:
+  """The paper's bound on γ for bounded cross-replica variance: √(n/(2(n−1)))·α < γ < √(n(2+α²)/(2(n−1)))."""
+  return math.sqrt(n / (2 * (n - 1))) * alpha, math.sqrt(n * (2 + alpha ** 2) / (2 * (n - 1)))
+
+
+def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset()) -> None:
+  """Raises ConfigError on the first invalid field; warns when γ is outside the stability bound."""
+  check_known_fields(config, extra_top)
+  for field in ("num_steps", "num_replicas"):
+    _positive(config, field)
+  for field in ("num_devices", "eval_every", "log_every", "checkpoint_every"):
+    _positive(config, field, allow_zero=True)
+
+  m = config.model
+  if m.preset not in model_lib.PRESETS:
+    _fail("model.preset", m.preset, f"one of {sorted(model_lib.PRESETS)}")
+  for field in ("d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size", "max_seq_len"):
+    _positive(config, f"model.{field}", allow_zero=True)
+  for field in ("dtype", "param_dtype"):
+    if m[field] not in model_lib.DTYPES:
+      _fail(f"model.{field}", m[field], f"one of {sorted(model_lib.DTYPES)}")
+  d_model = m.d_model or model_lib.PRESETS[m.preset]["d_model"]
+  heads = m.num_heads or model_lib.PRESETS[m.preset]["num_heads"]
+  if d_model % heads or (d_model // heads) % 2:
+    _fail("model.num_heads", heads, f"a divisor of d_model={d_model} leaving an even head dimension (for RoPE)")
+  if m.max_seq_len and m.max_seq_len < config.data.seq_len:
+    _fail("data.seq_len", config.data.seq_len, f"at most model.max_seq_len={m.max_seq_len}")
+
+  i = config.inner
+  if i.optimizer not in ("adam", "adamw"):
+    _fail("inner.optimizer", i.optimizer, "'adam' or 'adamw'")
+  if not i.lr > 0:
+    _fail("inner.lr", i.lr, "a number > 0")
+  _positive(config, "inner.warmup_steps", allow_zero=True)
+  if not 0 <= i.min_lr_ratio <= 1:
+    _fail("inner.min_lr_ratio", i.min_lr_ratio, "a number in [0, 1]")
+  for field in ("b1", "b2"):
+    if not 0 <= i[field] < 1:
+      _fail(f"inner.{field}", i[field], "a number in [0, 1)")
+  if i.grad_clip < 0:
+    _fail("inner.grad_clip", i.grad_clip, "a number ≥ 0 (0 disables clipping)")
+
+  o = config.outer
+  if o.kind not in KINDS:
+    _fail("outer.kind", o.kind, f"one of {KINDS}")
+  _positive(config, "outer.inner_steps")
+  if o.message_dtype not in MESSAGE_DTYPES:
+    _fail("outer.message_dtype", o.message_dtype, f"one of {sorted(MESSAGE_DTYPES)}")
+  if o.pairing not in MODES:
+    _fail("outer.pairing", o.pairing, f"one of {MODES}")
+  _positive(config, "outer.pairing_pool")
+  if not 0 <= o.momentum < 1:
+    _fail("outer.momentum", o.momentum, "a number in [0, 1)")
+  if not o.lr > 0:
+    _fail("outer.lr", o.lr, "a number > 0")
+  if o.kind in ("noloco", "gossip"):
+    if not isinstance(o.group_size, int) or o.group_size < 2:
+      _fail("outer.group_size", o.group_size, "an integer ≥ 2 (a group averages at least two replicas)")
+    if config.num_replicas % o.group_size:
+      _fail("outer.group_size", o.group_size,
+            f"a divisor of num_replicas={config.num_replicas} (the replicas are cut into equal groups)")
+  if o.kind == "noloco":
+    if o.gamma <= 0:
+      _fail("outer.gamma", o.gamma, "a number > 0")
+    low, high = stability_interval(o.momentum, o.group_size)
+    if not low < o.gamma < high:
+      logging.warning(
+          "outer.gamma=%g lies outside the stability bound of the NoLoCo paper (noisy quadratic model): "
+          "sqrt(n/(2(n-1)))*alpha < gamma < sqrt(n(2+alpha^2)/(2(n-1))), i.e. %.3f < gamma < %.3f for "
+          "n=%d, alpha=%g. The spread of weights across replicas may grow without bound.",
+          o.gamma, low, high, o.group_size, o.momentum)

@@ -1,0 +1,25 @@
+"""Data for noloco_jax: corpora, tokenizers, packing, per-replica sharding, resumable iterators.
+
+The trainer's interface:
+
+    tok = data.make_tokenizer(config.data)
+    data.validate(config.data, model_max_seq_len, vocab_size)      # before compiling anything
+    it = data.make_train_iterator(config.data, seed=..., replica_ids=..., num_replicas=...,
+                                  vocab_size=...)                   # next(it): [R_local, B, L+1] int32
+    state = it.get_state(); it.set_state(state); it.close()
+    eval_BxExL1 = data.make_eval_batches(config.data, seed=..., vocab_size=...)
+
+Modules, one job each: spec (config record + validation), tokenizer, sources / tfds_sources /
+file_sources (documents), stdlib_builder (the embedded TFDS corpus), packing (tokens and caches),
+streams (one replica's resumable sequence stream), iterator (batches + prefetch), train_spm (CLI).
+"""
+
+from noloco_jax.data.iterator import make_eval_batches
+from noloco_jax.data.iterator import make_train_iterator
+from noloco_jax.data.iterator import TrainIterator
+from noloco_jax.data.spec import DataSpec
+from noloco_jax.data.spec import validate
+from noloco_jax.data.tokenizer import make_tokenizer
+
+__all__ = ["DataSpec", "TrainIterator", "make_eval_batches", "make_train_iterator",
+           "make_tokenizer", "validate"]

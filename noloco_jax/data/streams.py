@@ -1,0 +1,200 @@
+"""One replica's endless, resumable stream of packed sequences, in two flavours.
+
+Both are pure functions of (seed, replica, num_replicas, data): a process holding any subset of the
+replicas produces exactly the rows a single process holding all of them would. Their state is a
+few integers, so a checkpoint stores it as JSON and a restored stream continues identically.
+
+- `ArrayStream` (mode "array"): the split is one token array cut into sequences of L+1; sequence j
+  belongs to replica j mod R (dealt round-robin: disjoint, balanced within one sequence); each
+  replica visits its own sequences in a fresh permutation every epoch, seeded by (seed, replica,
+  epoch).
+- `DocStream` (mode "stream"): for corpora too large to tokenize up front. Units (files or record
+  ranges) are dealt to replicas (shard_by "file": unit u to replica u mod R) or every replica reads
+  every unit and keeps documents d with (u + d) mod R == r (shard_by "document"). Each epoch the
+  replica's units come in a fresh seeded order; documents are packed as they arrive, and blocks of
+  `shuffle_buffer` consecutive sequences are emitted in a permutation seeded by where the block
+  starts. State = the block's start position + how many of its sequences were served.
+"""
+
+import numpy as np
+
+from noloco_jax.data import packing
+
+# Distinct stream tags so that e.g. the eval sample never equals a train permutation.
+_TAG_TRAIN_SEQUENCES, _TAG_EVAL_SEQUENCES, _TAG_UNIT_ORDER, _TAG_BLOCK = 1, 2, 3, 4
+
+
+def seeded_rng(*keys: int) -> np.random.Generator:
+  """A generator determined by integer keys (negative seeds are mapped into range, not rejected)."""
+  return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) % (1 << 64) for k in keys])))
+
+
+class ArrayStream:
+  """Replica `replica`'s sequences of an in-memory (memory-mapped) token array."""
+
+  def __init__(self, tokens: np.ndarray, seq_len1: int, seed: int, replica: int, num_replicas: int):
+    self._tokens, self._l1 = tokens, seq_len1
+    self._seed, self._r, self._n_rep = seed, replica, num_replicas
+    total = len(tokens) // seq_len1
+    self._count = len(range(replica, total, num_replicas))  # Sequences r, r+R, r+2R, ...
+    if total < num_replicas:  # Checked for the whole job, so every process fails alike.
+      raise ValueError(f"the training split has {len(tokens)} tokens = {total} sequences of "
+                       f"seq_len+1 = {seq_len1}, fewer than num_replicas = {num_replicas}: some "
+                       "replicas would get none. Use more data or a shorter config.data.seq_len.")
+    self._epoch, self._index = 0, 0
+    self._perm_epoch, self._perm = -1, None
+
+  def _permutation(self) -> np.ndarray:
+    if self._perm_epoch != self._epoch:
+      rng = seeded_rng(self._seed, _TAG_TRAIN_SEQUENCES, self._r, self._epoch)
+      self._perm, self._perm_epoch = rng.permutation(self._count), self._epoch
+    return self._perm
+
+  def next_batch(self, batch_size: int) -> np.ndarray:
+    starts = np.empty(batch_size, dtype=np.int64)
+    for b in range(batch_size):
+      if self._index == self._count:  # Epoch boundary: continue seamlessly in the next permutation.
+        self._epoch, self._index = self._epoch + 1, 0
+      starts[b] = (self._r + self._n_rep * int(self._permutation()[self._index])) * self._l1
+      self._index += 1
+    return np.asarray(self._tokens[starts[:, None] + np.arange(self._l1)], dtype=np.int32)
+
+  def get_state(self) -> dict:
+    return {"epoch": self._epoch, "index": self._index}
+
+  def set_state(self, state: dict) -> None:
+    epoch, index = int(state["epoch"]), int(state["index"])
+    if epoch < 0 or not 0 <= index <= self._count:
+      raise ValueError(f"data iterator state {state} does not fit this data "
+                       f"({self._count} sequences for replica {self._r}).")
+    self._epoch, self._index = epoch, index
+
+
+class _TokenReader:
+  """Reads replica r's documents as one token stream from a position [epoch, k, doc, offset]:
+  unit number k of the epoch's order, document index in that unit, token offset in that document."""
+
+  def __init__(self, stream: "DocStream", position: list[int]):
+    self._s = stream
+    self.epoch, self.k, self.doc, self.offset = (int(x) for x in position)
+    self._docs = None  # Iterator over the current unit's documents.
+    self._cur = None  # Tokens (+ separator) of document `doc`, once read.
+    self._docs_since_epoch_start = 0 if self.k == self.doc == self.offset == 0 else None
+
+  def position(self) -> list[int]:
+    return [self.epoch, self.k, self.doc, self.offset]
+
+  def take(self, n: int) -> np.ndarray:
+    out = np.empty(n, dtype=np.int32)
+    filled = 0
+    while filled < n:
+      if self._cur is None or self.offset >= len(self._cur):
+        self._next_document()
+        continue
+      m = min(n - filled, len(self._cur) - self.offset)
+      out[filled:filled + m] = self._cur[self.offset:self.offset + m]
+      filled += m
+      self.offset += m
+    return out
+
+  def _next_document(self) -> None:
+    s = self._s
+    resuming = self._cur is None and self._docs is None
+    while True:
+      if self._docs is None:
+        unit = s.unit_order(self.epoch)[self.k]
+        self._unit = unit
+        self._docs = s.source.read(unit, self.doc if resuming else 0)
+      for i, doc in self._docs:
+        if doc is None or not s.owns(self._unit, i):
+          continue
+        tokens = packing.document_tokens(doc, s.tok, s.tok.eos_id, s.vocab_size,
+                                         f"{s.source.unit_name(self._unit)} doc {i}")
+        # Resuming into the document we stopped in keeps its offset; any later one starts at 0.
+        self.offset = self.offset if resuming and i == self.doc else 0
+        self.doc, self._cur = i, tokens
+        if self._docs_since_epoch_start is not None:
+          self._docs_since_epoch_start += 1
+        return
+      resuming = False
+      self._docs, self.doc, self.offset = None, 0, 0
+      self.k += 1
+      if self.k == len(s.unit_order(self.epoch)):
+        if self._docs_since_epoch_start == 0:
+          raise ValueError(f"{s.source.name}: replica {s.replica} of {s.num_replicas} found no "
+                           f"document in a whole epoch (shard_by={s.shard_by!r}); the data is empty "
+                           "or too small to share between this many replicas.")
+        self.epoch, self.k, self._docs_since_epoch_start = self.epoch + 1, 0, 0
+
+
+class DocStream:
+  """Replica `replica`'s packed sequences from a streamed source (see module docstring)."""
+
+  def __init__(self, source, tok, vocab_size: int, seq_len1: int, seed: int, replica: int,
+               num_replicas: int, shard_by: str, shuffle_buffer: int):
+    self.source, self.tok, self.vocab_size = source, tok, vocab_size
+    self.seed, self.replica, self.num_replicas = seed, replica, num_replicas
+    self._l1, self._k = seq_len1, shuffle_buffer
+    if shard_by == "auto":
+      # Whole files when there are enough to go round: each file is read by one replica only.
+      shard_by = "file" if source.num_units >= num_replicas else "document"
+    self.shard_by = shard_by
+    n = source.num_units
+    if shard_by == "file":
+      self._units = np.arange(replica, n, num_replicas)
+      if self._units.size == 0:
+        raise ValueError(f"{source.name} has {n} unit(s) (files or record ranges), fewer than "
+                         f"num_replicas = {num_replicas}, so replica {replica} gets none with "
+                         "config.data.shard_by='file'; use 'document' or 'auto'.")
+    else:
+      self._units = np.arange(n)
+    self._order_epoch, self._order = -1, None
+    self.set_state({"position": [0, 0, 0, 0], "served": 0, "filled": False})
+
+  @property
+  def epoch(self) -> int:
+    """The epoch the next unread token belongs to."""
+    return self._reader.epoch
+
+  def owns(self, unit: int, doc: int) -> bool:
+    return self.shard_by == "file" or (unit + doc) % self.num_replicas == self.replica
+
+  def unit_order(self, epoch: int) -> np.ndarray:
+    if self._order_epoch != epoch:
+      rng = seeded_rng(self.seed, _TAG_UNIT_ORDER, self.replica, epoch)
+      self._order, self._order_epoch = rng.permutation(self._units), epoch
+    return self._order
+
+  def _fill(self) -> None:
+    self._start = self._reader.position()
+    block = self._reader.take(self._k * self._l1).reshape(self._k, self._l1)
+    perm = seeded_rng(self.seed, _TAG_BLOCK, self.replica, *self._start).permutation(self._k)
+    self._block, self._served = block[perm], 0
+
+  def next_batch(self, batch_size: int) -> np.ndarray:
+    out = np.empty((batch_size, self._l1), dtype=np.int32)
+    for b in range(batch_size):
+      if self._block is None or self._served == self._k:
+        self._fill()
+      out[b] = self._block[self._served]
+      self._served += 1
+    return out
+
+  def get_state(self) -> dict:
+    if self._block is None:
+      return {"position": self._reader.position(), "served": 0, "filled": False}
+    return {"position": list(self._start), "served": self._served, "filled": True}
+
+  def set_state(self, state: dict) -> None:
+    position, served = [int(x) for x in state["position"]], int(state["served"])
+    if len(position) != 4 or min(position) < 0 or not 0 <= served <= self._k:
+      raise ValueError(f"data iterator state {state} is not a valid stream position "
+                       f"(shuffle_buffer {self._k}).")
+    if position[1] >= len(self.unit_order(position[0])):
+      raise ValueError(f"data iterator state {state}: unit {position[1]} out of range for "
+                       f"{self.source.name} (replica {self.replica} has {len(self._units)} units).")
+    self._reader = _TokenReader(self, position)
+    self._block, self._served = None, 0
+    if state.get("filled"):
+      self._fill()  # Re-reads the block from its start; the permutation depends only on that start.
+      self._served = served

@@ -1,0 +1,85 @@
+"""The inner step: plain local training of one replica, no collectives.
+
+`compute_grads` and `apply_grads` are written for ONE replica. `make_inner_step` stacks them over the
+k replicas a device holds (vmap) and leaves one hook between the two, `reduce_grads`, through which the
+data-parallel baseline averages gradients across replicas; every other method passes None and the
+step stays free of communication.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from noloco_jax import model as model_lib
+from noloco_jax.state import TrainState
+
+
+def learning_rate_schedule(inner_cfg: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
+  """Linear warm-up from 0 to `lr`, then cosine decay to `lr * min_lr_ratio` at `num_steps`."""
+  warmup = min(int(inner_cfg.warmup_steps), num_steps)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=inner_cfg.lr, warmup_steps=warmup,
+      decay_steps=max(num_steps, warmup + 1), end_value=inner_cfg.lr * inner_cfg.min_lr_ratio)
+
+
+def make_optimizer(inner_cfg: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:
+  schedule = learning_rate_schedule(inner_cfg, num_steps)
+  if inner_cfg.optimizer == "adam":
+    opt = optax.adam(schedule, b1=inner_cfg.b1, b2=inner_cfg.b2, eps=inner_cfg.eps)
+  else:  # "adamw" (validated in config.py)
+    opt = optax.adamw(schedule, b1=inner_cfg.b1, b2=inner_cfg.b2, eps=inner_cfg.eps,
+                      weight_decay=inner_cfg.weight_decay)
+  if inner_cfg.grad_clip > 0:
+    opt = optax.chain(optax.clip_by_global_norm(inner_cfg.grad_clip), opt)
+  return opt
+
+
+def loss_fn(params, batch_BxL1, apply_fn):
+  """Next-token loss of one replica on a packed batch of L+1 tokens (inputs and shifted targets)."""
+  logits_BxLxV = apply_fn({"params": params}, batch_BxL1[:, :-1])
+  return model_lib.cross_entropy(logits_BxLxV, batch_BxL1[:, 1:])
+
+
+def compute_grads(params, batch_BxL1, apply_fn):
+  """One replica: (loss, grads)."""
+  return jax.value_and_grad(loss_fn)(params, batch_BxL1, apply_fn)
+
+
+def apply_grads(state: TrainState, grads, optimizer: optax.GradientTransformation) -> TrainState:
+  """One replica: one optimizer update of the fast weights."""
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                       opt_state=opt_state)
+
+
+def make_inner_step(apply_fn, optimizer: optax.GradientTransformation,
+                    reduce_grads: Callable | None = None):
+  """Returns step(states_k, batches_k) -> (states_k, metrics) over the k replicas of one device."""
+
+  def step(states: TrainState, batches_kxBxL1):
+    loss_k, grads = jax.vmap(compute_grads, in_axes=(0, 0, None))(states.params, batches_kxBxL1, apply_fn)
+    grad_norm_k = jax.vmap(optax.tree.norm)(grads)
+    if reduce_grads is not None:
+      grads = reduce_grads(grads)
+    states = jax.vmap(apply_grads, in_axes=(0, 0, None))(states, grads, optimizer)
+    return states, {"loss": loss_k, "grad_norm": grad_norm_k}
+
+  return step
+
+
+def make_eval_step(apply_fn):
+  """Returns eval(params_k, batch_BxL1) -> loss_k: every local replica evaluates its own weights."""
+
+  def evaluate(params, batch_BxL1):
+    return jax.vmap(loss_fn, in_axes=(0, None, None))(params, batch_BxL1, apply_fn)
+
+  return evaluate
+
+
+def cast_floats(tree, dtype):
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)

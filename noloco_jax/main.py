@@ -1,0 +1,42 @@
+"""Command line: python -m noloco_jax.main --config=configs/default.py --workdir=DIR [--config.x=y ...]
+
+Flags and platform set-up only; the work happens in train.train_and_evaluate.
+"""
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "Directory for metrics, TensorBoard events, checkpoints and the config.")
+config_flags.DEFINE_config_file("config", None, "Training config file (ml_collections).", lock_config=True)
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _fake_cpu_devices(num_replicas: int) -> None:
+  """On a CPU-only single-process run, create one CPU device per replica (unless the user chose a count).
+
+  Harmless where an accelerator exists: it sizes only the CPU backend, not the default one.
+  """
+  if "JAX_NUM_CPU_DEVICES" in os.environ or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  import jax
+  jax.config.update("jax_num_cpu_devices", max(num_replicas, 1))
+
+
+def main(argv):
+  del argv
+  # TensorFlow (imported by clu and TFDS) must never take accelerator memory from JAX.
+  import tensorflow as tf
+  tf.config.set_visible_devices([], "GPU")
+  config = FLAGS.config
+  _fake_cpu_devices(config.num_replicas)
+
+  from noloco_jax import train
+  logging.set_verbosity(logging.INFO)
+  train.train_and_evaluate(config, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,185 @@
+"""A Llama decoder in Flax: RMSNorm, rotary embeddings, SwiGLU MLP, causal multi-head attention, untied
+embeddings. Sizes come from presets (PAPER.md section 2) and can be overridden field by field.
+
+The layers are stacked with `nn.scan`, so every layer parameter carries a leading `num_layers` axis:
+compile time does not grow with depth, and a pipeline stage is a contiguous slice of that axis.
+
+Shape suffixes: B batch, L sequence, D model width, H heads, K head dim, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+# hidden / layers / heads / MLP. `small` uses 12 heads as the reference code does (the paper says 16).
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(d_model=128, num_layers=2, num_heads=4, mlp_dim=384),
+    "small": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=3072),
+    "medium": dict(d_model=2048, num_layers=24, num_heads=32, mlp_dim=8192),
+    "large": dict(d_model=4096, num_layers=32, num_heads=32, mlp_dim=16384),
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  mlp_dim: int
+  max_seq_len: int
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  dtype: Any = jnp.float32  # compute dtype
+  param_dtype: Any = jnp.float32
+  remat: bool = False  # recompute each layer's activations in the backward pass
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+def resolve_config(model_cfg: ml_collections.ConfigDict, *, vocab_size: int, seq_len: int) -> LlamaConfig:
+  """Turns `config.model` (preset + overrides, 0 = from preset) into a LlamaConfig."""
+  sizes = dict(PRESETS[model_cfg.preset])
+  for name in sizes:
+    if model_cfg[name]:
+      sizes[name] = int(model_cfg[name])
+  return LlamaConfig(
+      vocab_size=int(model_cfg.vocab_size or vocab_size),
+      max_seq_len=int(model_cfg.max_seq_len or seq_len),
+      rope_theta=float(model_cfg.rope_theta),
+      norm_eps=float(model_cfg.norm_eps),
+      dtype=DTYPES[model_cfg.dtype],
+      param_dtype=DTYPES[model_cfg.param_dtype],
+      remat=bool(model_cfg.get("remat", False)),
+      **sizes,
+  )
+
+
+def num_params(cfg: LlamaConfig) -> int:
+  """Analytic parameter count (embeddings and head untied, no biases)."""
+  D, F, V = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
+  per_layer = 4 * D * D + 3 * D * F + 2 * D  # q,k,v,o; gate,up,down; two RMSNorm scales
+  return 2 * V * D + cfg.num_layers * per_layer + D  # embed, head, layers, final norm
+
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    scale_D = self.param("scale", nn.initializers.ones, (x_BxLxD.shape[-1],), self.param_dtype)
+    # Normalise in float32: a bf16 mean of squares loses too much precision.
+    x = x_BxLxD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    return (x * scale_D.astype(jnp.float32)).astype(self.dtype)
+
+
+def rope(x_BxLxHxK, positions_L, theta: float):
+  """Rotary position embedding, rotating pairs (i, i + K/2) of each head's features."""
+  half = x_BxLxHxK.shape[-1] // 2
+  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles_LxK2 = positions_L[:, None].astype(jnp.float32) * freqs[None, :]
+  sin, cos = jnp.sin(angles_LxK2)[None, :, None, :], jnp.cos(angles_LxK2)[None, :, None, :]
+  x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxLxHxK.dtype)
+
+
+class Attention(nn.Module):
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    cfg = self.cfg
+    H, K = cfg.num_heads, cfg.head_dim
+    dense = lambda name: nn.DenseGeneral((H, K), use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                         kernel_init=_init, name=name)
+    positions_L = jnp.arange(x_BxLxD.shape[1])
+    q_BxLxHxK = rope(dense("q")(x_BxLxD), positions_L, cfg.rope_theta)
+    k_BxLxHxK = rope(dense("k")(x_BxLxD), positions_L, cfg.rope_theta)
+    v_BxLxHxK = dense("v")(x_BxLxD)
+    logits_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK).astype(jnp.float32) / jnp.sqrt(K)
+    L = x_BxLxD.shape[1]
+    causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
+    logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits_BxHxLxL, axis=-1).astype(cfg.dtype)
+    out_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs, v_BxLxHxK)
+    return nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=False, dtype=cfg.dtype,
+                           param_dtype=cfg.param_dtype, kernel_init=_init, name="o")(out_BxLxHxK)
+
+
+class SwiGLU(nn.Module):
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    cfg = self.cfg
+    dense = lambda features, name: nn.Dense(features, use_bias=False, dtype=cfg.dtype,
+                                            param_dtype=cfg.param_dtype, kernel_init=_init, name=name)
+    h_BxLxF = nn.silu(dense(cfg.mlp_dim, "gate")(x_BxLxD)) * dense(cfg.mlp_dim, "up")(x_BxLxD)
+    return dense(cfg.d_model, "down")(h_BxLxF)
+
+
+class Block(nn.Module):
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD, _):
+    cfg = self.cfg
+    norm = lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name=name)
+    x_BxLxD = x_BxLxD + Attention(cfg, name="attn")(norm("attn_norm")(x_BxLxD))
+    x_BxLxD = x_BxLxD + SwiGLU(cfg, name="mlp")(norm("mlp_norm")(x_BxLxD))
+    return x_BxLxD, None
+
+
+class Layers(nn.Module):
+  """`num_layers` Blocks as one scanned module: parameters stacked on a leading layer axis."""
+  cfg: LlamaConfig
+  num_layers: int
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    block = nn.remat(Block, prevent_cse=False) if self.cfg.remat else Block
+    scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                      length=self.num_layers)
+    x_BxLxD, _ = scanned(self.cfg, name="blocks")(x_BxLxD, None)
+    return x_BxLxD
+
+
+class Llama(nn.Module):
+  cfg: LlamaConfig
+
+  def setup(self):
+    cfg = self.cfg
+    self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init, dtype=cfg.dtype,
+                          param_dtype=cfg.param_dtype)
+    self.layers = Layers(cfg, cfg.num_layers)
+    self.final_norm = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype)
+    self.head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                         kernel_init=_init)
+
+  def __call__(self, tokens_BxL):
+    """Returns float32 logits [B, L, V] for next-token prediction."""
+    x_BxLxD = self.embed(tokens_BxL)
+    x_BxLxD = self.layers(x_BxLxD)
+    return self.head(self.final_norm(x_BxLxD)).astype(jnp.float32)
+
+
+def cross_entropy(logits_BxLxV, targets_BxL):
+  """Mean next-token cross-entropy in nats."""
+  logp = jax.nn.log_softmax(logits_BxLxV, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1))

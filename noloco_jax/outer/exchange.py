@@ -1,0 +1,95 @@
+"""Moving one tensor per replica to another replica, inside `shard_map` over the `replica` axis.
+
+The primitive is `route(x_k, src)`: global replica g receives x from replica src[g]. A device holds
+k consecutive replicas (global index g = device * k + slot), so a route splits into
+
+- moves between devices: for each (source slot a, destination slot b), the device pairs whose replica
+  in slot a feeds the replica in slot b form a partial permutation of devices, sent with ONE
+  `jax.lax.ppermute`. Every replica appears as a source in exactly one of them, so each replica
+  sends exactly one copy of x: the bytes on the wire are the message and nothing more. With one
+  replica per device (the usual layout) this is a single ppermute with no local part;
+- moves within a device: a static gather of the local stack, selected per device by `axis_index`.
+
+With one device (the simulator), the whole route is a gather. Both paths give the same numbers,
+because they only move values; the arithmetic of the group mean is the same code after the move.
+
+No all-reduce appears anywhere: a group mean over n members is n−1 routes (see pairing.sources_for_shift).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from noloco_jax.mesh import REPLICA
+from noloco_jax.outer.pairing import Groups, sources_for_shift
+
+
+def route(x_k: jax.Array, src: Sequence[int], num_devices: int) -> jax.Array:
+  """x_k: this device's [k, ...] stack. Returns the [k, ...] stack of what each local replica receives."""
+  k = x_k.shape[0]
+  src = np.asarray(src)
+  if num_devices == 1:
+    return x_k[src]
+  device = jax.lax.axis_index(REPLICA)
+  out = []
+  for b in range(k):
+    src_b = src[b::k]  # source of slot b on each device d = src[d * k + b]
+    src_dev, src_slot = src_b // k, src_b % k
+    terms = []
+    for a in range(k):
+      pairs = [(int(src_dev[d]), d) for d in range(num_devices) if src_slot[d] == a and src_dev[d] != d]
+      if pairs:
+        terms.append(jax.lax.ppermute(x_k[a], REPLICA, perm=pairs))
+    # Devices that are not a destination of a ppermute receive zeros from it, so the sum keeps exactly
+    # one non-zero term per destination (and adding zeros is exact).
+    received = sum(terms[1:], terms[0]) if terms else jnp.zeros_like(x_k[0])
+    local_slot = np.where(src_dev == np.arange(num_devices), src_slot, -1)
+    if (local_slot >= 0).any():
+      slot = jnp.asarray(local_slot, jnp.int32)[device]
+      received = jnp.where(slot >= 0, x_k[jnp.maximum(slot, 0)], received)
+    out.append(received)
+  return jnp.stack(out)
+
+
+def group_mean(tree, groups: Groups, num_devices: int, message_dtype):
+  """Mean over each replica's group of a pytree of [k, ...] leaves; messages travel in `message_dtype`.
+
+  The replica's own term stays in full precision; only what crosses to another replica is cast.
+  The sum runs in float32 in a fixed order (own, then shift 1 … n−1), the same on every path.
+  """
+  n = len(groups[0])
+  num_replicas = sum(len(g) for g in groups)
+  total = jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+  message = jax.tree.map(lambda x: x.astype(message_dtype), tree)
+  for shift in range(1, n):
+    src = sources_for_shift(groups, shift, num_replicas)
+    received = jax.tree.map(lambda x: route(x, src, num_devices), message)
+    total = jax.tree.map(lambda t, r: t + r.astype(jnp.float32), total, received)
+  return jax.tree.map(lambda t: t / n, total)
+
+
+def group_mean_from_pool(tree, pool: Sequence[Groups], index: jax.Array, num_devices: int, message_dtype):
+  """group_mean with the grouping pool[index], `index` traced: one compiled program for the whole pool.
+
+  On a mesh, each grouping is its own set of static ppermutes, chosen by `lax.switch` (only the chosen
+  branch runs, so only its messages are sent). On one device the routes are gathers whose index
+  tables can themselves be indexed by the traced `index`, so no branches are needed.
+  """
+  if len(pool) == 1:
+    return group_mean(tree, pool[0], num_devices, message_dtype)
+  if num_devices == 1:
+    n = len(pool[0][0])
+    num_replicas = sum(len(g) for g in pool[0])
+    tables = jnp.asarray([[sources_for_shift(g, s, num_replicas) for s in range(1, n)] for g in pool])
+    total = jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+    message = jax.tree.map(lambda x: x.astype(message_dtype), tree)
+    for s in range(n - 1):
+      src = tables[index, s]
+      total = jax.tree.map(lambda t, m: t + m[src].astype(jnp.float32), total, message)
+    return jax.tree.map(lambda t: t / n, total)
+  branches = [lambda t, g=g: group_mean(t, g, num_devices, message_dtype) for g in pool]
+  return jax.lax.switch(index, branches, tree)
