@@ -19,6 +19,7 @@ setuptools.setup(
         "tensorflow-cpu>=2.16,<2.22",
         "tensorboard>=2.16",
         "tensorflow-datasets>=4.9.7,<5",
+        "importlib_resources>=6",  # imported by tensorflow-datasets' `tfds build` but not declared by it
         "numpy>=1.26",
         "pyarrow>=14",
         "sentencepiece>=0.2",

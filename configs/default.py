@@ -20,12 +20,12 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0  # One seed for everything: initial weights, data order and the pairing schedule.
-  config.num_steps = 600  # Inner steps per replica in total.
+  config.num_steps = 500  # Inner steps per replica in total.
   config.num_replicas = 8  # N: model replicas (data parallel). Stacked on the `replica` mesh axis.
   # Devices the replicas are spread over; 0 = as many as divide num_replicas (up to all devices).
   # 1 runs the single-device simulator: all replicas on one device, exchange by gather.
   config.num_devices = 0
-  config.eval_every = 150  # Steps between evaluations (validation loss/ppl, weight std). 0 = only at the end.
+  config.eval_every = 100  # Steps between evaluations (validation loss/ppl, weight std). 0 = only at the end.
   config.log_every = 25  # Steps between training-metric logs (host fetches only at these steps).
   config.checkpoint_every = 0  # Steps between checkpoints; 0 = only at the end.
 

@@ -108,8 +108,9 @@ def print_tables(r: dict) -> None:
   print(f"\nα–β model: outer-step communication time, α = {ab['alpha_s'] * 1e3:g} ms per message."
         " pair = lean exchange (1 copy each way, at once);"
         " pair_ref = reference code (2 copies to the root and back).")
-  print("  Every entry here is bandwidth-bound (the α terms are < 1% except where noted);"
-        " per inner step, DiLoCo syncs every 100 steps and NoLoCo every 50.")
+  print("  'ring α share' = fraction of the ring's time spent on per-message latency (the tree's and the"
+        " pair's shares are smaller still):\n  small shares mean bandwidth-bound. Per inner step, note"
+        " that DiLoCo syncs every 100 steps and NoLoCo every 50.")
   for bps in ab["link_bps"]:
     for dtype in ("bfloat16", "float32"):
       print(f"  -- {bps / 1e6:g} Mb/s, {dtype}")
@@ -130,7 +131,7 @@ def plot(r: dict, args: argparse.Namespace, path: str) -> None:
   import matplotlib.pyplot as plt
 
   ns, c, lg, b = r["ns"], r["constant"], r["lognormal"], r["barrier"]
-  fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
+  fig, axes = plt.subplots(1, 3, figsize=(18, 7))
 
   ax = axes[0]
   colors = {"tree": "C0", "ring": "C3", "pair": "C2", "pair_ref": "C1"}
@@ -142,27 +143,27 @@ def plot(r: dict, args: argparse.Namespace, path: str) -> None:
   ax.plot(lg["ring_ns"], lg["ring_mean"], "o-", ms=4, color=colors["ring"], label="ring, log-normal")
   ax.plot(ns, [lg["pair_mean"]] * len(ns), "o-", ms=4, color=colors["pair"], label="pair, log-normal")
   k = r["key_n"]
-  ax.annotate(f"N={k}: tree/pair {c['speedup_at_key_n']:.0f}x (constant),"
-              f" {lg['ratio_at_key_n']:.0f}x (log-normal)",
-              xy=(k, lg["tree_mean"][ns.index(k)]), xytext=(2.2, 3e3), fontsize=8.5,
-              arrowprops=dict(arrowstyle="->", lw=0.8))
+  ax.text(0.03, 0.97, f"N={k}: tree / pair = {c['speedup_at_key_n']:.0f}x (constant t)\n"
+          f"{lg['ratio_at_key_n']:.1f}x (log-normal)", transform=ax.transAxes, ha="left", va="top",
+          fontsize=9, bbox=dict(boxstyle="round", fc="white", ec="0.7"))
   ax.set(xscale="log", yscale="log", xlabel="workers N",
          ylabel="time of one exchange / mean message time t",
-         title="Latency model (latency-bound: time = number of messages)")
+         title="Latency model (latency-bound):\nevery message takes t, or log-normal with mean t")
   ax.set_xscale("log", base=2)
-  ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(0, 0.9))
+  ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
   ax.grid(True, which="major", alpha=0.3)
 
   ax = axes[1]
   ax.plot(ns, [100 * e for e in b["extra_decoupled_by_n"]], "o-", ms=4, color="C0",
-          label=f"decoupled (pair waits for max of 2)")
+          label="decoupled: each round a pair waits for the slower of its 2")
   ax.plot([b["n"]], [100 * b["extra_coupled"]], "s", ms=8, color="C1",
-          label="coupled (random re-pairing, long run)")
+          label="coupled: random re-pairing, delays carry over (long run)")
   ax.set(xscale="log", xlabel="workers N", ylabel="DiLoCo wall time over NoLoCo − 1  (%)",
-         title=f"Global barrier cost: H={b['h']} log-normal steps, std/mean {b['step_cv']:g}")
+         title=f"Cost of DiLoCo's global barrier at H={b['h']}\n"
+               f"(log-normal inner steps, std/mean {b['step_cv']:g}; compute only)")
   ax.set_xscale("log", base=2)
   ax.set_ylim(bottom=0)
-  ax.legend(fontsize=8.5, loc="upper left")
+  ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12))
   ax.grid(True, alpha=0.3)
 
   ax = axes[2]
@@ -182,9 +183,10 @@ def plot(r: dict, args: argparse.Namespace, path: str) -> None:
             color=colors["pair_ref"], label="pair (reference code, 2 copies)" + lab)
   ax.set(xscale="log", yscale="log", xlabel="workers P",
          ylabel="outer-step communication time (s)",
-         title=f"α–β model, small model bf16 ({s / 1e9:.2f} GB), α={a * 1e3:g} ms: bandwidth-bound")
+         title=f"α–β model (bandwidth-bound): small model, bf16\n"
+               f"S = {s / 1e9:.2f} GB, α = {a * 1e3:g} ms per message")
   ax.set_xscale("log", base=2)
-  ax.legend(fontsize=7.5, ncol=2, loc="upper left")
+  ax.legend(fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.12))
   ax.grid(True, which="major", alpha=0.3)
 
   fig.suptitle("NoLoCo pair exchange vs all-reduce (PAPER.md §4); experiments/latency_model.py"

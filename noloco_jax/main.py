@@ -1,6 +1,8 @@
 """Command line: python -m noloco_jax.main --config=configs/default.py --workdir=DIR [--config.x=y ...]
 
-Flags and platform set-up only; the work happens in train.train_and_evaluate.
+Flags and platform set-up only; the work happens in train.train_and_evaluate. Multi-process jobs
+(SLURM, TPU pods, launch_local.py) are set up by noloco_jax/distributed.py: see its docstring for the
+flags --distributed, --coordinator_address, --num_processes, --process_id and their NOLOCO_* variables.
 """
 
 import os
@@ -8,18 +10,23 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from noloco_jax import distributed
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for metrics, TensorBoard events, checkpoints and the config.")
 config_flags.DEFINE_config_file("config", None, "Training config file (ml_collections).", lock_config=True)
 flags.mark_flags_as_required(["config", "workdir"])
+distributed.define_flags()
 
 
-def _fake_cpu_devices(num_replicas: int) -> None:
+def _fake_cpu_devices(num_replicas: int, multi_process: bool) -> None:
   """On a CPU-only single-process run, create one CPU device per replica (unless the user chose a count).
 
-  Harmless where an accelerator exists: it sizes only the CPU backend, not the default one.
+  Harmless where an accelerator exists: it sizes only the CPU backend, not the default one. Never in a
+  multi-process job: there each process's JAX_NUM_CPU_DEVICES (or XLA_FLAGS) decides its own count.
   """
-  if "JAX_NUM_CPU_DEVICES" in os.environ or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+  if multi_process or "JAX_NUM_CPU_DEVICES" in os.environ or (
+      "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")):
     return
   import jax
   jax.config.update("jax_num_cpu_devices", max(num_replicas, 1))
@@ -27,15 +34,18 @@ def _fake_cpu_devices(num_replicas: int) -> None:
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.INFO)
   # TensorFlow (imported by clu and TFDS) must never take accelerator memory from JAX.
   import tensorflow as tf
   tf.config.set_visible_devices([], "GPU")
   config = FLAGS.config
-  _fake_cpu_devices(config.num_replicas)
+  # Before anything starts JAX's backends: jax.distributed must come first.
+  multi_process = distributed.initialize(distributed.options_from_flags(FLAGS))
+  _fake_cpu_devices(config.num_replicas, multi_process)
 
   from noloco_jax import train
-  logging.set_verbosity(logging.INFO)
-  train.train_and_evaluate(config, FLAGS.workdir)
+  with distributed.fail_fast():
+    train.train_and_evaluate(config, FLAGS.workdir)
 
 
 if __name__ == "__main__":

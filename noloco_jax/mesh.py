@@ -16,25 +16,64 @@ from jax.sharding import PartitionSpec as P
 REPLICA = "replica"
 
 
-def choose_num_devices(num_replicas: int, requested: int, available: int) -> int:
-  """Devices for the replica axis. 0 = the most devices (≤ available) that divide num_replicas."""
+def choose_num_devices(num_replicas: int, requested: int, available: int, num_processes: int = 1) -> int:
+  """Devices for the replica axis. 0 = the most devices (≤ available) that divide num_replicas.
+
+  `available` counts the devices every process can offer (the smallest process's count × processes).
+  In a multi-process job the count must also be a multiple of `num_processes`: each process then
+  holds the same number of replicas, so it feeds the same share of the global batch and no process
+  is left without a replica (a process without one would have no data to load).
+  """
+  def ok(d):
+    return num_replicas % d == 0 and d % num_processes == 0
+  valid = f"0 for automatic, or a divisor of num_replicas={num_replicas} that is ≤ {available}"
+  if num_processes > 1:
+    valid += f" and a multiple of the {num_processes} processes"
   if requested:
     if requested > available:
-      raise ValueError(f"num_devices={requested}: only {available} devices are available "
-                       f"(valid: 0 for automatic, or a divisor of num_replicas={num_replicas} that is ≤ {available}).")
-    if num_replicas % requested:
-      raise ValueError(f"num_devices={requested} does not divide num_replicas={num_replicas} "
-                       f"(valid: 0 for automatic, or a divisor of {num_replicas} that is ≤ {available}).")
+      raise ValueError(f"num_devices={requested}: only {available} devices are available (valid: {valid}).")
+    if not ok(requested):
+      raise ValueError(f"num_devices={requested} is not valid (valid: {valid}).")
     return requested
-  return max(d for d in range(1, min(num_replicas, available) + 1) if num_replicas % d == 0)
+  choices = [d for d in range(1, min(num_replicas, available) + 1) if ok(d)]
+  if not choices:
+    raise ValueError(f"num_replicas={num_replicas} cannot be spread evenly over {num_processes} processes "
+                     f"with {available} devices: make num_replicas a multiple of the number of processes.")
+  return max(choices)
 
 
 def make_mesh(num_replicas: int, num_devices: int = 0, devices=None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
-  d = choose_num_devices(num_replicas, num_devices, len(devices))
+  by_process: dict[int, list] = {}
+  for device in devices:
+    by_process.setdefault(device.process_index, []).append(device)
+  num_processes = len(by_process)
+  per_process = min(len(v) for v in by_process.values())
+  d = choose_num_devices(num_replicas, num_devices, per_process * num_processes, num_processes)
+  # The first d/P devices of every process, process by process. Taking jax.devices()[:d] instead
+  # would put all replicas on the first processes when d < all devices. Process-major order keeps
+  # each process's replicas consecutive, so its share of the global batch is one contiguous block
+  # of rows (what make_array_from_process_local_data and the data iterators are fed).
+  # With one process this is jax.devices()[:d], as before.
+  chosen = [dev for p in sorted(by_process) for dev in by_process[p][:d // num_processes]]
   # Auto axis type: outside shard_map, XLA propagates shardings (e.g. the cross-replica weight-std
   # reduction) without explicit reshards. Passed explicitly: the default became Explicit in jax 0.9.
-  return Mesh(np.asarray(devices[:d]), (REPLICA,), axis_types=(AxisType.Auto,))
+  return Mesh(np.asarray(chosen), (REPLICA,), axis_types=(AxisType.Auto,))
+
+
+def process_layout(mesh: Mesh, num_replicas: int) -> dict[int, dict[str, list[int]]]:
+  """{process index: {"devices": [device ids], "replicas": [global replica ids]}} for every process.
+
+  Computed from the mesh alone (which every process builds identically), so any process can log or
+  check the whole job's layout without talking to the others.
+  """
+  k = replicas_per_device(mesh, num_replicas)
+  layout: dict[int, dict[str, list[int]]] = {}
+  for pos, device in enumerate(mesh.devices.flat):
+    entry = layout.setdefault(device.process_index, {"devices": [], "replicas": []})
+    entry["devices"].append(int(device.id))
+    entry["replicas"].extend(range(pos * k, (pos + 1) * k))
+  return dict(sorted(layout.items()))
 
 
 def replica_sharding(mesh: Mesh) -> NamedSharding:
@@ -51,7 +90,13 @@ def replicas_per_device(mesh: Mesh, num_replicas: int) -> int:
 
 
 def local_replica_ids(mesh: Mesh, num_replicas: int) -> list[int]:
-  """Global indices of the replicas whose devices this process holds (contiguous per device)."""
+  """Global indices of the replicas whose devices this process holds, ascending (contiguous per device).
+
+  Ascending order is what `global_array` needs: make_array_from_process_local_data maps the process's
+  slices of the global array, in ascending global order, onto consecutive rows of its local data, also
+  when the process's devices are not consecutive in the mesh (checked over loopback with an
+  interleaved mesh).
+  """
   k = replicas_per_device(mesh, num_replicas)
   local = {d.id for d in jax.local_devices()}
   ids = []
@@ -67,7 +112,11 @@ def replica_map(fn, mesh: Mesh, in_specs, out_specs):
 
 
 def global_array(mesh: Mesh, local_rows: np.ndarray, num_replicas: int) -> jax.Array:
-  """Assembles the global [N, ...] replica-sharded array from this process's rows (its replicas only)."""
+  """Assembles the global [N, ...] replica-sharded array from this process's rows (its replicas only).
+
+  `local_rows[i]` belongs to replica local_replica_ids(mesh, N)[i]. Nothing crosses processes: each
+  process places its rows on its own devices.
+  """
   sharding = replica_sharding(mesh)
   shape = (num_replicas,) + tuple(local_rows.shape[1:])
   return jax.make_array_from_process_local_data(sharding, local_rows, shape)

@@ -27,9 +27,14 @@ def weight_std(params_NxP) -> jax.Array:
   leaves = jax.tree.leaves(params_NxP)
   n = leaves[0].shape[0]
   count = sum(x[0].size for x in leaves)
-  total = sum(jnp.sum(jnp.square(x.astype(jnp.float32) - jnp.mean(x.astype(jnp.float32), axis=0)))
-              for x in leaves)
-  return jnp.sqrt(total / (n * count))
+
+  def squared_deviation(x):
+    # Shift by replica 0 first: identical replicas then give exactly 0 (a float mean of N equal values
+    # need not equal them), and the subtraction loses less precision when the spread is tiny.
+    d = x.astype(jnp.float32) - x[:1].astype(jnp.float32)
+    return jnp.sum(jnp.square(d - jnp.mean(d, axis=0)))
+
+  return jnp.sqrt(sum(squared_deviation(x) for x in leaves) / (n * count))
 
 
 def weight_std_numpy(params_NxP) -> float:

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from noloco_jax import config as config_lib
 from noloco_jax import data as data_lib
+from noloco_jax import distributed
 from noloco_jax import inner
 from noloco_jax import mesh as mesh_lib
 from noloco_jax import metrics as metrics_lib
@@ -151,8 +152,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   local_ids = mesh_lib.local_replica_ids(mesh, n)
   train_iter = data_lib.make_train_iterator(config.data, seed=config.seed, replica_ids=local_ids, num_replicas=n,
                                             vocab_size=setup.model_config.vocab_size)
+  # The validation sample is drawn with a fixed seed, not config.seed, so that runs with different
+  # seeds (e.g. compare_methods.py) are scored on the same sequences.
   eval_batches = jax.device_put(
-      data_lib.make_eval_batches(config.data, seed=config.seed, vocab_size=setup.model_config.vocab_size),
+      data_lib.make_eval_batches(config.data, seed=0, vocab_size=setup.model_config.vocab_size),
       mesh_lib.replicated(mesh))
   logging.info("Global batch: %d replicas × %d sequences × %d tokens; %d devices (%d replicas each); "
                "process %d of %d holds replicas %s.", n, config.data.batch_size, config.data.seq_len,
@@ -161,7 +164,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # ---- State, built sharded. ----
   state = setup.init_state()
-  one_replica = jax.tree.map(lambda x: x[0], jax.eval_shape(lambda: state.params))
+  # All processes agree on config/seed/layout and every replica starts bit-identical (before any restore).
+  distributed.check_consistency(config, mesh, state)
+  one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
   num_params = model_lib.num_params(setup.model_config)
   bytes_per_round = setup.method.bytes_per_round(one_replica)
   bytes_per_step = setup.method.bytes_per_step(one_replica)

@@ -336,3 +336,27 @@ def test_too_little_data_for_replicas(tmp_path):
   c = text_config(tmp_path, {"a.txt": "abcdefgh"}, seq_len=3)
   with pytest.raises(ValueError, match="fewer than num_replicas"):
     data.make_train_iterator(c, seed=0, replica_ids=[0], num_replicas=8, vocab_size=257)
+
+
+def test_dropped_iterator_stops_its_thread(tmp_path):
+  import gc  # pylint: disable=g-import-not-at-top
+  c = text_config(tmp_path, {"a.txt": "dropped " * 50}, seq_len=7)
+  it = data.make_train_iterator(c, seed=0, replica_ids=[0], num_replicas=1, vocab_size=257)
+  next(it)
+  thread = it._thread  # pylint: disable=protected-access
+  del it
+  gc.collect()
+  thread.join(timeout=10)
+  assert not thread.is_alive()
+
+
+def test_bad_states_are_rejected(tmp_path):
+  c = text_config(tmp_path, {"a.txt": "state " * 50}, seq_len=7)
+  with data.make_train_iterator(c, seed=0, replica_ids=[0, 1], num_replicas=2, vocab_size=257) as it:
+    state = it.get_state()
+    with pytest.raises(ValueError, match="not a data iterator state"):
+      it.set_state({"replicas": state["replicas"]})
+    del state["replicas"]["1"]
+    with pytest.raises(ValueError, match=r"no position for replica\(s\) \[1\]"):
+      it.set_state(state)
+    np.testing.assert_array_equal(next(it).shape, (2, 4, 8))  # Still usable after a rejected state.

@@ -18,7 +18,6 @@ from noloco_jax.data import packing
 from noloco_jax.data import sources
 from noloco_jax.data import spec as spec_lib
 from noloco_jax.data import streams
-from noloco_jax.data import tokenizer as tokenizer_lib
 
 STATE_FORMAT = "noloco_jax.data/1"
 
@@ -44,33 +43,17 @@ class TrainIterator:
   # ---- production (the background thread, or the caller when prefetch = 0) ----
 
   def _snapshot(self) -> dict:
-    return {str(r): s.get_state() for r, s in zip(self._ids, self._streams)}
-
-  def _produce_one(self) -> tuple[np.ndarray, dict]:
-    batch = np.stack([s.next_batch(self._batch_size) for s in self._streams])
-    return batch, self._snapshot()
-
-  def _run(self) -> None:
-    try:
-      while not self._stop.is_set():
-        self._put(self._produce_one())
-    except BaseException as e:  # pylint: disable=broad-except
-      self._put(e)  # Re-raised in the caller's thread by __next__.
-
-  def _put(self, item) -> None:
-    # A bounded put that still notices close(): a full queue must not keep the thread alive.
-    while not self._stop.is_set():
-      try:
-        self._queue.put(item, timeout=0.05)
-        return
-      except queue.Full:
-        pass
+    return _snapshot(self._ids, self._streams)
 
   def _start(self) -> None:
     self._stop = threading.Event()
     if self._prefetch > 0:
       self._queue = queue.Queue(maxsize=self._prefetch)
-      self._thread = threading.Thread(target=self._run, name="noloco-data-prefetch", daemon=True)
+      # The thread gets what it needs, not `self`: an iterator dropped without close() can then
+      # still be garbage-collected, and __del__ stops the thread.
+      self._thread = threading.Thread(
+          target=_run, args=(self._streams, self._ids, self._batch_size, self._queue, self._stop),
+          name="noloco-data-prefetch", daemon=True)
       self._thread.start()
 
   def _halt(self) -> None:
@@ -78,6 +61,10 @@ class TrainIterator:
     if self._thread is not None:
       self._thread.join()
       self._thread = None
+
+  def __del__(self):
+    if getattr(self, "_stop", None) is not None:
+      self._stop.set()
 
   # ---- the caller's side ----
 
@@ -90,7 +77,7 @@ class TrainIterator:
     if self._stop.is_set():
       raise RuntimeError("the data iterator is closed.")
     if self._thread is None:
-      batch, state = self._produce_one()
+      batch, state = _produce(self._streams, self._ids, self._batch_size)
     else:
       item = self._queue.get()
       if isinstance(item, BaseException):
@@ -119,8 +106,13 @@ class TrainIterator:
     if missing:
       raise ValueError(f"the data iterator state has no position for replica(s) {missing}.")
     self._halt()
-    for r, s in zip(self._ids, self._streams):
-      s.set_state(state["replicas"][str(r)])
+    try:
+      for r, s in zip(self._ids, self._streams):
+        s.set_state(state["replicas"][str(r)])
+    except Exception as e:
+      # Some streams may have moved already: refuse to go on with a half-restored iterator.
+      self._error = RuntimeError(f"set_state failed ({e}); create a new data iterator.")
+      raise
     self._state, self._error = self._snapshot(), None
     self._start()
 
@@ -134,15 +126,43 @@ class TrainIterator:
     self.close()
 
 
+def _snapshot(ids: list[int], replica_streams: list) -> dict:
+  return {str(r): s.get_state() for r, s in zip(ids, replica_streams)}
+
+
+def _produce(replica_streams: list, ids: list[int], batch_size: int) -> tuple[np.ndarray, dict]:
+  """One batch [R_local, B, L+1] and the streams' state right after it."""
+  batch = np.stack([s.next_batch(batch_size) for s in replica_streams])
+  return batch, _snapshot(ids, replica_streams)
+
+
+def _run(replica_streams, ids, batch_size, out: queue.Queue, stop: threading.Event) -> None:
+  """The prefetch thread: batches (or the exception that stopped it) into `out` until `stop`."""
+  try:
+    while not stop.is_set():
+      _put(out, stop, _produce(replica_streams, ids, batch_size))
+  except BaseException as e:  # pylint: disable=broad-except
+    _put(out, stop, e)  # Re-raised in the caller's thread by __next__.
+
+
+def _put(out: queue.Queue, stop: threading.Event, item) -> None:
+  # A bounded put that still notices close(): a full queue must not keep the thread alive.
+  while not stop.is_set():
+    try:
+      out.put(item, timeout=0.05)
+      return
+    except queue.Full:
+      pass
+
+
 def make_train_iterator(config_data, *, seed: int, replica_ids: Sequence[int], num_replicas: int,
                         vocab_size: int) -> TrainIterator:
   """Batches [len(replica_ids), B, L+1] int32; row k belongs to global replica replica_ids[k]."""
-  spec = spec_lib.validate(config_data, vocab_size=vocab_size)
+  spec, tok = spec_lib.validate_with_tokenizer(config_data, vocab_size=vocab_size)
   replica_ids = [int(r) for r in replica_ids]
   if num_replicas < 1 or not replica_ids or any(not 0 <= r < num_replicas for r in replica_ids) or (
       len(set(replica_ids)) != len(replica_ids)):
     raise ValueError(f"replica_ids={replica_ids} must be distinct ids in [0, num_replicas={num_replicas}).")
-  tok = tokenizer_lib.make_tokenizer(spec)
   source = sources.make_source(spec, "train")
   mode, l1 = _mode(spec, source), spec.seq_len + 1
   fingerprint = {"source": source.name, "mode": mode, "seq_len": spec.seq_len, "seed": int(seed),
@@ -171,8 +191,7 @@ def make_eval_batches(config_data, *, seed: int, vocab_size: int) -> np.ndarray:
   `seed` picks which validation sequences are used; pass the same seed to compare runs on the
   same sample.
   """
-  spec = spec_lib.validate(config_data, vocab_size=vocab_size)
-  tok = tokenizer_lib.make_tokenizer(spec)
+  spec, tok = spec_lib.validate_with_tokenizer(config_data, vocab_size=vocab_size)
   l1, need = spec.seq_len + 1, spec.eval_batches * spec.batch_size
   if need == 0:
     return np.zeros((0, spec.batch_size, l1), dtype=np.int32)

@@ -14,19 +14,30 @@ import numpy as np
 
 from noloco_jax.data import locking
 from noloco_jax.data import sources
-from noloco_jax.data import stdlib_builder
+from noloco_jax.data import spec as spec_lib
 
 _CACHE_SUBDIR = "noloco_jax_tokens"
 _FORMAT_VERSION = 1  # Bump when the packing rule changes, so old caches are not reused.
+DOCS_PER_BATCH = 64  # Documents tokenized per call: enough to keep a tokenizer's threads busy.
 
 
-def document_tokens(doc: sources.Document, tok, eos_id: int, vocab_size: int, where: str) -> np.ndarray:
-  """Token ids of one document plus the separator, checked to lie in [0, vocab_size)."""
-  ids = tok.encode(doc) if isinstance(doc, str) else np.asarray(doc)
-  out = np.empty(len(ids) + 1, dtype=np.int32)
-  out[:-1] = ids
-  out[-1] = eos_id
-  check_ids(out, vocab_size, where)
+def documents_tokens(docs: list[sources.Document], tok, vocab_size: int,
+                     wheres: list[str]) -> list[np.ndarray]:
+  """Token ids of each document plus the separator, checked to lie in [0, vocab_size).
+
+  Text is encoded in one `encode_batch` call (parallel for SentencePiece and HF); token-id
+  documents pass through.
+  """
+  texts = [d for d in docs if isinstance(d, str)]
+  encoded = iter(tok.encode_batch(texts) if texts else ())
+  out = []
+  for doc, where in zip(docs, wheres):
+    ids = next(encoded) if isinstance(doc, str) else np.asarray(doc)
+    tokens = np.empty(len(ids) + 1, dtype=np.int32)
+    tokens[:-1] = ids
+    tokens[-1] = tok.eos_id
+    check_ids(tokens, vocab_size, where)
+    out.append(tokens)
   return out
 
 
@@ -53,7 +64,7 @@ def token_array(source: sources.Source, tok, data_dir: str, vocab_size: int) -> 
   """
   dtype = _dtype_for(tok.vocab_size)
   key = f"v{_FORMAT_VERSION}-{source.fingerprint()}-{tok.fingerprint}-{dtype.name}"
-  directory = os.path.join(stdlib_builder.resolve_data_dir(data_dir), _CACHE_SUBDIR)
+  directory = os.path.join(spec_lib.resolve_data_dir(data_dir), _CACHE_SUBDIR)
   path = os.path.join(directory, key + ".bin")
   if not os.path.exists(path):
     with locking.file_lock(path + ".lock"):
@@ -68,15 +79,22 @@ def token_array(source: sources.Source, tok, data_dir: str, vocab_size: int) -> 
 
 def _write_stream(source: sources.Source, tok, tmp: str, dtype: np.dtype, vocab_size: int) -> None:
   n_docs = n_tokens = 0
-  # Appending chunk by chunk keeps memory flat however large the split is.
+  # Appending batch by batch keeps memory flat however large the split is.
   with open(tmp, "wb") as f:
-    for unit in range(source.num_units):
-      for i, doc in source.read(unit):
-        if doc is None:
-          continue
-        ids = document_tokens(doc, tok, tok.eos_id, vocab_size, f"{source.unit_name(unit)} doc {i}")
+    def flush(batch):
+      nonlocal n_docs, n_tokens
+      for ids in documents_tokens([d for _, d in batch], tok, vocab_size, [w for w, _ in batch]):
         f.write(ids.astype(dtype).tobytes())
         n_docs += 1
         n_tokens += ids.size
+    batch = []
+    for unit in range(source.num_units):
+      for i, doc in source.read(unit):
+        if doc is not None:
+          batch.append((f"{source.unit_name(unit)} doc {i}", doc))
+        if len(batch) == DOCS_PER_BATCH:
+          flush(batch)
+          batch = []
+    flush(batch)
   logging.info("Tokenized %s: %d documents, %d tokens (%s); skipped or repaired: %s",
                source.name, n_docs, n_tokens, tok.fingerprint, source.log.counts or "none")

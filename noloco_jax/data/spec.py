@@ -11,6 +11,7 @@ import os
 from noloco_jax.data import sources
 from noloco_jax.data import tokenizer as tokenizer_lib
 
+DEFAULT_DATA_DIR = os.path.join("~", ".cache", "noloco_jax", "tensorflow_datasets")
 MODES = ("", "array", "stream")
 SHARD_BY = ("auto", "file", "document")
 
@@ -48,6 +49,11 @@ class DataSpec:
     return getattr(self, name, default)
 
 
+def resolve_data_dir(data_dir: str) -> str:
+  """`config.data.data_dir`, with "" meaning the per-user default cache."""
+  return os.path.abspath(os.path.expanduser(data_dir or DEFAULT_DATA_DIR))
+
+
 _FIELDS = {f.name: f for f in dataclasses.fields(DataSpec)}
 
 
@@ -80,6 +86,11 @@ def validate(config_data, model_max_seq_len: int = 0, vocab_size: int = 0) -> Da
 
   Cheap: it opens the tokenizer (to compare vocabularies) and checks paths exist, but reads no data.
   """
+  return validate_with_tokenizer(config_data, model_max_seq_len, vocab_size)[0]
+
+
+def validate_with_tokenizer(config_data, model_max_seq_len: int = 0, vocab_size: int = 0):
+  """`validate`, also returning the tokenizer it opened (so callers need not load it twice)."""
   spec = to_spec(config_data)
   for name in ("seq_len", "batch_size", "shuffle_buffer"):
     if spec[name] < 1:
@@ -106,7 +117,7 @@ def validate(config_data, model_max_seq_len: int = 0, vocab_size: int = 0) -> Da
     raise ValueError(f"config.data.tokenizer={spec.tokenizer!r} has vocab_size {tok.vocab_size}, "
                      f"more than the model's vocab_size {vocab_size}; valid: a model vocab_size >= "
                      f"{tok.vocab_size} (config.model.vocab_size = 0 takes the tokenizer's).")
-  return spec
+  return spec, tok
 
 
 def _check_paths(spec: DataSpec) -> None:

@@ -22,15 +22,10 @@ from etils import epath
 import tensorflow_datasets as tfds
 
 from noloco_jax.data import locking
+from noloco_jax.data.spec import resolve_data_dir
 
-DEFAULT_DATA_DIR = os.path.join("~", ".cache", "noloco_jax", "tensorflow_datasets")
 VALIDATION_PERCENT = 3  # Share of files (by path hash) held out for validation.
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")  # Third-party code is not the standard library.
-
-
-def resolve_data_dir(data_dir: str) -> str:
-  """`config.data.data_dir`, with "" meaning the per-user default cache."""
-  return os.path.abspath(os.path.expanduser(data_dir or DEFAULT_DATA_DIR))
 
 
 def stdlib_root() -> str:

@@ -16,6 +16,8 @@ few integers, so a checkpoint stores it as JSON and a restored stream continues 
   starts. State = the block's start position + how many of its sequences were served.
 """
 
+import collections
+
 import numpy as np
 
 from noloco_jax.data import packing
@@ -72,12 +74,18 @@ class ArrayStream:
 
 class _TokenReader:
   """Reads replica r's documents as one token stream from a position [epoch, k, doc, offset]:
-  unit number k of the epoch's order, document index in that unit, token offset in that document."""
+  unit number k of the epoch's order, document index in that unit, token offset in that document.
+
+  Documents are tokenized `packing.DOCS_PER_BATCH` at a time (one parallel tokenizer call); each
+  keeps its own index, so the position is exact whatever the batching.
+  """
 
   def __init__(self, stream: "DocStream", position: list[int]):
     self._s = stream
     self.epoch, self.k, self.doc, self.offset = (int(x) for x in position)
     self._docs = None  # Iterator over the current unit's documents.
+    self._unit = -1
+    self._pending = collections.deque()  # (doc index, tokens) read ahead in the current unit.
     self._cur = None  # Tokens (+ separator) of document `doc`, once read.
     self._docs_since_epoch_start = 0 if self.k == self.doc == self.offset == 0 else None
 
@@ -97,25 +105,29 @@ class _TokenReader:
       self.offset += m
     return out
 
+  def _read_ahead(self) -> None:
+    """Tokenizes the next batch of this replica's documents of the current unit into `_pending`."""
+    s, batch = self._s, []
+    for i, doc in self._docs:
+      if doc is not None and s.owns(self._unit, i):
+        batch.append((i, doc))
+        if len(batch) == packing.DOCS_PER_BATCH:
+          break
+    wheres = [f"{s.source.unit_name(self._unit)} doc {i}" for i, _ in batch]
+    tokens = packing.documents_tokens([d for _, d in batch], s.tok, s.vocab_size, wheres)
+    self._pending.extend(zip([i for i, _ in batch], tokens))
+
   def _next_document(self) -> None:
     s = self._s
-    resuming = self._cur is None and self._docs is None
-    while True:
+    resuming = self._cur is None  # The first document after (re)construction keeps its offset.
+    while not self._pending:
       if self._docs is None:
-        unit = s.unit_order(self.epoch)[self.k]
-        self._unit = unit
-        self._docs = s.source.read(unit, self.doc if resuming else 0)
-      for i, doc in self._docs:
-        if doc is None or not s.owns(self._unit, i):
-          continue
-        tokens = packing.document_tokens(doc, s.tok, s.tok.eos_id, s.vocab_size,
-                                         f"{s.source.unit_name(self._unit)} doc {i}")
-        # Resuming into the document we stopped in keeps its offset; any later one starts at 0.
-        self.offset = self.offset if resuming and i == self.doc else 0
-        self.doc, self._cur = i, tokens
-        if self._docs_since_epoch_start is not None:
-          self._docs_since_epoch_start += 1
-        return
+        self._unit = int(s.unit_order(self.epoch)[self.k])
+        self._docs = s.source.read(self._unit, self.doc if resuming else 0)
+      self._read_ahead()
+      if self._pending:
+        break
+      # The unit is exhausted: on to the next one, and at the end of the order, the next epoch.
       resuming = False
       self._docs, self.doc, self.offset = None, 0, 0
       self.k += 1
@@ -125,6 +137,11 @@ class _TokenReader:
                            f"document in a whole epoch (shard_by={s.shard_by!r}); the data is empty "
                            "or too small to share between this many replicas.")
         self.epoch, self.k, self._docs_since_epoch_start = self.epoch + 1, 0, 0
+    i, tokens = self._pending.popleft()
+    self.offset = self.offset if resuming and i == self.doc else 0
+    self.doc, self._cur = i, tokens
+    if self._docs_since_epoch_start is not None:
+      self._docs_since_epoch_start += 1
 
 
 class DocStream:

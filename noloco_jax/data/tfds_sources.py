@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from noloco_jax.data import sources
+from noloco_jax.data import spec as spec_lib
 from noloco_jax.data import stdlib_builder
 
 # Records per unit for random-access builds: small enough that units outnumber replicas on the
@@ -85,7 +86,7 @@ class TfdsSource(sources.Source):
     if not name:
       raise ValueError("config.data.tfds_name is empty; source 'tfds' needs a dataset name such as "
                        "'c4/en' or 'c4/en:3.1.0'.")
-    data_dir = stdlib_builder.resolve_data_dir(config_data.data_dir)
+    data_dir = spec_lib.resolve_data_dir(config_data.data_dir)
     try:
       builder = tfds.builder(name, data_dir=data_dir)
     except Exception as e:  # TFDS raises several kinds for an unknown or unbuilt dataset.

@@ -1,7 +1,8 @@
 """Tokenizers chosen by `config.data.tokenizer`: bytes | sentencepiece | hf | pretokenized.
 
 Every tokenizer has `vocab_size`, `eos_id` (the end-of-document separator used for packing),
-`encode(str) -> np.ndarray[int]`, `decode(ids) -> str` and `fingerprint`, a short string that names
+`encode(str) -> np.ndarray[int]`, `encode_batch(list[str])` (parallel where the library allows),
+`decode(ids) -> str` and `fingerprint`, a short string that names
 the exact vocabulary (a hash of the model file, not its path) so token caches built with one
 tokenizer are never read with another.
 """
@@ -36,6 +37,9 @@ class ByteTokenizer:
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    return [self.encode(t) for t in texts]
+
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     """Bytes back to text; separators are dropped (they are not text) and bad UTF-8 is replaced."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -66,6 +70,11 @@ class SentencePieceTokenizer:
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._sp.encode(text, out_type=int), dtype=np.int32)
 
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    # SentencePiece encodes a list on its own C++ threads: the pipeline's main cost, parallelised.
+    ids = self._sp.encode(list(texts), out_type=int, num_threads=os.cpu_count() or 1)
+    return [np.asarray(x, dtype=np.int32) for x in ids]
+
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
@@ -86,23 +95,33 @@ class HFTokenizer:
       raise ValueError("config.data.hf_tokenizer is empty; give a hub name (e.g. "
                        "'meta-llama/Meta-Llama-3-8B') or a local tokenizer.json / directory.")
     token = os.environ.get("HF_TOKEN") or None
-    self._encode, self._decode, vocab, eos = _load_hf(name_or_path, token)
+    self._encode, self._encode_batch, self._decode, vocab, eos = _load_hf(name_or_path, token)
     self.vocab_size = int(vocab)
     self.eos_id = int(eos_id) if eos_id >= 0 else eos
     if self.eos_id is None or not 0 <= self.eos_id < self.vocab_size:
       raise ValueError(f"config.data.hf_tokenizer={name_or_path!r}: no end-of-text token found "
                        f"(looked for {_HF_EOS_CANDIDATES}); set config.data.eos_id.")
-    self.fingerprint = "hf-" + hashlib.sha256(f"{name_or_path}|{vocab}|{self.eos_id}".encode()).hexdigest()[:16]
+    local = os.path.join(name_or_path, "tokenizer.json") if os.path.isdir(name_or_path) else name_or_path
+    # A local file is named by its content (caches follow edits); a hub name by the name.
+    content = _sha256_file(local) if os.path.isfile(local) else name_or_path
+    identity = f"{content}|{vocab}|{self.eos_id}".encode()
+    self.fingerprint = "hf-" + hashlib.sha256(identity).hexdigest()[:16]
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._encode(text), dtype=np.int32)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    return [np.asarray(x, dtype=np.int32) for x in self._encode_batch(list(texts))]
 
   def decode(self, ids: Sequence[int] | np.ndarray) -> str:
     return self._decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
 
 def _load_hf(name_or_path: str, token: str | None):
-  """(encode, decode, vocab_size, eos id or None) from `tokenizers`, falling back to `transformers`."""
+  """(encode, encode_batch, decode, vocab_size, eos id or None) from `tokenizers`, else `transformers`.
+
+  Special tokens (BOS/EOS) are never added by the tokenizer: packing puts its own separator.
+  """
   try:
     import tokenizers  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -117,14 +136,18 @@ def _load_hf(name_or_path: str, token: str | None):
       tok = tokenizers.Tokenizer.from_pretrained(name_or_path, token=token)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eos = next((tok.token_to_id(t) for t in _HF_EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
-    return (lambda s: tok.encode(s, add_special_tokens=False).ids, tok.decode, vocab, eos)
+    return (lambda s: tok.encode(s, add_special_tokens=False).ids,
+            lambda ss: [e.ids for e in tok.encode_batch(ss, add_special_tokens=False)],  # Rust threads.
+            tok.decode, vocab, eos)
   try:
     import transformers  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ImportError("config.data.tokenizer='hf' needs the `tokenizers` or `transformers` package: "
                       "pip install 'noloco_jax[hf]'.") from e
   tok = transformers.AutoTokenizer.from_pretrained(name_or_path, token=token)
-  return (lambda s: tok.encode(s, add_special_tokens=False), tok.decode, len(tok), tok.eos_token_id)
+  return (lambda s: tok.encode(s, add_special_tokens=False),
+          lambda ss: tok(ss, add_special_tokens=False)["input_ids"],
+          tok.decode, len(tok), tok.eos_token_id)
 
 
 class PretokenizedVocab:
@@ -140,6 +163,9 @@ class PretokenizedVocab:
     self.vocab_size = int(vocab_size)
     self.eos_id = int(eos_id)
     self.fingerprint = f"pretokenized-{vocab_size}-{eos_id}"
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    return [self.encode(t) for t in texts]
 
   def encode(self, text: str) -> np.ndarray:
     raise ValueError("config.data.tokenizer='pretokenized' cannot encode text; the source must supply "

@@ -1,0 +1,321 @@
+"""Multi-process jobs: starting `jax.distributed`, failing fast, and the start-up consistency check.
+
+One process per host (TPU pods, CPU hosts) or per GPU (SLURM, Open MPI) forms one job. Where the
+values come from, first match wins:
+
+  1. flags of noloco_jax.main: --coordinator_address, --num_processes, --process_id;
+  2. environment: NOLOCO_COORDINATOR_ADDRESS, NOLOCO_NUM_PROCESSES, NOLOCO_PROCESS_ID
+     (what launch_local.py sets for each process it starts);
+  3. the cluster, detected by JAX itself (SLURM, Open MPI, Cloud TPU VMs, Kubernetes): then
+     `jax.distributed.initialize()` is called with no address, count or id and fills them in.
+
+--distributed (NOLOCO_DISTRIBUTED) = auto | on | off: `auto` initialises when 1–3 name more than one
+process; `on` always initialises (e.g. a TPU pod whose worker count JAX reads from the metadata
+server); `off` never does. Timeouts (seconds): --heartbeat_timeout_s (NOLOCO_HEARTBEAT_TIMEOUT_S),
+--initialization_timeout_s (NOLOCO_INITIALIZATION_TIMEOUT_S), --shutdown_timeout_s
+(NOLOCO_SHUTDOWN_TIMEOUT_S).
+
+Failure behaviour: when a process dies, its peers' next collective fails at once (the TCP link
+closes) and `fail_fast` ends them with exit code 1; a peer that is not in a collective is ended by
+the distributed runtime once the dead process has missed heartbeats for heartbeat_timeout_s. A job
+therefore never hangs on a dead process for longer than about heartbeat_timeout_s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ENV = {
+    "mode": "NOLOCO_DISTRIBUTED",
+    "coordinator_address": "NOLOCO_COORDINATOR_ADDRESS",
+    "num_processes": "NOLOCO_NUM_PROCESSES",
+    "process_id": "NOLOCO_PROCESS_ID",
+    "heartbeat_timeout_s": "NOLOCO_HEARTBEAT_TIMEOUT_S",
+    "initialization_timeout_s": "NOLOCO_INITIALIZATION_TIMEOUT_S",
+    "shutdown_timeout_s": "NOLOCO_SHUTDOWN_TIMEOUT_S",
+}
+MODES = ("auto", "on", "off")
+EXIT_FAILED = 1  # exit status of a process that fail_fast ended
+
+
+class ConsistencyError(RuntimeError):
+  """The processes of one job disagree (config, seed, layout), or replicas start from different states."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  mode: str = "auto"
+  coordinator_address: str | None = None  # "host:port" of process 0's coordinator service
+  num_processes: int | None = None
+  process_id: int | None = None
+  # A process that sends no heartbeat for this long is declared dead and the job is ended
+  # (JAX's default is 100 s; shorter here so a lost process ends the job sooner).
+  heartbeat_timeout_s: int = 60
+  initialization_timeout_s: int = 300  # how long processes wait for each other at start-up
+  shutdown_timeout_s: int = 120  # how long a finished process waits for the others at exit
+
+
+def define_flags() -> None:
+  """Registers the flags above on absl's FLAGS (called once by noloco_jax.main)."""
+  from absl import flags
+  flags.DEFINE_enum("distributed", None, MODES, f"Multi-process job: auto | on | off ({ENV['mode']}; default auto).")
+  flags.DEFINE_string("coordinator_address", None, f"host:port of process 0 ({ENV['coordinator_address']}).")
+  flags.DEFINE_integer("num_processes", None, f"Processes in the job ({ENV['num_processes']}).")
+  flags.DEFINE_integer("process_id", None, f"This process's index, 0 … num_processes−1 ({ENV['process_id']}).")
+  flags.DEFINE_integer("heartbeat_timeout_s", None, f"Seconds before a silent process is declared dead "
+                       f"({ENV['heartbeat_timeout_s']}; default {Options.heartbeat_timeout_s}).")
+  flags.DEFINE_integer("initialization_timeout_s", None, f"Seconds to wait for all processes at start-up "
+                       f"({ENV['initialization_timeout_s']}; default {Options.initialization_timeout_s}).")
+  flags.DEFINE_integer("shutdown_timeout_s", None, f"Seconds a finished process waits for the others "
+                       f"({ENV['shutdown_timeout_s']}; default {Options.shutdown_timeout_s}).")
+
+
+def resolve_options(environ=None, **given) -> Options:
+  """Options from explicit values (None = not given), then NOLOCO_* environment variables, then defaults."""
+  environ = os.environ if environ is None else environ
+  values: dict[str, Any] = {}
+  for field in dataclasses.fields(Options):
+    value = given.get(field.name)
+    if value is None and environ.get(ENV[field.name], "") != "":
+      raw = environ[ENV[field.name]]
+      try:
+        value = raw if field.name in ("mode", "coordinator_address") else int(raw)
+      except ValueError:
+        raise ValueError(f"{ENV[field.name]}={raw!r} is not valid: an integer is needed.") from None
+    if value is not None:
+      values[field.name] = value
+  options = Options(**values)
+  if options.mode not in MODES:
+    raise ValueError(f"distributed mode {options.mode!r} is not valid; choose one of {MODES}.")
+  return options
+
+
+def options_from_flags(flag_values) -> Options:
+  return resolve_options(**{f.name: getattr(flag_values, "distributed" if f.name == "mode" else f.name)
+                            for f in dataclasses.fields(Options)})
+
+
+def detect_cluster() -> tuple[str, int] | None:
+  """(name, process count) of the cluster JAX's auto-detection would use here, or None.
+
+  Uses the same registry as jax.distributed.initialize() (a private module: if it moves, detection
+  is off and --distributed=on or explicit values still work).
+  """
+  try:
+    from jax._src import clusters  # pylint: disable=g-import-not-at-top
+    for env in clusters.ClusterEnv._cluster_types:  # pylint: disable=protected-access
+      if not env.opt_in_only_method and env.is_env_present():
+        return env.__name__, int(env.get_process_count())
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("cluster auto-detection failed (%s); pass --distributed=on or explicit values.", e)
+  return None
+
+
+def plan(options: Options) -> tuple[bool, str]:
+  """(whether to initialise jax.distributed, why), without touching JAX's backends."""
+  if options.mode == "off":
+    return False, "--distributed=off"
+  if options.num_processes is not None:
+    if options.num_processes < 1:
+      raise ValueError(f"num_processes={options.num_processes} is not valid: an integer ≥ 1.")
+    if options.num_processes > 1 or options.mode == "on":
+      return True, f"num_processes={options.num_processes} given"
+    return False, "num_processes=1 given"
+  cluster = detect_cluster()
+  if cluster is not None and (cluster[1] > 1 or options.mode == "on"):
+    return True, f"{cluster[0]} detected with {cluster[1]} processes"
+  if options.mode == "on":
+    return True, "--distributed=on"
+  return False, "no multi-process job detected"
+
+
+def initialize(options: Options) -> bool:
+  """Initialises jax.distributed when the job has several processes; returns whether it does.
+
+  Must run before anything touches JAX's backends (jax.devices(), any computation). Calling it again,
+  or after something else initialised jax.distributed, does nothing.
+  """
+  if jax.distributed.is_initialized():
+    logging.info("jax.distributed is already initialised (process %d of %d); not initialising again.",
+                 jax.process_index(), jax.process_count())
+    return jax.process_count() > 1
+  start, why = plan(options)
+  if not start:
+    logging.info("Single-process job (%s).", why)
+    return False
+  address, count, pid = options.coordinator_address, options.num_processes, options.process_id
+  if count is not None and (address is None or pid is None) and detect_cluster() is None:
+    raise ValueError(f"num_processes={count} also needs --coordinator_address ({ENV['coordinator_address']}) "
+                     f"and --process_id ({ENV['process_id']}) outside a cluster JAX can detect (SLURM, Open MPI, TPU).")
+  # CPU collectives between processes need an implementation: gloo (TCP) ships with jaxlib. It only
+  # concerns the CPU backend, so it is also harmless for GPU and TPU jobs. Must precede backend start.
+  if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  logging.info("Initialising jax.distributed (%s): coordinator=%s, processes=%s, process id=%s.", why,
+               address or "auto", count or "auto", "auto" if pid is None else pid)
+  jax.distributed.initialize(
+      coordinator_address=address, num_processes=count, process_id=pid,
+      initialization_timeout=options.initialization_timeout_s,
+      heartbeat_timeout_seconds=options.heartbeat_timeout_s,
+      shutdown_timeout_seconds=options.shutdown_timeout_s)
+  logging.info("Process %d of %d: %d local devices %s of %d in the job.", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), [d.id for d in jax.local_devices()],
+               jax.device_count())
+  return True
+
+
+@contextlib.contextmanager
+def fail_fast():
+  """In a multi-process job, turns any exception into a logged error and an immediate exit.
+
+  Why not let it propagate: at exit, JAX waits at a shutdown barrier for every other process (up to
+  shutdown_timeout_s), which a crashed peer never reaches. Exiting at once lets the peers' own
+  collectives fail (the link closes) or their heartbeat checks end them, so the whole job stops within
+  about heartbeat_timeout_s. Checkpoints stay valid: orbax commits a step atomically, so an interrupted
+  save is never taken for a finished one. Single-process jobs re-raise as usual.
+  """
+  try:
+    yield
+  except (Exception, KeyboardInterrupt) as e:  # pylint: disable=broad-except
+    if not (jax.distributed.is_initialized() and jax.process_count() > 1):
+      raise
+    hint = ""
+    if isinstance(e, jax.errors.JaxRuntimeError):
+      hint = (" A collective failed: another process of the job has most likely died or been killed; "
+              "its log shows why.")
+    logging.exception("Process %d of %d failed: %s: %s.%s Exiting with status %d.", jax.process_index(),
+                      jax.process_count(), type(e).__name__, str(e)[:2000], hint, EXIT_FAILED)
+    for stream in (sys.stdout, sys.stderr):
+      stream.flush()
+    os._exit(EXIT_FAILED)  # pylint: disable=protected-access
+
+
+# ---------------------------------------------------------------------------------------------------
+# Start-up consistency check.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _digest(text: str) -> np.ndarray:
+  return np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], dtype=np.uint32)
+
+
+def fingerprint(config, mesh) -> dict[str, str]:
+  """What every process of one job must agree on, as text (hashed before it is compared)."""
+  from noloco_jax import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  layout = mesh_lib.process_layout(mesh, config.num_replicas)
+  return {
+      "config": config.to_json_best_effort(sort_keys=True),
+      "seed": str(config.seed),
+      "replica layout": json.dumps({str(p): v for p, v in layout.items()}, sort_keys=True),
+      "jax version": jax.__version__,
+      "process count": str(jax.process_count()),
+  }
+
+
+def _compare_across_processes(fields: dict[str, str]) -> None:
+  words = np.concatenate([_digest(v) for v in fields.values()])
+  # A host-side all-gather over every device of the job, independent of the training mesh: it works
+  # even when the processes disagree on the config (the thing being checked). Runs once, ~100 bytes.
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  gathered = np.asarray(multihost_utils.process_allgather(words)).reshape(jax.process_count(), len(fields), 2)
+  problems = []
+  for i, name in enumerate(fields):
+    values: dict[str, list[int]] = {}
+    for p in range(gathered.shape[0]):
+      values.setdefault(gathered[p, i].tobytes().hex(), []).append(p)
+    if len(values) > 1:
+      groups = "; ".join(f"processes {procs} have {h}" for h, procs in values.items())
+      problems.append(f"{name} differs: {groups}")
+  if problems:
+    raise ConsistencyError(
+        "The processes of this job disagree at start-up; " + " | ".join(problems) + ". This process "
+        f"({jax.process_index()}) has seed {fields['seed']} and config hash {_digest(fields['config']).tobytes().hex()}. "
+        "Start every process with the same config, overrides and code version.")
+
+
+def _leaf_checksums(x_NxD: jax.Array) -> jax.Array:
+  """[N] pairs of uint32 words per replica: two position-weighted sums of the leaf's raw bits.
+
+  The weights are odd, hence invertible mod 2³², so changing any single word of a replica's leaf
+  always changes its sums; comparing bits (not values) also tells −0.0 from 0.0 and NaN payloads apart.
+  """
+  if jnp.issubdtype(x_NxD.dtype, jax.dtypes.prng_key):
+    x_NxD = jax.random.key_data(x_NxD)
+  if x_NxD.dtype == jnp.bool_:
+    x_NxD = x_NxD.astype(jnp.uint8)
+  n, itemsize = x_NxD.shape[0], x_NxD.dtype.itemsize
+  bits = jax.lax.bitcast_convert_type(x_NxD, jnp.dtype(f"uint{8 * min(itemsize, 4)}"))
+  words = bits.reshape(n, -1).astype(jnp.uint32)  # uint32 arithmetic wraps mod 2³²
+  i = jnp.arange(words.shape[1], dtype=jnp.uint32)
+  w1 = (2 * i + 1) * jnp.uint32(2654435761)
+  w2 = (2 * i * i + 1) * jnp.uint32(0x85EBCA6B)  # also odd, and not a constant multiple of w1
+  return jnp.stack([jnp.sum(words * w1, axis=1), jnp.sum(words * w2, axis=1)], axis=1)
+
+
+def replica_checksums(mesh, state) -> np.ndarray:
+  """[N, 2] uint32: a checksum of every replica's full state (all leaves, optimizer counters included)."""
+  from noloco_jax import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+
+  def checksum(tree):
+    total = None
+    for j, leaf in enumerate(jax.tree.leaves(tree)):
+      term = _leaf_checksums(leaf) * jnp.uint32(2 * j + 1)
+      total = term if total is None else total + term
+    return total
+
+  # Each device sums its own replicas; the [N, 2] result is replicated so that every process can read
+  # every replica's checksum (one tiny all-gather, once per run).
+  return np.asarray(jax.jit(checksum, out_shardings=mesh_lib.replicated(mesh))(state))
+
+
+def log_layout(config, mesh) -> None:
+  """Once, on process 0: how the global batch splits over processes, devices and replicas."""
+  from noloco_jax import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  if jax.process_index() != 0:
+    return
+  n, b, l = config.num_replicas, config.data.batch_size, config.data.seq_len
+  layout = mesh_lib.process_layout(mesh, n)
+  lines = [f"Global batch per inner step: {n} replicas × {b} sequences × {l} tokens = {n * b * l} tokens, over "
+           f"{len(layout)} process(es) and {mesh.devices.size} devices ({mesh_lib.replicas_per_device(mesh, n)} "
+           "replica(s) per device). Each process loads only its own replicas' rows:"]
+  for p, entry in layout.items():
+    r = entry["replicas"]
+    lines.append(f"  process {p}: devices {entry['devices']}, replicas {r} -> {len(r)} × {b} sequences "
+                 f"= {len(r) * b * l} tokens per step")
+  logging.info("\n".join(lines))
+
+
+def check_consistency(config, mesh, state, *, identical_replicas: bool = True) -> np.ndarray:
+  """Raises ConsistencyError unless all processes agree on config, seed and layout, and (by default)
+  every replica's state is bit-identical to replica 0's. Returns the [N, 2] replica checksums.
+
+  Call it right after the state is built and before anything (a restore, a step) changes it.
+  """
+  from noloco_jax import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  log_layout(config, mesh)
+  fields = fingerprint(config, mesh)
+  if jax.process_count() > 1:
+    _compare_across_processes(fields)
+  sums = replica_checksums(mesh, state)
+  logging.info("Start-up check: config hash %s, seed %s, %d processes agree; replica 0 state checksum %s.",
+               _digest(fields["config"]).tobytes().hex(), config.seed, jax.process_count(), sums[0].tobytes().hex())
+  if identical_replicas:
+    differ = [r for r in range(sums.shape[0]) if not np.array_equal(sums[r], sums[0])]
+    if differ:
+      owner = {r: p for p, e in mesh_lib.process_layout(mesh, config.num_replicas).items() for r in e["replicas"]}
+      raise ConsistencyError(
+          f"Replicas {differ} (on processes {sorted({owner[r] for r in differ})}) do not start bit-identical "
+          f"to replica 0 (on process {owner[0]}): state checksums {[sums[r].tobytes().hex() for r in differ]} "
+          f"vs {sums[0].tobytes().hex()}. All replicas must start from the same weights.")
+  return sums

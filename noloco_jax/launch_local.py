@@ -1,0 +1,142 @@
+"""Starts one multi-process JAX job on this machine: P processes over loopback, each with its own CPU devices.
+
+For tests, demos and benchmarks of the multi-host code paths without a cluster:
+
+    python -m noloco_jax.launch_local --num_processes=2 --devices_per_process=4 -- \\
+        --config=configs/default.py:smoke --workdir=runs/mp2
+
+Everything after `--` goes to every process (by default `python -m noloco_jax.main`). Each process gets
+NOLOCO_COORDINATOR_ADDRESS=127.0.0.1:PORT (a free port unless --port), NOLOCO_NUM_PROCESSES=P,
+NOLOCO_PROCESS_ID=i, JAX_NUM_CPU_DEVICES=devices_per_process and JAX_PLATFORMS=cpu. Output lines are
+prefixed with `[i]`, or written to LOG_DIR/process_i.log with --log_dir.
+
+If one process fails, the launcher gives the others --grace_s seconds to exit on their own (they should:
+see distributed.py) and then kills them; its exit status is the first non-zero status of a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Sequence
+
+
+def free_port() -> int:
+  """A TCP port that was free a moment ago (the coordinator binds it right after)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def process_env(process_id: int, num_processes: int, devices_per_process: int, port: int,
+                extra: dict[str, str] | None = None) -> dict[str, str]:
+  env = dict(os.environ)
+  env.update({
+      "NOLOCO_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+      "NOLOCO_NUM_PROCESSES": str(num_processes),
+      "NOLOCO_PROCESS_ID": str(process_id),
+      "JAX_NUM_CPU_DEVICES": str(devices_per_process),
+      "JAX_PLATFORMS": "cpu",
+      "TF_CPP_MIN_LOG_LEVEL": env.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+      "PYTHONUNBUFFERED": "1",
+  })
+  if "xla_force_host_platform_device_count" in env.get("XLA_FLAGS", ""):
+    del env["XLA_FLAGS"]  # it would override JAX_NUM_CPU_DEVICES
+  env.update(extra or {})
+  return env
+
+
+class Job:
+  """P running processes of one job; `wait()` returns their exit statuses."""
+
+  def __init__(self, num_processes: int, devices_per_process: int, args: Sequence[str], *,
+               module: str = "noloco_jax.main", port: int = 0, log_dir: str | None = None,
+               env: dict[str, str] | None = None, cwd: str | None = None):
+    self.port = port or free_port()
+    self.procs: list[subprocess.Popen] = []
+    self.log_paths: list[str | None] = []
+    self._threads = []
+    for i in range(num_processes):
+      cmd = [sys.executable, "-m", module, *args]
+      log_path = os.path.join(log_dir, f"process_{i}.log") if log_dir else None
+      if log_path:
+        os.makedirs(log_dir, exist_ok=True)
+        out = open(log_path, "w")
+      else:
+        out = subprocess.PIPE
+      proc = subprocess.Popen(cmd, env=process_env(i, num_processes, devices_per_process, self.port, env),
+                              stdout=out, stderr=subprocess.STDOUT, cwd=cwd, text=True)
+      if log_path:
+        out.close()
+      else:
+        t = threading.Thread(target=_relay, args=(proc.stdout, f"[{i}] "), daemon=True)
+        t.start()
+        self._threads.append(t)
+      self.procs.append(proc)
+      self.log_paths.append(log_path)
+
+  def wait(self, timeout_s: float | None = None, grace_s: float = 60.0) -> list[int]:
+    """Waits for all processes; after the first failure, or past `timeout_s`, the rest get `grace_s`."""
+    deadline = None if timeout_s is None else time.time() + timeout_s
+    while any(p.poll() is None for p in self.procs):
+      failed = any(p.poll() not in (None, 0) for p in self.procs)
+      if failed or (deadline is not None and time.time() > deadline):
+        self._stop_rest(grace_s)
+        break
+      time.sleep(0.1)
+    for t in self._threads:
+      t.join(timeout=5)
+    return [p.wait() for p in self.procs]
+
+  def _stop_rest(self, grace_s: float) -> None:
+    end = time.time() + grace_s
+    while time.time() < end and any(p.poll() is None for p in self.procs):
+      time.sleep(0.1)
+    for p in self.procs:
+      if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    end = time.time() + 10
+    while time.time() < end and any(p.poll() is None for p in self.procs):
+      time.sleep(0.1)
+    for p in self.procs:
+      if p.poll() is None:
+        p.kill()
+
+
+def _relay(stream, prefix: str) -> None:
+  for line in stream:
+    sys.stdout.write(prefix + line)
+  sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  own, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--num_processes", type=int, default=2)
+  parser.add_argument("--devices_per_process", type=int, default=4, help="fake CPU devices per process")
+  parser.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (0 = a free one)")
+  parser.add_argument("--module", default="noloco_jax.main", help="python -m MODULE is run by every process")
+  parser.add_argument("--log_dir", default=None, help="write process_i.log files here instead of stdout")
+  parser.add_argument("--timeout_s", type=float, default=None, help="kill the job after this long")
+  parser.add_argument("--grace_s", type=float, default=60.0,
+                      help="after a process fails, how long the others may take to exit before being killed")
+  opts = parser.parse_args(own)
+  job = Job(opts.num_processes, opts.devices_per_process, rest, module=opts.module, port=opts.port,
+            log_dir=opts.log_dir)
+  print(f"launch_local: {opts.num_processes} processes × {opts.devices_per_process} CPU devices, coordinator "
+        f"127.0.0.1:{job.port}, pids {[p.pid for p in job.procs]}", flush=True)
+  codes = job.wait(opts.timeout_s, opts.grace_s)
+  print(f"launch_local: exit statuses {codes}", flush=True)
+  return next((c for c in codes if c != 0), 0)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

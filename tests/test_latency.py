@@ -1,0 +1,149 @@
+"""NumPy reference checks of noloco_jax/latency.py and experiments/latency_model.py (fast, no JAX)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:
+  from noloco_jax import latency
+except ImportError:  # a checkout without `pip install -e .`
+  sys.path.insert(0, REPO)
+  from noloco_jax import latency
+
+
+# ---- Constant message times ----
+
+
+@pytest.mark.parametrize("n", [2, 4, 64, 1024, 4096])
+def test_tree_constant_is_2_t_log2_n(n):
+  assert latency.tree_allreduce_time_constant(n, t=0.3) == pytest.approx(2 * 0.3 * math.log2(n))
+  assert latency.ring_allreduce_time_constant(n, t=0.3) == pytest.approx(2 * 0.3 * (n - 1))
+
+
+def test_constant_speedup_at_1024_is_exactly_10():
+  assert latency.constant_speedup(1024) == 10.0
+  assert latency.tree_allreduce_time_constant(2) == latency.pair_exchange_time_constant()
+
+
+def test_monte_carlo_with_zero_spread_reproduces_the_closed_forms():
+  for n in (2, 8, 256):
+    tree = latency.simulate_tree_allreduce(n, std=0.0, trials=3, seed=0, mean=0.5)
+    np.testing.assert_allclose(tree, latency.tree_allreduce_time_constant(n, 0.5))
+    ring = latency.simulate_ring_allreduce(n, std=0.0, trials=2, seed=0, mean=0.5)
+    np.testing.assert_allclose(ring, latency.ring_allreduce_time_constant(n, 0.5))
+  np.testing.assert_allclose(latency.simulate_pair_exchange(0.0, 5, 0), 2.0)
+  np.testing.assert_allclose(latency.simulate_pair_exchange(0.0, 5, 0, variant="relay"), 2.0)
+  np.testing.assert_allclose(latency.simulate_pair_exchange(0.0, 5, 0, variant="swap"), 1.0)
+
+
+def test_tree_rejects_non_powers_of_two():
+  with pytest.raises(ValueError):
+    latency.tree_allreduce_time_constant(12)
+
+
+# ---- Log-normal message times ----
+
+
+def test_lognormal_has_requested_mean_and_std():
+  # std/mean = 0.5: light enough tails for a tight check with 10^6 seeded draws.
+  x = latency.sample_lognormal(np.random.default_rng(0), 2.0, 1.0, 1_000_000)
+  assert x.mean() == pytest.approx(2.0, rel=3e-3)
+  assert x.std() == pytest.approx(1.0, rel=1e-2)
+  # std/mean = 2.5 (the paper's case) has heavy tails: check the mean loosely and the exact parameters.
+  y = latency.sample_lognormal(np.random.default_rng(1), 1.0, 2.5, 2_000_000)
+  assert y.mean() == pytest.approx(1.0, rel=0.02)
+  mu, sigma = latency.lognormal_params(1.0, 2.5)
+  assert math.exp(mu + sigma ** 2 / 2) == pytest.approx(1.0)
+  assert math.sqrt((math.exp(sigma ** 2) - 1) * math.exp(2 * mu + sigma ** 2)) == pytest.approx(2.5)
+
+
+def test_monte_carlo_is_reproducible_from_the_seed():
+  a = latency.simulate_tree_allreduce(64, 2.5, 50, seed=(3, 64))
+  b = latency.simulate_tree_allreduce(64, 2.5, 50, seed=(3, 64))
+  c = latency.simulate_tree_allreduce(64, 2.5, 50, seed=(4, 64))
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c)
+  r1 = latency.simulate_barrier_coupled(32, 10, 0.5, rounds=6, trials=2, seed=5)
+  r2 = latency.simulate_barrier_coupled(32, 10, 0.5, rounds=6, trials=2, seed=5)
+  assert r1 == r2
+
+
+def test_pair_is_the_tree_at_n_equal_2_in_distribution():
+  tree2 = latency.simulate_tree_allreduce(2, 0.5, 200_000, seed=1)
+  pair = latency.simulate_pair_exchange(0.5, 200_000, seed=2)
+  assert tree2.mean() == pytest.approx(pair.mean(), rel=0.01)
+
+
+def test_lognormal_tree_grows_faster_than_constant():
+  t1024 = latency.simulate_tree_allreduce(1024, 2.5, 200, seed=0).mean()
+  pair = latency.simulate_pair_exchange(2.5, 100_000, seed=0).mean()
+  assert t1024 / pair > 2 * latency.constant_speedup(1024)
+
+
+# ---- Barrier ----
+
+
+def test_barrier_extra_is_nonnegative_and_grows_with_n():
+  w = latency.simulate_round_compute_times(1024, 100, 0.5, trials=10, seed=0)
+  extras = latency.barrier_extra_by_n(w, [2, 16, 1024])
+  assert extras[0] == 0.0  # one pair: the global barrier is the pair's
+  assert all(e >= 0 for e in extras)
+  assert extras[0] < extras[1] < extras[2]
+  coupled = latency.simulate_barrier_coupled(256, 20, 0.5, rounds=16, trials=2, seed=0)
+  assert coupled["extra"] >= 0
+  # The coupled NoLoCo round lies between max-of-2 and max-of-N.
+  w256 = latency.simulate_round_compute_times(256, 20, 0.5, trials=20, seed=1)
+  dec = latency.barrier_extra_decoupled(w256)
+  assert dec["noloco_round"] < coupled["noloco_round"] < dec["diloco_round"]
+
+
+# ---- α–β model and sizes ----
+
+
+def test_alpha_beta_formulas_on_hand_computed_numbers():
+  # P = 8, S = 1000 bytes, α = 1 s, β = 0.01 s/byte (S·β = 10 s).
+  assert latency.ring_allreduce_alpha_beta(8, 1000, 1.0, 0.01) == pytest.approx(14 + 17.5)
+  assert latency.tree_allreduce_alpha_beta(8, 1000, 1.0, 0.01) == pytest.approx(6 * 11)
+  assert latency.pair_exchange_alpha_beta(1000, 1.0, 0.01) == pytest.approx(11)
+  assert latency.pair_exchange_reference_alpha_beta(1000, 1.0, 0.01) == pytest.approx(2 * 21)
+  assert latency.seconds_per_byte(1e9) == pytest.approx(8e-9)
+  assert latency.bytes_sent_per_replica_per_round("ring", 4, 100) == pytest.approx(150)
+
+
+def test_small_model_parameter_count_by_hand():
+  v, d, layers, mlp = 128_002, 768, 12, 3072
+  embed_and_head = 128_002 * 768 * 2  # 196,611,072
+  per_layer = 4 * 768 * 768 + 3 * 768 * 3072 + 2 * 768  # 9,438,720
+  assert embed_and_head == 196_611_072 and per_layer == 9_438_720
+  assert latency.llama_param_count(v, d, layers, mlp) == 196_611_072 + 12 * 9_438_720 + 768
+  assert latency.paper_model_params("small") == 309_876_480
+  assert round(latency.paper_model_params("medium") / 1e9, 2) == 2.14
+  assert round(latency.paper_model_params("large") / 1e9, 2) == 9.64
+  assert latency.model_bytes(10, "bfloat16") == 20 and latency.model_bytes(10, "float32") == 40
+
+
+# ---- The script ----
+
+
+def test_script_json_output_parses_and_has_the_keys():
+  cmd = [sys.executable, os.path.join(REPO, "experiments", "latency_model.py"), "--json",
+         "--trials", "50", "--ring-trials", "1", "--ring-max-n", "64", "--cv-sweep", "0.5", "1.0",
+         "--barrier-trials", "2", "--barrier-rounds", "6", "--barrier-coupled-trials", "1",
+         "--h", "10"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO, check=True)
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  for key in ("headline", "constant", "lognormal", "barrier", "alpha_beta", "params"):
+    assert key in result
+  head = result["headline"]
+  for key in ("key_n", "constant_speedup", "lognormal_ratio", "barrier_extra_decoupled",
+              "barrier_extra_coupled", "params_small", "params_medium", "params_large"):
+    assert key in head
+  assert head["key_n"] == 1024 and head["constant_speedup"] == 10.0
+  assert head["params_small"] == 309_876_480
+  assert len(result["alpha_beta"]["rows"]) == 3 * 2 * 2 * 3  # models × dtypes × links × N
