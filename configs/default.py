@@ -28,6 +28,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_every = 100  # Steps between evaluations (validation loss/ppl, weight std). 0 = only at the end.
   config.log_every = 25  # Steps between training-metric logs (host fetches only at these steps).
   config.checkpoint_every = 0  # Steps between checkpoints; 0 = only at the end.
+  # What a non-finite (NaN/Inf) training loss does: "error" stops the run naming the step and the
+  # replica (the last good checkpoint stays as it was); "skip_round" undoes the round it happened in
+  # and goes on (see noloco_jax/checkpoint.py: RoundGuard).
+  config.nan_policy = "error"
+
+  # ---- Checkpoints (orbax, in workdir/checkpoints; see noloco_jax/checkpoint.py) ----
+  # A run resumes from the latest checkpoint of its own workdir; else it starts from warm_start; else from scratch.
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.keep = 3  # Most recent checkpoints kept; >= 2 leaves a fallback if the latest is unreadable.
+  # Another run's workdir, checkpoints directory or step directory: start from its weights θ (fresh
+  # optimizer, φ = θ, δ = 0, step 0). "" = none. Ignored when the workdir holds a checkpoint.
+  config.checkpoint.warm_start = ""
+  config.checkpoint.async_save = True  # Write in a background thread; training goes on meanwhile.
 
   # ---- Model (a Llama decoder; see noloco_jax/model.py) ----
   config.model = ml_collections.ConfigDict()

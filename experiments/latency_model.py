@@ -125,7 +125,7 @@ def print_tables(r: dict) -> None:
               f" {100 * row['ring_latency_share']:>11.2f}%")
 
 
-def plot(r: dict, args: argparse.Namespace, path: str) -> None:
+def plot(r: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -201,7 +201,7 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   r = compute(args)
   if args.plot:
-    plot(r, args, args.plot)
+    plot(r, args.plot)
   if args.json:
     print(json.dumps(r))
   else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import ml_collections
 
@@ -17,14 +18,16 @@ from noloco_jax.outer import KINDS, MESSAGE_DTYPES
 from noloco_jax.outer.pairing import MODES
 
 _TOP = {"seed", "num_steps", "num_replicas", "num_devices", "eval_every", "log_every", "checkpoint_every",
-        "model", "data", "inner", "outer"}
+        "nan_policy", "model", "data", "inner", "outer", "checkpoint"}
 _MODEL = {"preset", "d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size", "max_seq_len",
           "rope_theta", "norm_eps", "param_dtype", "dtype", "remat"}
 _INNER = {"optimizer", "lr", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps", "weight_decay", "grad_clip"}
 _OUTER = {"kind", "inner_steps", "group_size", "momentum", "lr", "gamma", "nesterov", "message_dtype",
           "pairing", "pairing_pool"}
+_CHECKPOINT = {"keep", "warm_start", "async_save"}
+NAN_POLICIES = ("error", "skip_round")
 # Sections owned by other modules validate their own keys (data: noloco_jax.data.validate).
-_SECTIONS = {"": _TOP, "model": _MODEL, "inner": _INNER, "outer": _OUTER}
+_SECTIONS = {"": _TOP, "model": _MODEL, "inner": _INNER, "outer": _OUTER, "checkpoint": _CHECKPOINT}
 
 
 class ConfigError(ValueError):
@@ -68,6 +71,21 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
     _positive(config, field)
   for field in ("num_devices", "eval_every", "log_every", "checkpoint_every"):
     _positive(config, field, allow_zero=True)
+  if config.num_devices and config.num_replicas % config.num_devices:
+    _fail("num_devices", config.num_devices,
+          f"0 (automatic) or a divisor of num_replicas={config.num_replicas} (each device holds N/D replicas)")
+  if config.nan_policy not in NAN_POLICIES:
+    _fail("nan_policy", config.nan_policy, f"one of {NAN_POLICIES}")
+
+  c = config.checkpoint
+  _positive(config, "checkpoint.keep")
+  if not isinstance(c.async_save, bool):
+    _fail("checkpoint.async_save", c.async_save, "True or False")
+  if not isinstance(c.warm_start, str):
+    _fail("checkpoint.warm_start", c.warm_start, "a path string ('' = none)")
+  if c.warm_start and not os.path.isdir(os.path.expanduser(c.warm_start)):
+    _fail("checkpoint.warm_start", c.warm_start,
+          "'' or an existing directory: a run's workdir, its checkpoints directory or one step directory")
 
   m = config.model
   if m.preset not in model_lib.PRESETS:
@@ -81,6 +99,9 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
   heads = m.num_heads or model_lib.PRESETS[m.preset]["num_heads"]
   if d_model % heads or (d_model // heads) % 2:
     _fail("model.num_heads", heads, f"a divisor of d_model={d_model} leaving an even head dimension (for RoPE)")
+  for field in ("rope_theta", "norm_eps"):
+    if not m[field] > 0:
+      _fail(f"model.{field}", m[field], "a number > 0")
   if m.max_seq_len and m.max_seq_len < config.data.seq_len:
     _fail("data.seq_len", config.data.seq_len, f"at most model.max_seq_len={m.max_seq_len}")
 
@@ -97,6 +118,10 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
       _fail(f"inner.{field}", i[field], "a number in [0, 1)")
   if i.grad_clip < 0:
     _fail("inner.grad_clip", i.grad_clip, "a number ≥ 0 (0 disables clipping)")
+  if not i.eps > 0:
+    _fail("inner.eps", i.eps, "a number > 0")
+  if i.weight_decay < 0:
+    _fail("inner.weight_decay", i.weight_decay, "a number ≥ 0")
 
   o = config.outer
   if o.kind not in KINDS:
@@ -107,6 +132,12 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
   if o.pairing not in MODES:
     _fail("outer.pairing", o.pairing, f"one of {MODES}")
   _positive(config, "outer.pairing_pool")
+  if not isinstance(o.nesterov, bool):
+    _fail("outer.nesterov", o.nesterov, "True or False")
+  if config.nan_policy == "skip_round" and config.checkpoint_every % o.inner_steps:
+    _fail("checkpoint_every", config.checkpoint_every,
+          f"a multiple of outer.inner_steps={o.inner_steps} with nan_policy='skip_round' (saves then fall at "
+          "round ends, after the round has been checked)")
   if not 0 <= o.momentum < 1:
     _fail("outer.momentum", o.momentum, "a number in [0, 1)")
   if not o.lr > 0:

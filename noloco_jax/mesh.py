@@ -8,6 +8,8 @@ without rewriting it.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -120,3 +122,23 @@ def global_array(mesh: Mesh, local_rows: np.ndarray, num_replicas: int) -> jax.A
   sharding = replica_sharding(mesh)
   shape = (num_replicas,) + tuple(local_rows.shape[1:])
   return jax.make_array_from_process_local_data(sharding, local_rows, shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_fn(mesh: Mesh):
+  return jax.jit(lambda tree: tree, out_shardings=replicated(mesh))
+
+
+def fetch(tree):
+  """NumPy copies of a pytree of arrays, however they are sharded over the job's processes.
+
+  In a multi-process job no process can read another's shards, so per-replica results are first made
+  replicated by one jitted all-gather for the whole tree: a collective over every process. Call it at
+  log and eval intervals only, never per step (it would put a global barrier into every inner step).
+  Single-process (or already replicated) trees are copied directly, with no collective.
+  """
+  leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+  remote = [x for x in leaves if not (x.is_fully_addressable or x.is_fully_replicated)]
+  if remote:
+    tree = _gather_fn(remote[0].sharding.mesh)(tree)
+  return jax.tree.map(np.asarray, tree)

@@ -118,6 +118,7 @@ def build(config: ml_collections.ConfigDict, mesh=None, vocab_size: int | None =
 def evaluate(setup: Setup, state: TrainState, eval_batches: jax.Array) -> dict[str, float]:
   """eval/loss = mean over replicas of each replica's mean validation loss; eval/ppl = exp of it."""
   losses = [setup.eval_step(state.params, eval_batches[i]) for i in range(eval_batches.shape[0])]
+  losses = mesh_lib.fetch(losses)  # per-replica losses live on every process: one all-gather
   per_replica = np.mean(np.stack([np.asarray(x) for x in losses]), axis=0)
   loss = float(np.mean(per_replica))
   return {"eval/loss": loss, "eval/ppl": float(np.exp(loss)),
@@ -206,6 +207,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     report(step)
 
     if step % max(config.log_every, 1) == 0 or step == config.num_steps:
+      # One gather per log interval (a collective over all processes in a multi-process job), never per step.
+      pending_metrics, pending_round = mesh_lib.fetch((pending_metrics, pending_round))
       losses = np.stack([np.asarray(m["loss"]) for m in pending_metrics])
       check_finite(losses, pending_steps)
       now = time.time()
