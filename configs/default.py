@@ -25,6 +25,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Devices the replicas are spread over; 0 = as many as divide num_replicas (up to all devices).
   # 1 runs the single-device simulator: all replicas on one device, exchange by gather.
   config.num_devices = 0
+  # Devices per replica group (the `fsdp` mesh axis): a replica's θ, Adam moments, φ and δ are split
+  # over them leaf by leaf, and its batch_size sequences too (noloco_jax/sharding.py). The job uses
+  # num_devices × fsdp devices; fsdp must divide each process's devices and data.batch_size.
+  config.fsdp = 1
   config.eval_every = 100  # Steps between evaluations (validation loss/ppl, weight std). 0 = only at the end.
   config.log_every = 25  # Steps between training-metric logs (host fetches only at these steps).
   config.checkpoint_every = 0  # Steps between checkpoints; 0 = only at the end.
@@ -56,6 +60,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.model.norm_eps = 1e-6
   config.model.param_dtype = "float32"  # float32 | bfloat16
   config.model.dtype = "float32"  # compute dtype: float32 | bfloat16
+  # Recompute each layer's activations in the backward pass instead of storing them: activation
+  # memory falls from O(layers) to O(1) layers, for about one extra forward pass of compute.
+  config.model.remat = False
 
   # ---- Data (see noloco_jax/data/) ----
   config.data = ml_collections.ConfigDict()
@@ -103,6 +110,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.inner.eps = 1e-8
   config.inner.weight_decay = 0.0  # Only used by adamw (reference: none).
   config.inner.grad_clip = 1.0  # Global-norm clipping; 0 disables.
+  # Gradient accumulation (without pipeline stages): each step's batch_size sequences are processed in
+  # this many equal slices, one after another, and their gradients averaged: the same update, with
+  # the activation memory of one slice. batch_size must be a multiple of microbatches × fsdp.
+  config.inner.microbatches = 1
 
   # ---- Outer step (every H inner steps; see noloco_jax/outer/) ----
   config.outer = ml_collections.ConfigDict()
@@ -114,12 +125,30 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.outer.gamma = 0.7  # gamma: pull towards the group's mean slow weights (NoLoCo only).
   config.outer.nesterov = False  # DiLoCo only: Nesterov (original DiLoCo) instead of heavy-ball (reference).
   config.outer.message_dtype = "float32"  # float32 | bfloat16: dtype of the exchanged tensor.
+  # Storage dtype of the outer state (φ, δ; DiLoCo's φ and momentum): "" = the parameters' dtype,
+  # or float32 | bfloat16. The update itself always computes in float32.
+  config.outer.state_dtype = ""
+  # Keep φ and δ in pinned host memory between rounds (they are read once per round): the device then
+  # holds three model-sized copies (θ, Adam m, v) instead of five. Costs two host<->device copies per round.
+  config.outer.offload = False
   # How a fresh random pairing is chosen every round with a static ppermute:
   #   pool  = `pairing_pool` pairings drawn up front, one picked per round by a traced index (one compile);
   #   fresh = a new pairing drawn on the host every round, compiled on first use and cached.
   #   fixed = the same pairing every round (ablation).
   config.outer.pairing = "pool"
   config.outer.pairing_pool = 32
+
+  # ---- Pipeline parallelism (see noloco_jax/pipeline.py and routing.py) ----
+  # S: stages per replica (the `stage` mesh axis; the job uses num_devices × num_stages × fsdp devices).
+  # Layers are split evenly (num_layers % S == 0); the embedding runs on the first stage, the head on the last.
+  config.num_stages = 1
+  config.pipeline = ml_collections.ConfigDict()
+  # Where stage s sends a micro-batch: "random" = stage s+1 of a random replica, a fresh permutation per
+  # micro-batch and boundary (NoLoCo's implicit mixing); "fixed" = its own replica. Eval always uses fixed.
+  config.pipeline.routing = "random"
+  config.pipeline.microbatches = 0  # M micro-batches per step (must divide batch_size); 0 = one sequence each.
+  config.pipeline.route_pool = 16  # K permutations drawn from the seed, picked per crossing by a traced index.
+  config.pipeline.clip = "per_stage"  # grad_clip per stage (reference) | "global" (whole replica, as without stages).
 
   if arg:
     _apply_arg(config, arg)

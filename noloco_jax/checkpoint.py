@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging as py_logging
 import os
 import shutil
 import signal
@@ -68,6 +69,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from noloco_jax import mesh as mesh_lib
+from noloco_jax import sharding as sharding_lib
 from noloco_jax.state import TrainState
 
 FORMAT = "noloco_jax.checkpoint/1"
@@ -97,14 +99,6 @@ def install_preemption_handler() -> None:
     del signum, frame
     _STOP.set()  # Only set a flag: a signal handler must not touch JAX or the checkpoint manager.
   signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def request_stop() -> None:
-  _STOP.set()
-
-
-def clear_stop() -> None:
-  _STOP.clear()
 
 
 def stop_requested(step: int, sync_every: int) -> bool:
@@ -219,6 +213,7 @@ def _schedule_record(schedule, round_: int) -> dict | None:
 def _replica_finite_fn(mesh):
   """Jitted state → [N] bool, replicated so every process can read it: is replica r all finite?"""
   def finite(state):
+    state = sharding_lib.device_view(state)  # φ, δ may live in host memory (outer.offload)
     ok = [jnp.all(jnp.isfinite(x.reshape(x.shape[0], -1)), axis=1)
           for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return functools.reduce(jnp.logical_and, ok)
@@ -267,6 +262,16 @@ def drop_rows_after(path: str, step: int) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
+class _QuietOrbax(py_logging.Filter):
+  """Drops orbax's INFO lines (some thirty per save) from absl's log; its warnings and errors stay."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    return record.levelno >= py_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+_QUIET_ORBAX = _QuietOrbax()
+
+
 @dataclasses.dataclass
 class Resume:
   """Where the loop picks up: everything besides the state that it keeps across steps."""
@@ -285,6 +290,7 @@ class Checkpointer:
     self._workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self._workdir, CHECKPOINT_DIR)
     ck = self._config.checkpoint
+    py_logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # a no-op when already added
     self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=ck.keep, enable_async_checkpointing=ck.async_save, create=True,
         cleanup_tmp_directories=True))  # leftovers of an interrupted write are never restored
@@ -324,6 +330,10 @@ class Checkpointer:
                  "started (async)" if self._config.checkpoint.async_save else "saved",
                  time.time() - start, self.directory)
 
+  def wait_until_finished(self) -> None:
+    """Blocks until every save started so far is complete on disk."""
+    self._manager.wait_until_finished()
+
   def close(self) -> None:
     """Waits for the last asynchronous save to be complete."""
     self._manager.wait_until_finished()
@@ -331,12 +341,20 @@ class Checkpointer:
 
   # ---- restore ----
 
-  def restore(self, train_iter) -> tuple[TrainState, Resume | None]:
-    """The state to start from (own checkpoint, else warm start, else scratch) and, when resuming,
-    where the loop picks up. Positions `train_iter` and rewrites the logs when resuming."""
-    abstract = jax.eval_shape(self._setup.init_state)  # shapes and shardings on *this* mesh
+  def restore(self, state: TrainState, train_iter) -> tuple[TrainState, Resume | None]:
+    """The state to start from (own checkpoint, else warm start, else the fresh `state`) and, when
+    resuming, where the loop picks up. Positions `train_iter` and rewrites the logs when resuming.
+
+    Consumes `state`: when the workdir holds checkpoints its buffers are freed before reading, so
+    that a model that fits in memory once is never held twice. `state` may also be abstract
+    (`jax.eval_shape(setup.init_state)`) when the caller knows it will not be needed.
+    """
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    if steps:
+      jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
     bad = []
-    for step in sorted(self._manager.all_steps(), reverse=True):
+    for step in steps:
       meta, state, data, error = self._read(step, abstract)
       if not _everywhere(error is None):
         logging.warning("checkpoint: step %d in %s is not readable (%s: %s); trying the previous one.",
@@ -358,8 +376,8 @@ class Checkpointer:
       raise RuntimeError(f"no readable checkpoint in {self.directory} (steps {bad} all failed, see the "
                          "warnings above); move the directory away to start this workdir from scratch.")
     if self._config.checkpoint.warm_start:
-      return self._warm_start(abstract), None
-    return self._setup.init_state(), None
+      return self._warm_start(state, abstract), None
+    return state, None
 
   def _read(self, step: int, abstract) -> tuple[dict | None, Any, dict | None, Exception | None]:
     """(meta, state, data state, None) or (..., the error) when a file of the step is unreadable."""
@@ -412,7 +430,7 @@ class Checkpointer:
       multihost_utils.sync_global_devices("noloco_jax.checkpoint.quarantine")
     self._manager.reload()
 
-  def _warm_start(self, abstract) -> TrainState:
+  def _warm_start(self, state: TrainState, abstract) -> TrainState:
     """θ of every replica from another run's checkpoint; everything else fresh (see module docstring)."""
     root, step = _resolve_warm_start(self._config.checkpoint.warm_start)
     manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True))
@@ -429,7 +447,6 @@ class Checkpointer:
     params = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=target, restore_args=restore_args, partial_restore=True)))["state"]["params"]
     manager.close()
-    state = self._setup.init_state()
     sharding = jax.tree.map(lambda x: x.sharding, abstract.outer)
     outer = jax.jit(jax.vmap(self._setup.method.init), out_shardings=sharding)(params)
     logging.info("checkpoint: warm start from the weights of step %d in %s.", step, root)
@@ -456,7 +473,7 @@ def _config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
   out = []
   for key in sorted(set(saved) | set(now)):
     name = prefix + key
-    if name in ignore or key == "checkpoint":
+    if name in ignore:
       continue
     a, b = saved.get(key), now.get(key)
     if isinstance(a, dict) and isinstance(b, dict):
@@ -497,8 +514,9 @@ class RoundGuard:
 
   def begin(self, step: int, state: TrainState) -> None:
     if self.enabled and (self._snapshot is None or (step - 1) % self._H == 0):
-      # A real copy: the inner step donates `state`, and a copy made inside jit could be forwarded.
-      self._snapshot = jax.tree.map(lambda x: x.copy(), state)
+      # A real copy, in the leaf's own memory space: the inner step donates `state`, and a copy
+      # made inside jit could be forwarded instead of copied.
+      self._snapshot = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
       self._losses, self._first = [], step
 
   def observe(self, loss_N) -> None:

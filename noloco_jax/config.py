@@ -16,18 +16,23 @@ import ml_collections
 from noloco_jax import model as model_lib
 from noloco_jax.outer import KINDS, MESSAGE_DTYPES
 from noloco_jax.outer.pairing import MODES
+from noloco_jax.pipeline import CLIPS
+from noloco_jax.routing import ROUTINGS
 
-_TOP = {"seed", "num_steps", "num_replicas", "num_devices", "eval_every", "log_every", "checkpoint_every",
-        "nan_policy", "model", "data", "inner", "outer", "checkpoint"}
+_TOP = {"seed", "num_steps", "num_replicas", "num_devices", "fsdp", "eval_every", "log_every", "checkpoint_every",
+        "nan_policy", "model", "data", "inner", "outer", "checkpoint", "num_stages", "pipeline"}
 _MODEL = {"preset", "d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size", "max_seq_len",
           "rope_theta", "norm_eps", "param_dtype", "dtype", "remat"}
-_INNER = {"optimizer", "lr", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps", "weight_decay", "grad_clip"}
+_INNER = {"optimizer", "lr", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps", "weight_decay", "grad_clip",
+          "microbatches"}
 _OUTER = {"kind", "inner_steps", "group_size", "momentum", "lr", "gamma", "nesterov", "message_dtype",
-          "pairing", "pairing_pool"}
+          "pairing", "pairing_pool", "state_dtype", "offload"}
 _CHECKPOINT = {"keep", "warm_start", "async_save"}
+_PIPELINE = {"routing", "microbatches", "route_pool", "clip"}
 NAN_POLICIES = ("error", "skip_round")
 # Sections owned by other modules validate their own keys (data: noloco_jax.data.validate).
-_SECTIONS = {"": _TOP, "model": _MODEL, "inner": _INNER, "outer": _OUTER, "checkpoint": _CHECKPOINT}
+_SECTIONS = {"": _TOP, "model": _MODEL, "inner": _INNER, "outer": _OUTER, "checkpoint": _CHECKPOINT,
+             "pipeline": _PIPELINE}
 
 
 class ConfigError(ValueError):
@@ -64,6 +69,24 @@ def stability_interval(alpha: float, n: int) -> tuple[float, float]:
   return math.sqrt(n / (2 * (n - 1))) * alpha, math.sqrt(n * (2 + alpha ** 2) / (2 * (n - 1)))
 
 
+def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
+  """num_stages and config.pipeline (pipeline.py, routing.py)."""
+  _positive(config, "num_stages")
+  p = config.pipeline
+  if p.routing not in ROUTINGS:
+    _fail("pipeline.routing", p.routing, f"one of {ROUTINGS}")
+  if p.clip not in CLIPS:
+    _fail("pipeline.clip", p.clip, f"one of {CLIPS}")
+  _positive(config, "pipeline.route_pool")
+  _positive(config, "pipeline.microbatches", allow_zero=True)
+  if p.microbatches and config.data.batch_size % p.microbatches:
+    _fail("pipeline.microbatches", p.microbatches,
+          f"0 (one sequence per micro-batch) or a divisor of data.batch_size={config.data.batch_size}")
+  layers = config.model.num_layers or model_lib.PRESETS[config.model.preset]["num_layers"]
+  if layers % config.num_stages:
+    _fail("num_stages", config.num_stages, f"a divisor of the model's {layers} layers (every stage gets as many)")
+
+
 def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset()) -> None:
   """Raises ConfigError on the first invalid field; warns when γ is outside the stability bound."""
   check_known_fields(config, extra_top)
@@ -74,6 +97,19 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
   if config.num_devices and config.num_replicas % config.num_devices:
     _fail("num_devices", config.num_devices,
           f"0 (automatic) or a divisor of num_replicas={config.num_replicas} (each device holds N/D replicas)")
+  _positive(config, "fsdp")
+  if config.data.batch_size % config.fsdp:
+    _fail("fsdp", config.fsdp, f"a divisor of data.batch_size={config.data.batch_size} (each of a replica's fsdp "
+          "devices computes batch_size / fsdp sequences)")
+  _validate_pipeline(config)
+  _positive(config, "inner.microbatches")
+  if config.data.batch_size % (config.inner.microbatches * config.fsdp):
+    _fail("inner.microbatches", config.inner.microbatches,
+          f"a number M with M × fsdp dividing data.batch_size={config.data.batch_size} (fsdp={config.fsdp}): "
+          "every micro-batch is split evenly over the replica's fsdp devices")
+  if config.inner.microbatches > 1 and config.num_stages > 1:
+    _fail("inner.microbatches", config.inner.microbatches,
+          "1 with num_stages > 1 (the pipeline cuts the batch itself: pipeline.microbatches)")
   if config.nan_policy not in NAN_POLICIES:
     _fail("nan_policy", config.nan_policy, f"one of {NAN_POLICIES}")
 
@@ -132,6 +168,12 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
   if o.pairing not in MODES:
     _fail("outer.pairing", o.pairing, f"one of {MODES}")
   _positive(config, "outer.pairing_pool")
+  if o.state_dtype not in ("",) + tuple(model_lib.DTYPES):
+    _fail("outer.state_dtype", o.state_dtype, f"'' (the parameters' dtype) or one of {sorted(model_lib.DTYPES)}")
+  if not isinstance(o.offload, bool):
+    _fail("outer.offload", o.offload, "True or False")
+  if not isinstance(m.remat, bool):
+    _fail("model.remat", m.remat, "True or False")
   if not isinstance(o.nesterov, bool):
     _fail("outer.nesterov", o.nesterov, "True or False")
   if config.nan_policy == "skip_round" and config.checkpoint_every % o.inner_steps:

@@ -141,15 +141,16 @@ def plan(options: Options) -> tuple[bool, str]:
 
 
 def initialize(options: Options) -> bool:
-  """Initialises jax.distributed when the job has several processes; returns whether it does.
+  """Initialises jax.distributed when the job has several processes; returns whether it is running.
 
-  Must run before anything touches JAX's backends (jax.devices(), any computation). Calling it again,
-  or after something else initialised jax.distributed, does nothing.
+  Must run before anything touches JAX's backends (jax.devices(), any computation); when it returns
+  True the backends have started, so per-process device counts can no longer change. Calling it again,
+  or after something else initialised jax.distributed, does nothing (and returns True).
   """
   if jax.distributed.is_initialized():
     logging.info("jax.distributed is already initialised (process %d of %d); not initialising again.",
                  jax.process_index(), jax.process_count())
-    return jax.process_count() > 1
+    return True
   start, why = plan(options)
   if not start:
     logging.info("Single-process job (%s).", why)
@@ -195,7 +196,7 @@ def fail_fast():
       hint = (" A collective failed: another process of the job has most likely died or been killed; "
               "its log shows why.")
     logging.exception("Process %d of %d failed: %s: %s.%s Exiting with status %d.", jax.process_index(),
-                      jax.process_count(), type(e).__name__, str(e)[:2000], hint, EXIT_FAILED)
+                      jax.process_count(), type(e).__name__, str(e)[:2000].rstrip("."), hint, EXIT_FAILED)
     for stream in (sys.stdout, sys.stderr):
       stream.flush()
     os._exit(EXIT_FAILED)  # pylint: disable=protected-access
@@ -223,25 +224,38 @@ def fingerprint(config, mesh) -> dict[str, str]:
   }
 
 
+_SHOWN = 32  # fields this short are compared and reported as text; longer ones (the config) by hash
+
+
+def _field_bytes(value: str) -> np.ndarray:
+  raw = value.encode()
+  text = raw if len(raw) <= _SHOWN else b""
+  return np.concatenate([_digest(value).view(np.uint8), np.frombuffer(text.ljust(_SHOWN, b"\0"), np.uint8)])
+
+
+def _describe(row: np.ndarray) -> str:
+  text = row[8:].tobytes().rstrip(b"\0").decode(errors="replace")
+  return repr(text) if text else "hash " + row[:8].tobytes().hex()
+
+
 def _compare_across_processes(fields: dict[str, str]) -> None:
-  words = np.concatenate([_digest(v) for v in fields.values()])
+  rows = np.stack([_field_bytes(v) for v in fields.values()])  # [F, 8 + _SHOWN] uint8
   # A host-side all-gather over every device of the job, independent of the training mesh: it works
-  # even when the processes disagree on the config (the thing being checked). Runs once, ~100 bytes.
+  # even when the processes disagree on the config (the thing being checked). Runs once, < 1 KB.
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  gathered = np.asarray(multihost_utils.process_allgather(words)).reshape(jax.process_count(), len(fields), 2)
+  gathered = np.asarray(multihost_utils.process_allgather(rows)).reshape((jax.process_count(),) + rows.shape)
   problems = []
   for i, name in enumerate(fields):
-    values: dict[str, list[int]] = {}
+    values: dict[bytes, list[int]] = {}
     for p in range(gathered.shape[0]):
-      values.setdefault(gathered[p, i].tobytes().hex(), []).append(p)
+      values.setdefault(gathered[p, i].tobytes(), []).append(p)
     if len(values) > 1:
-      groups = "; ".join(f"processes {procs} have {h}" for h, procs in values.items())
+      groups = "; ".join(f"processes {procs} have {_describe(np.frombuffer(v, np.uint8))}" for v, procs in values.items())
       problems.append(f"{name} differs: {groups}")
   if problems:
     raise ConsistencyError(
-        "The processes of this job disagree at start-up; " + " | ".join(problems) + ". This process "
-        f"({jax.process_index()}) has seed {fields['seed']} and config hash {_digest(fields['config']).tobytes().hex()}. "
-        "Start every process with the same config, overrides and code version.")
+        "the processes of this job disagree at start-up: " + " | ".join(problems) + ". Start every "
+        "process with the same config, overrides and code version (each process logs its config hash).")
 
 
 def _leaf_checksums(x_NxD: jax.Array) -> jax.Array:
@@ -267,9 +281,17 @@ def replica_checksums(mesh, state) -> np.ndarray:
   """[N, 2] uint32: a checksum of every replica's full state (all leaves, optimizer counters included)."""
   from noloco_jax import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
+  # Leaves kept in host memory between rounds (outer.offload) are brought to device memory first:
+  # arithmetic runs on the devices. Leaves already there are left alone (moves = None).
+  default_kind = mesh.devices.flat[0].default_memory().kind
+  moves = [x.sharding.with_memory_kind(default_kind)
+           if getattr(x.sharding, "memory_kind", None) not in (None, default_kind) else None
+           for x in jax.tree.leaves(state)]
+
   def checksum(tree):
     total = None
-    for j, leaf in enumerate(jax.tree.leaves(tree)):
+    leaves = [x if m is None else jax.device_put(x, m) for x, m in zip(jax.tree.leaves(tree), moves)]
+    for j, leaf in enumerate(leaves):
       term = _leaf_checksums(leaf) * jnp.uint32(2 * j + 1)
       total = term if total is None else total + term
     return total
@@ -286,9 +308,11 @@ def log_layout(config, mesh) -> None:
     return
   n, b, l = config.num_replicas, config.data.batch_size, config.data.seq_len
   layout = mesh_lib.process_layout(mesh, n)
+  groups, per_group = mesh.shape[mesh_lib.REPLICA], mesh.devices.size // mesh.shape[mesh_lib.REPLICA]
   lines = [f"Global batch per inner step: {n} replicas × {b} sequences × {l} tokens = {n * b * l} tokens, over "
-           f"{len(layout)} process(es) and {mesh.devices.size} devices ({mesh_lib.replicas_per_device(mesh, n)} "
-           "replica(s) per device). Each process loads only its own replicas' rows:"]
+           f"{len(layout)} process(es), {mesh.devices.size} devices: {groups} replica group(s) of {per_group} "
+           f"device(s), {mesh_lib.replicas_per_device(mesh, n)} replica(s) per group. Each process loads only "
+           "its own replicas' rows:"]
   for p, entry in layout.items():
     r = entry["replicas"]
     lines.append(f"  process {p}: devices {entry['devices']}, replicas {r} -> {len(r)} × {b} sequences "
@@ -305,11 +329,13 @@ def check_consistency(config, mesh, state, *, identical_replicas: bool = True) -
   from noloco_jax import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   log_layout(config, mesh)
   fields = fingerprint(config, mesh)
+  logging.info("Start-up check: process %d has config hash %s, seed %s.", jax.process_index(),
+               _digest(fields["config"]).tobytes().hex(), config.seed)
   if jax.process_count() > 1:
     _compare_across_processes(fields)
   sums = replica_checksums(mesh, state)
-  logging.info("Start-up check: config hash %s, seed %s, %d processes agree; replica 0 state checksum %s.",
-               _digest(fields["config"]).tobytes().hex(), config.seed, jax.process_count(), sums[0].tobytes().hex())
+  logging.info("Start-up check: %d processes agree on config, seed and replica layout; replica 0 state "
+               "checksum %s.", jax.process_count(), sums[0].tobytes().hex())
   if identical_replicas:
     differ = [r for r in range(sums.shape[0]) if not np.array_equal(sums[r], sums[0])]
     if differ:

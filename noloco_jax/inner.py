@@ -50,6 +50,38 @@ def compute_grads(params, batch_BxL1, apply_fn):
   return jax.value_and_grad(loss_fn)(params, batch_BxL1, apply_fn)
 
 
+def microbatch_slices(batch_BxL1, microbatches: int):
+  """[M, B/M, L+1]: micro-batch m holds rows m, M+m, 2M+m, … (strided, not contiguous).
+
+  Strided so that a batch split over `fsdp` on its rows (sharding.batch_sharding) stays split the
+  same way inside every micro-batch: the reshape [B] -> [B/M, M] keeps each device's contiguous block
+  of rows on the first axis, and the scan then walks the unsplit M axis with no communication.
+  """
+  return jnp.swapaxes(batch_BxL1.reshape(-1, microbatches, batch_BxL1.shape[-1]), 0, 1)
+
+
+def accumulate_grads(params, batch_BxL1, apply_fn, microbatches: int = 1):
+  """One replica: (loss, grads) of the whole batch, computed `microbatches` slices at a time.
+
+  The slices are equal, so the mean of their mean losses (and gradients) is the full batch's: the
+  same update as one pass, up to float rounding; activation memory is that of one slice. The sums
+  run in float32 whatever the parameter dtype.
+  """
+  if microbatches <= 1:
+    return compute_grads(params, batch_BxL1, apply_fn)
+
+  def add_slice(total, batch_bxL1):
+    loss, grads = compute_grads(params, batch_bxL1, apply_fn)
+    return jax.tree.map(lambda t, x: t + x.astype(jnp.float32), total, (loss, grads)), None
+
+  # zeros_like (not zeros): the carry must vary over the mesh axes exactly as what is added to it
+  # (inside shard_map, per replica), which zeros_like inherits from its argument.
+  zeros = jax.tree.map(lambda x: jnp.zeros_like(x, jnp.float32), (batch_BxL1[0, 0], params))
+  (loss, grads), _ = jax.lax.scan(add_slice, zeros, microbatch_slices(batch_BxL1, microbatches))
+  grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, params)
+  return loss / microbatches, grads
+
+
 def apply_grads(state: TrainState, grads, optimizer: optax.GradientTransformation) -> TrainState:
   """One replica: one optimizer update of the fast weights."""
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -58,11 +90,15 @@ def apply_grads(state: TrainState, grads, optimizer: optax.GradientTransformatio
 
 
 def make_inner_step(apply_fn, optimizer: optax.GradientTransformation,
-                    reduce_grads: Callable | None = None):
-  """Returns step(states_k, batches_k) -> (states_k, metrics) over the k replicas of one device."""
+                    reduce_grads: Callable | None = None, microbatches: int = 1):
+  """Returns step(states_k, batches_k) -> (states_k, metrics) over the k replicas of one device.
+
+  `microbatches` > 1 accumulates each replica's gradient over that many slices of its batch.
+  """
 
   def step(states: TrainState, batches_kxBxL1):
-    loss_k, grads = jax.vmap(compute_grads, in_axes=(0, 0, None))(states.params, batches_kxBxL1, apply_fn)
+    loss_k, grads = jax.vmap(accumulate_grads, in_axes=(0, 0, None, None))(
+        states.params, batches_kxBxL1, apply_fn, microbatches)
     grad_norm_k = jax.vmap(optax.tree.norm)(grads)
     if reduce_grads is not None:
       grads = reduce_grads(grads)
@@ -72,11 +108,20 @@ def make_inner_step(apply_fn, optimizer: optax.GradientTransformation,
   return step
 
 
-def make_eval_step(apply_fn):
-  """Returns eval(params_k, batch_BxL1) -> loss_k: every local replica evaluates its own weights."""
+def make_eval_step(apply_fn, microbatches: int = 1):
+  """Returns eval(params_k, batch_BxL1) -> loss_k: every local replica evaluates its own weights.
+
+  With `microbatches` > 1 the batch is scored that many equal slices at a time (same mean loss).
+  """
+
+  def one_replica(params, batch_BxL1):
+    if microbatches <= 1:
+      return loss_fn(params, batch_BxL1, apply_fn)
+    losses = jax.lax.map(lambda b: loss_fn(params, b, apply_fn), microbatch_slices(batch_BxL1, microbatches))
+    return jnp.mean(losses.astype(jnp.float32))
 
   def evaluate(params, batch_BxL1):
-    return jax.vmap(loss_fn, in_axes=(0, None, None))(params, batch_BxL1, apply_fn)
+    return jax.vmap(one_replica, in_axes=(0, None))(params, batch_BxL1)
 
   return evaluate
 

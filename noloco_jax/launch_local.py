@@ -53,17 +53,18 @@ def process_env(process_id: int, num_processes: int, devices_per_process: int, p
 
 
 class Job:
-  """P running processes of one job; `wait()` returns their exit statuses."""
+  """P running processes of one job (`python -m module ARGS`, or `python script ARGS`); `wait()`
+  returns their exit statuses."""
 
   def __init__(self, num_processes: int, devices_per_process: int, args: Sequence[str], *,
-               module: str = "noloco_jax.main", port: int = 0, log_dir: str | None = None,
-               env: dict[str, str] | None = None, cwd: str | None = None):
+               module: str = "noloco_jax.main", script: str | None = None, port: int = 0,
+               log_dir: str | None = None, env: dict[str, str] | None = None, cwd: str | None = None):
     self.port = port or free_port()
     self.procs: list[subprocess.Popen] = []
     self.log_paths: list[str | None] = []
     self._threads = []
     for i in range(num_processes):
-      cmd = [sys.executable, "-m", module, *args]
+      cmd = [sys.executable, *([script] if script else ["-m", module]), *args]
       log_path = os.path.join(log_dir, f"process_{i}.log") if log_dir else None
       if log_path:
         os.makedirs(log_dir, exist_ok=True)

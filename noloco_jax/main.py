@@ -15,7 +15,12 @@ from noloco_jax import distributed
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for metrics, TensorBoard events, checkpoints and the config.")
 config_flags.DEFINE_config_file("config", None, "Training config file (ml_collections).", lock_config=True)
-flags.mark_flags_as_required(["config", "workdir"])
+flags.DEFINE_bool("dry_run", False, "Compile the run's steps from shapes on --topology and report per-device "
+                  "memory and bytes sent, without training or allocating (noloco_jax/dryrun.py). Exits 1 if it "
+                  "does not fit.")
+flags.DEFINE_string("topology", "8x80GB", "With --dry_run: DEVICESxMEMORY, e.g. 64x80GB (faked with CPU devices "
+                    "when this machine has fewer).")
+flags.mark_flags_as_required(["config"])
 distributed.define_flags()
 
 
@@ -39,11 +44,26 @@ def main(argv):
   import tensorflow as tf
   tf.config.set_visible_devices([], "GPU")
   config = FLAGS.config
+  if FLAGS.dry_run:
+    from noloco_jax import dryrun
+    topology = dryrun.parse_topology(FLAGS.topology)
+    dryrun.fake_devices(topology)  # before anything starts JAX's backends
+    try:
+      dryrun.run(config, FLAGS.topology)
+    except dryrun.DoesNotFit as e:
+      raise SystemExit(f"noloco_jax dry run: {e}") from None
+    return
+  if not FLAGS.workdir:
+    raise app.UsageError("--workdir is required (except with --dry_run).")
   # Before anything starts JAX's backends: jax.distributed must come first.
   multi_process = distributed.initialize(distributed.options_from_flags(FLAGS))
-  _fake_cpu_devices(config.num_replicas, multi_process)
+  # One fake CPU device per device of the mesh: replicas × stages × fsdp.
+  _fake_cpu_devices(config.num_replicas * config.get("num_stages", 1) * config.fsdp, multi_process)
 
-  from noloco_jax import train
+  from noloco_jax import checkpoint, train
+  # SIGTERM (preemption): finish the current step, save a checkpoint, exit 0. Installed after
+  # jax.distributed, so that this handler, not the runtime's, receives the signal.
+  checkpoint.install_preemption_handler()
   with distributed.fail_fast():
     train.train_and_evaluate(config, FLAGS.workdir)
 

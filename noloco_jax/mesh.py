@@ -1,9 +1,12 @@
 """The device mesh and the one mapping helper every replica-parallel function goes through.
 
 Replicas are stacked on a leading axis of size N and sharded over the mesh axis `replica`: a device
-holds k = N / D consecutive replicas. Code that is manual over `replica` says so
-(`axis_names={REPLICA}`), so that `stage` and `fsdp` axes can be added later as automatic axes
-without rewriting it.
+group holds k = N / D consecutive replicas. Code that is manual over `replica` says so
+(`axis_names={REPLICA}`), so that the other axes are automatic inside it without rewriting it.
+
+Axes, in order: `replica` (always first), [`stage`, pipeline, only when num_stages > 1], `fsdp` (the devices of one
+replica group, over which its state and batch are split; noloco_jax/sharding.py). With fsdp = F the
+mesh is [D, F]: D × F devices, each replica group the F consecutive devices of one process.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 REPLICA = "replica"
+STAGE = "stage"  # pipeline stages of one replica (only in meshes with num_stages > 1)
+FSDP = "fsdp"
 
 
 def choose_num_devices(num_replicas: int, requested: int, available: int, num_processes: int = 1) -> int:
@@ -44,23 +49,52 @@ def choose_num_devices(num_replicas: int, requested: int, available: int, num_pr
   return max(choices)
 
 
-def make_mesh(num_replicas: int, num_devices: int = 0, devices=None) -> Mesh:
+def make_mesh(num_replicas: int, num_devices: int = 0, devices=None, fsdp: int = 1, stages: int = 1) -> Mesh:
+  """The [D, fsdp] mesh: D = num_devices replica groups (0 = automatic) of `fsdp` devices each.
+
+  With `stages` > 1 (pipeline parallelism, pipeline.py) it is [D, stages, fsdp]: each replica group
+  holds stages × fsdp devices. With one stage the `stage` axis is left out, so the default job's mesh
+  (and every program compiled on it) is exactly what it was without pipelining.
+  """
   devices = list(jax.devices() if devices is None else devices)
   by_process: dict[int, list] = {}
   for device in devices:
     by_process.setdefault(device.process_index, []).append(device)
   num_processes = len(by_process)
   per_process = min(len(v) for v in by_process.values())
-  d = choose_num_devices(num_replicas, num_devices, per_process * num_processes, num_processes)
+  group = fsdp * stages  # devices per replica group
+  if stages < 1 or per_process % group:
+    # Like fsdp: all stages of a replica on one process, so its data rows stay on that process.
+    raise ValueError(f"num_stages={stages} × fsdp={fsdp} is not valid: it must divide the {per_process} devices "
+                     "of each process (a replica's devices belong to one process).")
+  if fsdp < 1 or per_process % fsdp:
+    # A replica group never spans processes: its all-gathers then stay on one host's fast links, and
+    # each process still loads whole replicas' rows (the data iterators split by replica, not by row).
+    raise ValueError(f"fsdp={fsdp} is not valid: it must divide the {per_process} devices of each process "
+                     "(a replica's devices belong to one process).")
+  d = choose_num_devices(num_replicas, num_devices, per_process // group * num_processes, num_processes)
   # The first d/P devices of every process, process by process. Taking jax.devices()[:d] instead
   # would put all replicas on the first processes when d < all devices. Process-major order keeps
   # each process's replicas consecutive, so its share of the global batch is one contiguous block
   # of rows (what make_array_from_process_local_data and the data iterators are fed).
   # With one process this is jax.devices()[:d], as before.
-  chosen = [dev for p in sorted(by_process) for dev in by_process[p][:d // num_processes]]
-  # Auto axis type: outside shard_map, XLA propagates shardings (e.g. the cross-replica weight-std
-  # reduction) without explicit reshards. Passed explicitly: the default became Explicit in jax 0.9.
-  return Mesh(np.asarray(chosen), (REPLICA,), axis_types=(AxisType.Auto,))
+  # With fsdp > 1, each replica group takes the next `fsdp` consecutive devices of its process
+  # (neighbours on one host: NVLink on a GPU node), so the row-major [D, fsdp] reshape is the layout.
+  chosen = [dev for p in sorted(by_process) for dev in by_process[p][:d // num_processes * group]]
+  # Auto axis types: outside shard_map, XLA propagates shardings (e.g. the cross-replica weight-std
+  # reduction) without explicit reshards, and inside it `fsdp` stays automatic, so XLA inserts the
+  # weight all-gathers itself. Passed explicitly: the default became Explicit in jax 0.9.
+  if stages > 1:
+    # A replica's stages are consecutive devices (neighbours), each stage its `fsdp` devices. The stage
+    # axis is Auto too: only the pipeline's inner step is manual over it (pipeline.py); outer rounds,
+    # weight std and checkpoints see stage-split leaves as ordinary sharded arrays.
+    return Mesh(np.asarray(chosen).reshape(d, stages, fsdp), (REPLICA, STAGE, FSDP), axis_types=(AxisType.Auto,) * 3)
+  return Mesh(np.asarray(chosen).reshape(d, fsdp), (REPLICA, FSDP), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def replica_groups(mesh: Mesh) -> np.ndarray:
+  """[D, devices per group]: row d = every device holding replica group d (REPLICA is the first axis)."""
+  return mesh.devices.reshape(mesh.shape[REPLICA], -1)
 
 
 def process_layout(mesh: Mesh, num_replicas: int) -> dict[int, dict[str, list[int]]]:
@@ -71,9 +105,9 @@ def process_layout(mesh: Mesh, num_replicas: int) -> dict[int, dict[str, list[in
   """
   k = replicas_per_device(mesh, num_replicas)
   layout: dict[int, dict[str, list[int]]] = {}
-  for pos, device in enumerate(mesh.devices.flat):
-    entry = layout.setdefault(device.process_index, {"devices": [], "replicas": []})
-    entry["devices"].append(int(device.id))
+  for pos, group in enumerate(replica_groups(mesh)):
+    entry = layout.setdefault(group[0].process_index, {"devices": [], "replicas": []})
+    entry["devices"].extend(int(device.id) for device in group)
     entry["replicas"].extend(range(pos * k, (pos + 1) * k))
   return dict(sorted(layout.items()))
 
@@ -102,8 +136,8 @@ def local_replica_ids(mesh: Mesh, num_replicas: int) -> list[int]:
   k = replicas_per_device(mesh, num_replicas)
   local = {d.id for d in jax.local_devices()}
   ids = []
-  for pos, device in enumerate(mesh.devices.flat):
-    if device.id in local:
+  for pos, group in enumerate(replica_groups(mesh)):
+    if group[0].id in local:
       ids.extend(range(pos * k, (pos + 1) * k))
   return ids
 
@@ -119,9 +153,11 @@ def global_array(mesh: Mesh, local_rows: np.ndarray, num_replicas: int) -> jax.A
   `local_rows[i]` belongs to replica local_replica_ids(mesh, N)[i]. Nothing crosses processes: each
   process places its rows on its own devices.
   """
-  sharding = replica_sharding(mesh)
   shape = (num_replicas,) + tuple(local_rows.shape[1:])
-  return jax.make_array_from_process_local_data(sharding, local_rows, shape)
+  # With fsdp > 1 each device of a replica group gets only its slice of the group's sequences
+  # (sharding.batch_sharding); the process still passes whole rows, all of its devices being local.
+  from noloco_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top (sharding imports mesh)
+  return jax.make_array_from_process_local_data(sharding_lib.batch_sharding(mesh, shape), local_rows, shape)
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,6 +23,10 @@ def weight_std(params_NxP) -> jax.Array:
 
   A diagnostic, not part of training: XLA turns the mean over the sharded replica axis into one
   all-reduce, which is acceptable at evaluation time and never happens inside a round.
+
+  With pipeline stages the params keep their logical [N, ...] shapes (each parameter stored on one
+  stage, pipeline.py), so these sums already run over all stages, replicas and parameters, and
+  #params is the whole model's: the paper's definition, with no per-stage code here.
   """
   leaves = jax.tree.leaves(params_NxP)
   n = leaves[0].shape[0]

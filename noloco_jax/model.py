@@ -40,6 +40,9 @@ class LlamaConfig:
   dtype: Any = jnp.float32  # compute dtype
   param_dtype: Any = jnp.float32
   remat: bool = False  # recompute each layer's activations in the backward pass
+  # Mesh axis the batch dimension of activations is split over (e.g. "fsdp"), or None. Set by
+  # train.build when a replica spans several devices; see `constrain_batch`.
+  batch_axis: str | None = None
 
   @property
   def head_dim(self) -> int:
@@ -134,6 +137,22 @@ class SwiGLU(nn.Module):
     return dense(cfg.d_model, "down")(h_BxLxF)
 
 
+def constrain_batch(x, axis: str | None):
+  """Pins an activation's batch dimension (its first) to mesh axis `axis`; a no-op for None.
+
+  Why: inside a replica the weights are stored split over `fsdp` along whichever dimension divides
+  (noloco_jax/sharding.py), and left alone XLA's propagation may follow a weight's split into the
+  activations (e.g. logits split over the vocabulary, then all-to-all'd back), moving activation-sized
+  tensors. Pinning the activations to the batch split at every layer boundary leaves one cheap choice:
+  all-gather each weight where it is used (FSDP), reduce-scatter its gradient.
+  """
+  # Only where a mesh with that axis is in context (the step functions' shard_map); initialisation
+  # and single-device uses of the model have none and need no constraint.
+  if axis is None or axis not in jax.sharding.get_abstract_mesh().axis_names:
+    return x
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axis))
+
+
 class Block(nn.Module):
   cfg: LlamaConfig
 
@@ -143,7 +162,7 @@ class Block(nn.Module):
     norm = lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name=name)
     x_BxLxD = x_BxLxD + Attention(cfg, name="attn")(norm("attn_norm")(x_BxLxD))
     x_BxLxD = x_BxLxD + SwiGLU(cfg, name="mlp")(norm("mlp_norm")(x_BxLxD))
-    return x_BxLxD, None
+    return constrain_batch(x_BxLxD, cfg.batch_axis), None
 
 
 class Layers(nn.Module):
@@ -174,9 +193,15 @@ class Llama(nn.Module):
 
   def __call__(self, tokens_BxL):
     """Returns float32 logits [B, L, V] for next-token prediction."""
-    x_BxLxD = self.embed(tokens_BxL)
-    x_BxLxD = self.layers(x_BxLxD)
-    return self.head(self.final_norm(x_BxLxD)).astype(jnp.float32)
+    return self.logits(self.layers(self.embed_tokens(tokens_BxL)))
+
+  # The two ends as methods of their own, so that a pipeline stage can run just its part
+  # (`apply(..., method=Llama.embed_tokens)` needs only params["embed"]; see pipeline.py).
+  def embed_tokens(self, tokens_BxL):
+    return constrain_batch(self.embed(tokens_BxL), self.cfg.batch_axis)
+
+  def logits(self, x_BxLxD):
+    return constrain_batch(self.head(self.final_norm(x_BxLxD)).astype(jnp.float32), self.cfg.batch_axis)
 
 
 def cross_entropy(logits_BxLxV, targets_BxL):

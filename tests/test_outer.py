@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from configs import default
+from noloco_jax import hlo as hlo_lib
 from noloco_jax import mesh as mesh_lib
 from noloco_jax import outer as outer_lib
 from noloco_jax import train
@@ -228,28 +229,6 @@ def test_sources_for_shift_visit_every_other_group_member_once():
 # ---- Communication: bytes counted from the pytree equal the compiled collectives ----
 
 
-def _collective_bytes(hlo_text: str, op: str) -> int:
-  """Sum of result bytes of `op` instructions in optimized HLO (result shape = operand shape for both ops)."""
-  sizes = {"f32": 4, "bf16": 2, "s32": 4}
-  total = 0
-  for line in hlo_text.splitlines():
-    m = re.match(r"\s*\S+ = (\(?[^=]*?\)?) " + op + r"(-start)?\(", line)
-    if not m:
-      continue
-    for dtype, dims in re.findall(r"(f32|bf16|s32)\[([\d,]*)\]", m.group(1)):
-      total += sizes[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-  return total
-
-
-def _stablehlo_permute_bytes(text: str) -> int:
-  """Operand bytes of collective_permute ops in the lowered (pre-XLA) program."""
-  sizes = {"f32": 4, "bf16": 2}
-  total = 0
-  for dims, dtype in re.findall(r'"stablehlo.collective_permute".*?: \(tensor<([\dx]*?)x?(f32|bf16)>\)', text):
-    total += sizes[dtype] * int(np.prod([int(d) for d in dims.split("x") if d] or [1]))
-  return total
-
-
 @pytest.mark.parametrize("kind,message_dtype,group_size", [("noloco", "float32", 2), ("noloco", "bfloat16", 2),
                                                             ("noloco", "float32", 4), ("diloco", "float32", 2)])
 def test_counted_bytes_match_the_compiled_collectives(kind, message_dtype, group_size):
@@ -263,12 +242,33 @@ def test_counted_bytes_match_the_compiled_collectives(kind, message_dtype, group
   lowered = train.make_round_fn(method, mesh, (groups,)).lower(state, jnp.int32(0))
   hlo = lowered.compile().as_text()
   counted = method.bytes_per_round(jax.tree.map(lambda x: x[0], theta))
-  permuted, reduced = _collective_bytes(hlo, "collective-permute"), _collective_bytes(hlo, "all-reduce")
+  permuted, reduced = hlo_lib.collective_bytes(hlo, "collective-permute"), hlo_lib.collective_bytes(hlo, "all-reduce")
   itemsize = 2 if message_dtype == "bfloat16" else 4
   if kind == "noloco":
     assert counted == (group_size - 1) * 17 * itemsize  # 17 parameters, n−1 messages per round
-    assert _stablehlo_permute_bytes(lowered.as_text()) == counted and reduced == 0
+    assert hlo_lib.stablehlo_collective_bytes(lowered.as_text()) == counted and reduced == 0
     # XLA:CPU widens bf16 collectives to f32 after lowering; on GPU/TPU the compiled op stays bf16.
     assert permuted == counted * (4 // itemsize)
   else:
     assert reduced == counted == 17 * 4 and permuted == 0
+
+
+# ---- Compilation: the pool mode never recompiles in steady state ----
+
+
+@pytest.mark.parametrize("mode", ["pool", "fresh"])
+def test_outer_rounds_compile_once_per_pairing_program(mode):
+  cfg = default.get_config("smoke")
+  cfg.outer.pairing, cfg.outer.pairing_pool = mode, 4
+  setup = train.build(cfg, vocab_size=257)
+  state = setup.init_state()
+  indices = []
+  for round_ in range(6):
+    round_fn, index = setup.outer_round(round_)
+    state, _ = round_fn(state, jnp.int32(index))
+    indices.append(index)
+  if mode == "pool":
+    assert len(setup._rounds) == 1 and round_fn._cache_size() == 1  # one program for all six rounds
+    assert len(set(indices)) > 1  # ... yet the rounds used different pairings
+  else:
+    assert len(setup._rounds) == len({setup.schedule.groups(r) for r in range(6)})

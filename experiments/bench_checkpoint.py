@@ -1,0 +1,105 @@
+r"""Checkpoint save and restore time and size for a config (default: configs/default.py, 8 replicas).
+
+    python experiments/bench_checkpoint.py                  # prints one JSON object
+    python experiments/bench_checkpoint.py --config.model.preset=small --config.num_replicas=2
+
+Saves the replica-stacked TrainState (filled with noise, so that it compresses like a trained one)
+`--saves` times through
+noloco_jax.checkpoint.Checkpointer (exactly what the training loop saves: state, meta and data items),
+once with asynchronous and once with synchronous saves, then restores the latest. Reports:
+  state_bytes        bytes of the TrainState on the devices (θ, inner Adam μ and ν, φ, δ, counters);
+  checkpoint_bytes   bytes of one step directory on disk;
+  save_blocking_s    async: how long the training loop is held per save (median);
+  save_async_total_s async: save start until the step is complete on disk (median);
+  save_sync_s        synchronous save (median);
+  restore_s          reading the latest step back onto the mesh (meta, state, data).
+"""
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Training config.")
+_SAVES = flags.DEFINE_integer("saves", 5, "Saves to time per mode.")
+
+
+def _dir_bytes(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def _like_trained(state):
+  """The state with every float replaced by noise: a fresh state is mostly zeros (μ, ν, δ) and the
+  same weights on every replica, which compress far better than a trained state would."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  def noise(tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    key = jax.random.key(0)
+    leaves = [jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
+              if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, leaves)
+
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  return jax.block_until_ready(jax.jit(noise, out_shardings=shardings)(state))
+
+
+def main(argv):
+  del argv
+  import jax  # pylint: disable=g-import-not-at-top
+  if "JAX_NUM_CPU_DEVICES" not in os.environ:  # one CPU device per replica, as main.py (CPU backend only)
+    jax.config.update("jax_num_cpu_devices", _CONFIG.value.num_replicas)
+  from noloco_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  from noloco_jax import data  # pylint: disable=g-import-not-at-top
+  from noloco_jax import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax import train  # pylint: disable=g-import-not-at-top
+
+  config = _CONFIG.value
+  setup = train.build(config)
+  state = _like_trained(setup.init_state())
+  train_iter = data.make_train_iterator(
+      config.data, seed=config.seed, replica_ids=mesh_lib.local_replica_ids(setup.mesh, config.num_replicas),
+      num_replicas=config.num_replicas, vocab_size=setup.model_config.vocab_size)
+  empty = checkpoint.pending_to_host([], [], [])
+  out = {"replicas": config.num_replicas, "devices": int(setup.mesh.devices.size), "backend": jax.default_backend(),
+         "model": config.model.preset, "params_per_replica": model_lib.num_params(setup.model_config),
+         "state_bytes": sum(x.nbytes for x in jax.tree.leaves(state))}
+
+  for mode in ("async", "sync"):
+    config.checkpoint.async_save = mode == "async"
+    with tempfile.TemporaryDirectory() as workdir:
+      ckpt = checkpoint.Checkpointer(setup, workdir)
+      blocking, total = [], []
+      for step in range(1, _SAVES.value + 1):
+        start = time.perf_counter()
+        ckpt.save(step, state, train_iter, round_=0, comm_bytes=0, history={"eval": []}, pending=empty)
+        blocking.append(time.perf_counter() - start)
+        ckpt.wait_until_finished()
+        total.append(time.perf_counter() - start)
+      ckpt.close()
+      if mode == "async":
+        out["save_blocking_s"] = statistics.median(blocking)
+        out["save_async_total_s"] = statistics.median(total)
+        out["checkpoint_bytes"] = _dir_bytes(os.path.join(ckpt.directory, str(_SAVES.value)))
+      else:
+        out["save_sync_s"] = statistics.median(total)
+        start = time.perf_counter()
+        restored, resume = checkpoint.Checkpointer(setup, workdir).restore(jax.eval_shape(setup.init_state), train_iter)
+        jax.block_until_ready(restored)
+        out["restore_s"] = time.perf_counter() - start
+        assert resume.step == _SAVES.value
+  train_iter.close()
+  print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+  app.run(main)

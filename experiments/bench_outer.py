@@ -1,0 +1,218 @@
+"""Outer-step wall time and bytes per replica: NoLoCo against DiLoCo (and DDP's per-step all-reduce).
+
+For each process count P in --processes (default 1, 2, 4), one job of N = --replicas replicas on N fake
+CPU devices, P processes × N/P devices over loopback (P = 1: one process, no jax.distributed), measures:
+
+  noloco round     the whole outer step of outer.kind=noloco (group mean by ppermute, n = group_size)
+  noloco exchange  only its collective: the group mean of one model-sized float32 tree
+  diloco round     the whole outer step of outer.kind=diloco (one all-reduce of the pseudo-gradient)
+  all-reduce       only the collective: the mean over all replicas of one model-sized float32 tree.
+                   This is also DDP's gradient averaging, paid once per *inner* step, not per round.
+
+Time: median over --repeats calls of the slowest process's wall time; before each call all processes
+meet at a barrier, so a call is timed from a common start. Bytes: operand bytes of the collectives in
+each compiled program (noloco_jax/hlo.py), i.e. what each replica puts into a collective; NoLoCo's
+round uses one fixed pairing (outer.pairing=fixed: the pool mode's lax.switch runs one such branch).
+
+    python experiments/bench_outer.py --json                                  # tiny preset, P = 1, 2, 4
+    python experiments/bench_outer.py --preset=small --set model.num_layers=2 --processes=1,2 --json
+
+On a machine with fewer cores than devices, every "device" shares the same cores, so these times
+measure compute and memory traffic under contention as much as communication (see RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT_TAG = "BENCH_OUTER_RESULT "
+
+
+def _parse(argv):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--processes", default="1,2,4", help="comma-separated process counts")
+  parser.add_argument("--replicas", type=int, default=8, help="N replicas = N fake CPU devices in all")
+  parser.add_argument("--preset", default="tiny", help="model preset (tiny | small | medium | large)")
+  parser.add_argument("--config_arg", default="", help="argument string for configs/default.py, e.g. smoke")
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      help="config override, e.g. --set model.d_model=256 (repeatable)")
+  parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
+  parser.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+  parser.add_argument("--timeout_s", type=float, default=900, help="per job")
+  parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  return parser.parse_args(argv)
+
+
+def _config(args):
+  from configs import default  # pylint: disable=g-import-not-at-top
+  cfg = default.get_config(args.config_arg or None)
+  cfg.num_replicas = args.replicas
+  cfg.model.preset = args.preset
+  cfg.outer.pairing = "fixed"
+  for item in args.set:
+    key, _, value = item.partition("=")
+    node = cfg
+    *path, leaf = key.split(".")
+    for part in path:
+      node = node[part]
+    node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value == "True"
+  return cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker: one process of the job.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _worker(args) -> None:
+  sys.path.insert(0, ROOT)
+  from noloco_jax import distributed  # pylint: disable=g-import-not-at-top
+  multi = distributed.initialize(distributed.resolve_options())
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  from noloco_jax import hlo as hlo_lib, mesh as mesh_lib, model as model_lib, train  # pylint: disable=g-import-not-at-top
+  from noloco_jax import outer as outer_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.mesh import REPLICA  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import exchange  # pylint: disable=g-import-not-at-top
+
+  def timed(fn, carry, *rest):
+    """Median over repeats of the slowest process's time for `carry = fn(carry, *rest)`."""
+    for _ in range(args.warmup):
+      carry = jax.block_until_ready(fn(carry, *rest))
+    times = []
+    for i in range(args.repeats):
+      if multi:  # a common start: otherwise an early process would time its wait for the others
+        multihost_utils.sync_global_devices(f"bench_outer_{i}")
+      start = time.perf_counter()
+      carry = jax.block_until_ready(fn(carry, *rest))
+      times.append(time.perf_counter() - start)
+    per_process = np.asarray(multihost_utils.process_allgather(np.asarray(times))) if multi else np.asarray([times])
+    slowest = per_process.reshape(-1, args.repeats).max(axis=0)
+    return carry, {"median_ms": 1e3 * float(np.median(slowest)), "p10_ms": 1e3 * float(np.percentile(slowest, 10)),
+                   "p90_ms": 1e3 * float(np.percentile(slowest, 90))}
+
+  results, cfg = {}, _config(args)
+  n = cfg.num_replicas
+  for kind in ("noloco", "diloco"):
+    cfg.outer.kind = kind
+    setup = train.build(cfg, vocab_size=257)
+    state = setup.init_state()
+    round_fn, index = setup.outer_round(0)
+    index = jnp.int32(index)
+    compiled = round_fn.lower(state, index).compile()
+    one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
+    # The round returns (state, metrics); time state -> state, the way the training loop chains rounds.
+    state, timing = timed(lambda s, i: compiled(s, i)[0], state, index)
+    results[f"{kind}_round"] = {**timing, "collective_bytes": hlo_lib.all_collective_bytes(compiled.as_text()),
+                                "counted_bytes": setup.method.bytes_per_round(one_replica)}
+    del state
+
+  mesh, num_devices = setup.mesh, setup.mesh.shape[REPLICA]
+  num_params = model_lib.num_params(setup.model_config)
+  params = jax.jit(lambda: jax.tree.map(lambda x: jnp.ones(x.shape, jnp.float32), setup.init_state().params),
+                   out_shardings=mesh_lib.replica_sharding(mesh))()
+  groups = outer_lib.make_schedule(cfg).groups(0)
+  dtype = outer_lib.MESSAGE_DTYPES[cfg.outer.message_dtype]
+  ddp_cfg = ml_collections.ConfigDict(cfg.outer.to_dict())
+  ddp_cfg.kind = "ddp"
+  collectives = {
+      # NoLoCo's only collective: the group mean of c (n−1 ppermutes of one model-sized message).
+      "noloco_exchange": lambda t: exchange.group_mean(t, groups, num_devices, dtype),
+      # DiLoCo's (and DDP's) only collective: the mean over all replicas, one all-reduce.
+      "allreduce": outer_lib.make_method(ddp_cfg).reduce_grads,
+  }
+  for name, fn in collectives.items():
+    jitted = jax.jit(mesh_lib.replica_map(fn, mesh, in_specs=jax.P(REPLICA), out_specs=jax.P(REPLICA)))
+    compiled = jitted.lower(params).compile()
+    params, timing = timed(compiled, params)
+    results[name] = {**timing, "collective_bytes": hlo_lib.all_collective_bytes(compiled.as_text())}
+
+  if jax.process_index() == 0:
+    print(RESULT_TAG + json.dumps({
+        "processes": jax.process_count(), "devices": jax.device_count(), "replicas": n,
+        "params_per_replica": num_params, "model_bytes_f32": 4 * num_params, "results": results}), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Driver: one job per process count, then the table.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _run_job(args, argv, num_processes: int) -> dict:
+  sys.path.insert(0, ROOT)
+  from noloco_jax import launch_local  # pylint: disable=g-import-not-at-top
+  if args.replicas % num_processes:
+    raise SystemExit(f"--replicas={args.replicas} is not a multiple of {num_processes} processes.")
+  worker_argv = [a for a in argv if not a.startswith(("--processes", "--json"))] + ["--worker"]
+  with tempfile.TemporaryDirectory() as logs:
+    job = launch_local.Job(num_processes, args.replicas // num_processes, worker_argv, script=os.path.abspath(__file__),
+                           log_dir=logs, cwd=ROOT)
+    codes = job.wait(timeout_s=args.timeout_s, grace_s=30)
+    text = open(job.log_paths[0]).read()
+    if codes != [0] * num_processes:
+      tails = "\n".join(open(p).read()[-3000:] for p in job.log_paths)
+      raise SystemExit(f"bench_outer: the {num_processes}-process job failed with {codes}:\n{tails}")
+  line = next(l for l in text.splitlines() if l.startswith(RESULT_TAG))
+  return json.loads(line[len(RESULT_TAG):])
+
+
+def _table(runs: list[dict]) -> tuple[str, dict]:
+  rows = ["| processes × devices | noloco round (ms) | diloco round (ms) | round ratio N/D | noloco exchange (ms) "
+          "| all-reduce = ddp step (ms) | exchange ratio N/D | bytes/replica noloco | diloco | ddp per step |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+  ratios = {}
+  for run in runs:
+    r = run["results"]
+    nb = r["noloco_round"]["collective_bytes"].get("collective-permute", 0)
+    db = r["diloco_round"]["collective_bytes"].get("all-reduce", 0)
+    ab = r["allreduce"]["collective_bytes"].get("all-reduce", 0)
+    key = f"{run['processes']}x{run['devices'] // run['processes']}"
+    ratios[key] = {
+        "round_time": r["noloco_round"]["median_ms"] / r["diloco_round"]["median_ms"],
+        "collective_time": r["noloco_exchange"]["median_ms"] / r["allreduce"]["median_ms"],
+        "bytes": nb / db if db else float("nan"),
+        # A ring all-reduce sends ≈ 2·(D−1)/D × its operand over each device's link; a ppermute, the operand.
+        "bytes_on_wire_ring": nb / (2 * (run["devices"] - 1) / run["devices"] * db) if db else float("nan"),
+    }
+    rows.append(f"| {run['processes']} × {run['devices'] // run['processes']} | {r['noloco_round']['median_ms']:.2f} "
+                f"| {r['diloco_round']['median_ms']:.2f} | {ratios[key]['round_time']:.2f} "
+                f"| {r['noloco_exchange']['median_ms']:.2f} | {r['allreduce']['median_ms']:.2f} "
+                f"| {ratios[key]['collective_time']:.2f} | {nb:,} | {db:,} | {ab:,} |")
+  return "\n".join(rows), ratios
+
+
+def main(argv=None) -> None:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = _parse(argv)
+  if args.worker:
+    _worker(args)
+    return
+  runs = []
+  for p in [int(x) for x in args.processes.split(",") if x]:
+    start = time.time()
+    runs.append(_run_job(args, argv, p))
+    runs[-1]["job_wall_s"] = round(time.time() - start, 1)
+    print(f"bench_outer: {p} process(es) done in {runs[-1]['job_wall_s']} s", file=sys.stderr, flush=True)
+  table, ratios = _table(runs)
+  first = runs[0]
+  print(f"model: preset {args.preset} {args.set or ''}, {first['params_per_replica']:,} parameters per replica "
+        f"({first['model_bytes_f32']:,} bytes in float32); {args.replicas} replicas; median of {args.repeats} calls, "
+        "slowest process.")
+  print(table)
+  if args.json:
+    print(json.dumps({"preset": args.preset, "overrides": args.set, "replicas": args.replicas,
+                      "repeats": args.repeats, "runs": runs, "ratios_noloco_over_diloco": ratios}))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,330 @@
+"""Small experiments on top of `train.train_and_evaluate`: configs, seed sweeps, summaries and plots.
+
+Shared by experiments/compare_methods.py and the ablation notebooks in experiments/ablations/, so that
+they differ only in what they sweep. JAX must already have its devices: set JAX_NUM_CPU_DEVICES
+before the first `import jax` (a notebook's first cell, a script's first lines).
+
+The setting ("mini"): the embedded standard-library corpus with the byte tokenizer, a 2-layer Llama
+of width 64 (~140k parameters per replica), 8 replicas × 4 sequences × 64 tokens per inner step,
+300 inner steps. One to three minutes per run on two shared CPU cores. `smoke=True` swaps in the
+`configs/default.py:smoke` sizes (seconds per run) so that tests can execute every notebook.
+
+Per-method outer hyperparameters are the paper's (PAPER.md section 2): NoLoCo α=0.5, β=γ=0.7, n=2;
+DiLoCo α=0.3, β=0.7, heavy-ball. H is scaled to the short runs (see `MINI_INNER_STEPS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from typing import Any, Iterable, Mapping, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from noloco_jax import metrics as metrics_lib
+from noloco_jax import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE_ENV = "NOLOCO_SMOKE"  # "1" shrinks notebooks and scripts to seconds (tests/test_notebooks.py)
+CACHE_ENV = "NOLOCO_COMPILE_CACHE"  # directory of JAX's persistent compilation cache; "" disables
+
+#: The paper's outer hyperparameters per method (PAPER.md section 2; γ = β as in the reference code).
+PAPER_OUTER: dict[str, dict[str, Any]] = {
+    "noloco": dict(momentum=0.5, lr=0.7, gamma=0.7, group_size=2, inner_steps=50),
+    "diloco": dict(momentum=0.3, lr=0.7, nesterov=False, inner_steps=100),
+    "gossip": dict(group_size=2, inner_steps=50),  # NoLoCo with α=0, β=γ=1 (set by outer/)
+    "ddp": {},
+    "none": {},
+}
+#: H for the 300-step mini runs: the paper's 50 (NoLoCo) and 100 (DiLoCo) halved, keeping their 1:2
+#: ratio, so that a run has 12 NoLoCo and 6 DiLoCo rounds (the paper: 500 and 250 over 25,000 steps).
+MINI_INNER_STEPS = {"noloco": 25, "gossip": 25, "diloco": 50}
+
+_MINI = dict(num_steps=300, eval_every=25, log_every=25, warmup_steps=30, seq_len=64, batch_size=4,
+             eval_batches=16, d_model=64, num_layers=2, num_heads=4, mlp_dim=192)
+
+
+def smoke_from_env() -> bool:
+  """True when NOLOCO_SMOKE is set to anything but '', '0' or 'false'."""
+  return os.environ.get(SMOKE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def enable_compile_cache(path: str | None = None) -> str | None:
+  """Turns on JAX's persistent compilation cache (runs of one sweep share most of their programs).
+
+  Only speed changes: the cache is keyed by the program, the devices and the compile options.
+  """
+  path = os.environ.get(CACHE_ENV, os.path.expanduser("~/.cache/noloco_jax/jax_compile_cache")) if path is None else path
+  if not path:
+    return None
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  return path
+
+
+def load_default_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """configs/default.py's `get_config(arg)`, loaded by path (configs/ is not a package)."""
+  spec = importlib.util.spec_from_file_location("noloco_default_config", os.path.join(REPO, "configs", "default.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def base_config(*, smoke: bool = False, num_replicas: int = 8, num_steps: int | None = None,
+                seed: int = 0) -> ml_collections.ConfigDict:
+  """The shared setting of every comparison: `mini` (see the module docstring), or `smoke`."""
+  config = load_default_config("smoke" if smoke else None)
+  if not smoke:
+    m = _MINI
+    config.num_steps, config.eval_every, config.log_every = m["num_steps"], m["eval_every"], m["log_every"]
+    config.inner.warmup_steps = m["warmup_steps"]
+    config.data.seq_len, config.data.batch_size, config.data.eval_batches = m["seq_len"], m["batch_size"], m["eval_batches"]
+    config.model.d_model, config.model.num_layers = m["d_model"], m["num_layers"]
+    config.model.num_heads, config.model.mlp_dim = m["num_heads"], m["mlp_dim"]
+  config.num_replicas = num_replicas
+  config.seed = seed
+  if num_steps is not None:
+    config.num_steps = num_steps
+  return config
+
+
+def method_config(base: ml_collections.ConfigDict, kind: str, *, smoke: bool = False,
+                  **outer: Any) -> ml_collections.ConfigDict:
+  """`base` with `outer.kind=kind`, the paper's hyperparameters for it, then `outer` overrides.
+
+  H is MINI_INNER_STEPS[kind], or with `smoke` the smoke config's own H, unless given in `outer`.
+  """
+  config = ml_collections.ConfigDict(base.to_dict())
+  config.outer.kind = kind
+  config.outer.update(PAPER_OUTER[kind])
+  config.outer.inner_steps = base.outer.inner_steps if smoke else MINI_INNER_STEPS.get(kind, base.outer.inner_steps)
+  config.outer.update(outer)
+  return config
+
+
+def tokens_per_step(config: ml_collections.ConfigDict) -> int:
+  """Training tokens consumed per inner step by all replicas together."""
+  return config.num_replicas * config.data.batch_size * config.data.seq_len
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running.
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+  """One finished (or diverged) training run, without its state."""
+  label: str
+  seed: int
+  config: ml_collections.ConfigDict
+  eval: list[dict]  # {"step", "eval/loss", "eval/ppl", "replicas/weight_std"} at every evaluation
+  train: list[dict]  # the train rows of metrics.jsonl (train/loss, comm/bytes_per_replica, perf/...)
+  final: dict  # train_and_evaluate's summary (eval/loss, eval/ppl, comm/bytes_per_replica, ...)
+  error: str | None = None  # set when the run stopped on a non-finite loss
+
+  @property
+  def diverged(self) -> bool:
+    return self.error is not None
+
+
+def run(config: ml_collections.ConfigDict, *, label: str = "", workdir: str | None = None,
+        quiet: bool = True) -> Run:
+  """Trains `config` in `workdir` (emptied first; a temporary directory when None) and reads back its metrics.
+
+  A run that hits a non-finite loss returns with `error` set and NaN final metrics instead of raising,
+  so that a sweep over unstable settings (the γ ablation) completes.
+  """
+  temporary = workdir is None
+  workdir = tempfile.mkdtemp(prefix="noloco_run_") if temporary else workdir
+  if os.path.exists(workdir):
+    shutil.rmtree(workdir)  # metrics.jsonl is appended to: a rerun must not mix with old rows
+  error, result = None, {}
+  out = io.StringIO()
+  absl_logger = logging.getLogger("absl")
+  old_level = absl_logger.level
+  try:
+    if quiet:
+      absl_logger.setLevel(logging.WARNING)
+    with contextlib.redirect_stdout(out) if quiet else contextlib.nullcontext():
+      result = train.train_and_evaluate(config, workdir)
+  except train.NonFiniteLossError as e:
+    error = str(e)
+  finally:
+    absl_logger.setLevel(old_level)
+  path = os.path.join(workdir, "metrics.jsonl")
+  rows = metrics_lib.read_jsonl(path) if os.path.exists(path) else []
+  evals = [r for r in rows if "eval/loss" in r]
+  trains = [r for r in rows if "train/loss" in r]
+  if error is None:
+    final = {k: v for k, v in result.items() if k not in ("state", "history", "text")}
+  else:
+    final = {"eval/loss": math.nan, "eval/ppl": math.nan, "replicas/weight_std": math.nan,
+             "comm/bytes_per_replica": trains[-1]["comm/bytes_per_replica"] if trains else math.nan}
+  if temporary:
+    shutil.rmtree(workdir, ignore_errors=True)
+  return Run(label=label or config.outer.kind, seed=int(config.seed), config=config, eval=evals,
+             train=trains, final=final, error=error)
+
+
+def load_run(workdir: str, label: str = "") -> Run:
+  """A finished run read back from its workdir (config.json, metrics.jsonl, summary.json)."""
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  return Run(label=label or config.outer.kind, seed=int(config.seed), config=config,
+             eval=[r for r in rows if "eval/loss" in r], train=[r for r in rows if "train/loss" in r],
+             final=summary)
+
+
+def _finished_with(workdir: str, config: ml_collections.ConfigDict) -> bool:
+  """Whether `workdir` holds a finished run of exactly `config`."""
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      stored = json.load(f)
+  except (OSError, ValueError):
+    return False
+  return os.path.exists(os.path.join(workdir, "summary.json")) and stored == json.loads(config.to_json_best_effort())
+
+
+def run_seeds(config: ml_collections.ConfigDict, seeds: Iterable[int], *, label: str = "",
+              workdir_root: str | None = None, verbose: bool = True, reuse: bool = False) -> list[Run]:
+  """`config` once per seed (the seed drives initial weights, data order, evaluation sample, pairings).
+
+  With `reuse`, a seed whose workdir already holds a finished run of the same config is read back
+  instead of trained again (to re-plot or re-summarise a sweep).
+  """
+  runs = []
+  for seed in seeds:
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.seed = int(seed)
+    name = label or c.outer.kind
+    workdir = None if workdir_root is None else os.path.join(workdir_root, f"{_slug(name)}_seed{seed}")
+    reused = reuse and workdir is not None and _finished_with(workdir, c)
+    r = load_run(workdir, label=name) if reused else run(c, label=name, workdir=workdir)
+    if verbose:
+      status = f"diverged: {r.error}" if r.diverged else (
+          f"eval/loss {r.final['eval/loss']:.4f}  weight_std {r.final['replicas/weight_std']:.2e}")
+      print(f"{name:>24s}  seed {seed}: {status}{'  (reused)' if reused else ''}", flush=True)
+    runs.append(r)
+  return runs
+
+
+def sweep(configs: Mapping[str, ml_collections.ConfigDict], seeds: Iterable[int], *,
+          workdir_root: str | None = None) -> dict[str, list[Run]]:
+  """{label: runs over `seeds`} for every labelled config."""
+  seeds = list(seeds)
+  return {label: run_seeds(c, seeds, label=label, workdir_root=workdir_root) for label, c in configs.items()}
+
+
+def _slug(text: str) -> str:
+  return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Summaries.
+# ---------------------------------------------------------------------------------------------------
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+  """Mean and sample standard deviation (ddof=1; 0 for a single value). NaN if any value is NaN."""
+  x = np.asarray(values, np.float64)
+  return float(np.mean(x)), float(np.std(x, ddof=1)) if len(x) > 1 else 0.0
+
+
+def final(runs: Sequence[Run], key: str) -> tuple[float, float]:
+  """Mean ± std over seeds of a final metric."""
+  return mean_std([r.final[key] for r in runs])
+
+
+def curve(runs: Sequence[Run], key: str, source: str = "eval") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(steps, mean over seeds, std over seeds) of `key` at the steps every run logged it."""
+  per_run = [{row["step"]: float(row[key]) for row in getattr(r, source) if key in row} for r in runs]
+  steps = sorted(set.intersection(*(set(d) for d in per_run))) if per_run else []
+  values = np.array([[d[s] for s in steps] for d in per_run], np.float64).reshape(len(per_run), len(steps))
+  std = values.std(axis=0, ddof=1) if len(runs) > 1 else np.zeros(len(steps))
+  return np.asarray(steps), values.mean(axis=0), std
+
+
+_FORMATS = {"replicas/weight_std": ".2e", "comm/bytes_per_replica": ",.0f"}
+
+
+def table(results: Mapping[str, Sequence[Run]],
+          keys: Sequence[str] = ("eval/loss", "eval/ppl", "replicas/weight_std")) -> str:
+  """A Markdown table: one row per label, mean ± std over seeds of each final metric."""
+  lines = ["| setting | seeds | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+  for label, runs in results.items():
+    cells = []
+    for key in keys:
+      mean, std = final(runs, key)
+      fmt = _FORMATS.get(key, ".3f")
+      cells.append(f"{mean:{fmt}}" if key.startswith("comm/") else f"{mean:{fmt}} ± {std:{fmt}}")
+    diverged = sum(r.diverged for r in runs)
+    note = f" ({diverged} diverged)" if diverged else ""
+    lines.append(f"| {label} | {len(runs)}{note} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def plot_sweep(results: Mapping[str, Sequence[Run]], title: str = "",
+               keys: Sequence[str] = ("eval/loss", "replicas/weight_std"), path: str | None = None):
+  """One panel per metric against inner steps, mean over seeds with a ±std band; log scale for weight std."""
+  import matplotlib
+  if path is not None:
+    matplotlib.use("Agg", force=False)
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 3.8), squeeze=False)
+  for ax, key in zip(axes[0], keys):
+    for label, runs in results.items():
+      steps, mean, std = curve(runs, key)
+      if not len(steps):
+        continue
+      line, = ax.plot(steps, mean, marker=".", label=label)
+      ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("inner step")
+    ax.set_ylabel(key)
+    if "weight_std" in key:
+      ax.set_yscale("symlog", linthresh=1e-4)
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=8)
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  if path is not None:
+    fig.savefig(path, dpi=120)
+  return fig
+
+
+def plot_final(series: Mapping[str, Mapping[float, Sequence[Run]]], key: str, xlabel: str, ax=None,
+               logx: bool = False):
+  """Final `key` (mean ± std over seeds) against a swept value, one line per series; diverged runs skipped."""
+  import matplotlib.pyplot as plt
+
+  if ax is None:
+    _, ax = plt.subplots(figsize=(5.2, 3.8))
+  for name, by_x in series.items():
+    xs = sorted(by_x)
+    stats = [final([r for r in by_x[x] if not r.diverged] or by_x[x], key) for x in xs]
+    ax.errorbar(xs, [m for m, _ in stats], yerr=[s for _, s in stats], marker="o", capsize=3, label=name)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(f"final {key}")
+  if logx:
+    ax.set_xscale("log")
+  if "weight_std" in key:
+    ax.set_yscale("log")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  return ax

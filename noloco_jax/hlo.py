@@ -1,0 +1,90 @@
+"""Bytes that a compiled program puts into collectives, read from its HLO text.
+
+Used by the tests (counted bytes = compiled bytes) and experiments/bench_outer.py. Only what XLA
+actually emitted counts: a collective the compiler removed or merged is seen as it really runs.
+
+`collective_bytes(hlo, op)` sums the *operand* bytes of every `op` instruction (sync, or the `-start`
+half of an async pair). Operands, not results: an async `collective-permute-start` returns a tuple
+(input, output, contexts) whose size is twice the message, while its operand is the message itself.
+For `collective-permute`, an operand's bytes are what each source device sends; for `all-reduce`,
+what each device contributes (a ring all-reduce moves ≈ 2·(D−1)/D times that over each device's link).
+
+Caveat: XLA:CPU widens bf16 collectives to f32 after lowering, so a bf16 message shows up as f32
+in the CPU-compiled program; `stablehlo_collective_bytes` reads the lowered (pre-XLA) program instead.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+         "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+OPS = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+_SHAPE = re.compile(r"\b(" + "|".join(BYTES) + r")\[([\d,]*)\]")
+
+
+def shape_bytes(text: str) -> int:
+  """Bytes of every `dtype[d0,d1,...]` shape written in `text`."""
+  return sum(BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+             for dtype, dims in _SHAPE.findall(text))
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?(%?[\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\(")
+
+
+def _operand_text(line: str, start: int) -> str:
+  """The text between the parenthesis at `start` and its matching close."""
+  depth = 0
+  for i in range(start, len(line)):
+    depth += {"(": 1, ")": -1}.get(line[i], 0)
+    if depth == 0:
+      return line[start + 1:i]
+  return line[start + 1:]
+
+
+def collective_ops(hlo_text: str, op: str) -> list[int]:
+  """Operand bytes of each `op` instruction (or `op-start`) in optimized HLO text, in program order.
+
+  Recent XLA prints operands by name only (`collective-permute(%param.2)`), so each operand's shape is
+  looked up from the instruction that defines it (names are unique within an HLO module); operands
+  printed with their shape (older printers) are read directly.
+  """
+  result_shape, found = {}, []
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name, shape, opcode = m.groups()
+    result_shape[name.lstrip("%")] = shape
+    if opcode in (op, op + "-start"):
+      found.append(_operand_text(line, m.end() - 1))
+  sizes = []
+  for operands in found:
+    if _SHAPE.search(operands):
+      sizes.append(shape_bytes(operands))
+    else:
+      names = re.findall(r"%?([\w.\-]+)", operands)
+      sizes.append(sum(shape_bytes(result_shape[n]) for n in names if n in result_shape))
+  return sizes
+
+
+def collective_bytes(hlo_text: str, op: str) -> int:
+  """Sum of the operand bytes of all `op` instructions (e.g. "collective-permute", "all-reduce")."""
+  return sum(collective_ops(hlo_text, op))
+
+
+def all_collective_bytes(hlo_text: str) -> dict[str, int]:
+  """{op: operand bytes} for every collective kind present in the program."""
+  out = {op: collective_bytes(hlo_text, op) for op in OPS}
+  return {op: b for op, b in out.items() if b}
+
+
+def stablehlo_collective_bytes(mlir_text: str, op: str = "collective_permute") -> int:
+  """Operand bytes of `stablehlo.<op>` ops in a lowered program (`jit(f).lower(...).as_text()`)."""
+  sizes = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "ui32": 4}
+  total = 0
+  for dims, dtype in re.findall(r'"stablehlo\.' + op + r'".*?: \(tensor<([\dx]*?)x?(f32|bf16|f16|i32|ui32)>', mlir_text):
+    total += sizes[dtype] * int(np.prod([int(d) for d in dims.split("x") if d] or [1]))
+  return total

@@ -1,0 +1,398 @@
+"""Pipeline parallelism: each replica cut into `num_stages` stages, with random routing between them.
+
+Used when `config.num_stages` = S > 1 (train.build swaps in these step functions); with S = 1 none of
+this runs and the default job is unchanged.
+
+Stages and state layout
+-----------------------
+The mesh is (replica, stage, fsdp) (mesh.make_mesh). The TrainState keeps exactly the tree and the
+shapes of the unpipelined model: every leaf [N, ...] with the replica axis first on `replica`. Only
+the sharding inside a replica changes (`state_shardings`), for θ, the Adam moments, φ and δ alike:
+
+- the stacked layer axis of the scanned blocks (params["layers"], [N, num_layers, ...]) is split over
+  `stage`: stage s holds layers s·L/S … (s+1)·L/S − 1, a contiguous slice;
+- the ends (embedding on the first stage; final norm and output head on the last) are used by one
+  stage each, but an SPMD array must have a block on every device. They are split over `stage`
+  along one of their own dimensions (d_model, normally), ZeRO-style: each device stores 1/S of them
+  and of their optimizer and outer state, and the step all-gathers them over `stage` once (the owner
+  stage uses them) and reduce-scatters their gradients (the transpose of the all-gather, automatic).
+  Why not keep them only where they are used: a stage-dependent pytree cannot be one array; why not
+  replicate them over stages: S copies of the largest leaves (embedding + head are 197M of the small
+  model's 310M parameters with the Llama-3 vocabulary), and every outer round would send them S times.
+  A leaf with no dimension divisible by S stays replicated over `stage`; its gradient is then summed
+  over stages (shard_map inserts the psum when differentiating a stage-invariant input).
+
+Because every parameter lives on exactly one stage (shard), everything outside the inner step works
+unchanged: outer rounds (manual over `replica` only, `stage` automatic) exchange each stage's own
+shards with the same stage of the partner replica, so a replica's message is the sum over its stages
+of its shards, exactly one model (comm/bytes_per_replica unchanged); weight std is computed on the
+logical [N, ...] arrays, i.e. Σ over stages, replicas and parameters as in PAPER.md; checkpoints store
+the same tree as an unpipelined run (a run can resume with another num_stages).
+With fsdp > 1 as well, `stage` and `fsdp` split different dimensions of a leaf (or one jointly,
+stage-major); that combination trains (a NoLoCo smoke run: 2 replicas × 2 stages × 2 fsdp), but
+only fsdp = 1 is checked against a reference in tests/test_pipeline.py.
+
+Schedule: GPipe
+---------------
+A step cuts each replica's batch of B sequences into M micro-batches (config.pipeline.microbatches;
+0 = M = B, one sequence per micro-batch, as the reference code). One `lax.scan` runs T = M + S − 1
+time slots; in slot t stage s processes micro-batch m = t − s (idle when m is out of range): stage 0
+embeds its replica's own tokens, the others take what the previous stage sent; the last stage applies
+the final norm and head and adds the micro-batch's mean cross-entropy / M to the loss of the replica
+it runs on. At the end of each slot every stage but the last sends its output (and the micro-batch's
+targets, so that the last stage can score whatever arrives) to the next stage, all with ONE ppermute
+over the (replica, stage) devices (routing.py). The backward pass is `jax.grad` through the scan: all forwards,
+then all backwards in reverse slot order, the cotangents travelling back through the transposed
+ppermutes, i.e. along exactly the path each micro-batch took (random routing included).
+Bubble: a stage is busy M of the T slots, so the idle fraction is (S − 1)/(M + S − 1), in the forward
+and in the backward pass (S = 2, M = 4: 20%). Activation memory: the scan keeps every slot's
+residuals, M micro-batches per stage (GPipe; `model.remat` recomputes inside the layers).
+Not implemented: 1F1B (same bubble, M-independent activation memory) and interleaved stages.
+
+Communication per inner step and replica (none of it is counted in comm/bytes_per_replica, which is
+the outer exchange): each of the S − 1 non-last stages sends one [b, L, D] activation (+ [b, L] int32
+targets) per slot, T slots (the M useful ones plus S − 1 bubble slots whose values are ignored), and
+the backward pass sends the same cotangents back; plus one all-gather of the ends over `stage` and
+one reduce-scatter of their gradients, both inside the replica.
+
+Routing (routing.py): `fixed` keeps a micro-batch in its replica; `random` sends it to stage s+1 of
+a random replica, a fresh permutation per (step, micro-batch, boundary) drawn from a seeded pool and
+picked by a traced index. Training uses config.pipeline.routing; evaluation always uses fixed routing.
+With random routing, a replica's reported loss is that of the micro-batches its last stage scored.
+A step's routes are a pure function of (seed, state.step): a resumed run replays them exactly, and
+`routing.RouteSchedule.paths(step)` lists them on the host (no log file needed).
+
+Gradient clipping (config.inner.grad_clip, config.pipeline.clip):
+- `per_stage` (the reference): each stage clips the gradient of the parameters it owns (its layers,
+  plus the embedding on the first stage, the final norm and head on the last) to norm ≤ grad_clip;
+- `global`: one norm over the whole replica, as optax.clip_by_global_norm in the unpipelined step.
+The group norms are assembled with one psum over `stage` of an [N, S] vector. train/grad_norm is the
+whole replica's norm before clipping (and before the ddp average), as in the unpipelined step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from noloco_jax import inner
+from noloco_jax import model as model_lib
+from noloco_jax import routing
+from noloco_jax import sharding as sharding_lib
+from noloco_jax.mesh import FSDP, REPLICA, STAGE
+
+CLIPS = ("per_stage", "global")
+# Which stage uses each top-level parameter collection of model.Llama (all others: "layers").
+_OWNER = {"embed": "first", "final_norm": "last", "head": "last"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layout.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _role(path) -> str:
+  """"layers" (split over stages on the layer axis), "first"/"last" (the ends), or "other"."""
+  keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+  if "layers" in keys:
+    return "layers"
+  for name, owner in _OWNER.items():
+    if name in keys:
+      return owner
+  return "other"  # step counters, optimizer counts: scalars per replica, replicated over stages
+
+
+def _entries(path, stacked_shape, num_stages: int, fsdp: int) -> list:
+  """The full PartitionSpec entries of a replica-stacked leaf: fsdp as sharding.py decides, plus `stage`."""
+  base = list(sharding_lib.leaf_spec(tuple(stacked_shape), fsdp))
+  entries = base + [None] * (len(stacked_shape) - len(base))
+  role, shape = _role(path), stacked_shape
+  if role == "layers":
+    dim = 1  # the layer axis, right after the replica axis
+  elif role in ("first", "last"):
+    free = [d for d in range(1, len(shape)) if entries[d] is None and shape[d] % num_stages == 0]
+    joint = [d for d in range(1, len(shape)) if entries[d] == FSDP and shape[d] % (num_stages * fsdp) == 0]
+    dim = (free or joint or [None])[0]
+  else:
+    dim = None
+  if dim is not None:
+    if entries[dim] is None:
+      entries[dim] = STAGE
+    elif shape[dim] % (num_stages * fsdp) == 0:
+      entries[dim] = (STAGE, FSDP)  # stage-major: each stage's block is then split over its fsdp devices
+    elif role == "layers":
+      raise ValueError(f"cannot split the layer axis {shape[dim]} over {num_stages} stages × {fsdp} fsdp devices.")
+  return entries
+
+
+def _stage_dim(entries) -> int | None:
+  for d, e in enumerate(entries):
+    if e == STAGE or (isinstance(e, tuple) and STAGE in e):
+      return d
+  return None
+
+
+def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
+  """NamedSharding per leaf of the replica-stacked state, split over `stage` as the docstring says."""
+  S, F = mesh.shape[STAGE], sharding_lib.fsdp_size(mesh)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: NamedSharding(mesh, P(*_entries(path, x.shape, S, F))), abstract_state)
+
+
+def _manual_specs(tree: Any, num_stages: int, fsdp: int) -> Any:
+  """in/out specs for the shard_map manual over (replica, stage): fsdp is automatic, so it is left out."""
+  def spec(path, x):
+    entries = _entries(path, x.shape, num_stages, fsdp)
+    return P(*[STAGE if d == _stage_dim(entries) else (REPLICA if d == 0 else None) for d in range(len(entries))])
+  return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def _stage_dims(tree: Any, num_stages: int, fsdp: int) -> Any:
+  return jax.tree_util.tree_map_with_path(lambda path, x: _stage_dim(_entries(path, x.shape, num_stages, fsdp)), tree)
+
+
+def replicated_leaves(abstract_params: Any, num_stages: int, fsdp: int = 1) -> list[str]:
+  """Parameter leaves stored on every stage (no dimension divisible by S): sent S times per round."""
+  dims = _stage_dims(abstract_params, num_stages, fsdp)
+  return [jax.tree_util.keystr(p) for p, d in jax.tree_util.tree_flatten_with_path(dims)[0] if d is None]
+
+
+def make_optimizer(inner_cfg: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:
+  """inner.make_optimizer without its clipping (the pipeline clips across stages itself).
+
+  The clipping transform is replaced by `identity`, whose state is the same EmptyState: the optimizer
+  state keeps the unpipelined tree, so checkpoints stay interchangeable across num_stages.
+  """
+  no_clip = inner_cfg.copy_and_resolve_references()
+  no_clip.grad_clip = 0.0
+  base = inner.make_optimizer(no_clip, num_steps)
+  return optax.chain(optax.identity(), base) if inner_cfg.grad_clip > 0 else base
+
+
+# ---------------------------------------------------------------------------------------------------
+# The schedule, for the k replicas (of one stage) a device holds, inside shard_map(replica, stage).
+# ---------------------------------------------------------------------------------------------------
+
+
+def _vary(x, axes=(REPLICA, STAGE)):
+  """x typed as varying over `axes` (shard_map's check): scan carries and cond branches must agree."""
+  have = jax.typeof(x).manual_axis_type.varying
+  missing = tuple(a for a in axes if a not in have)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _gather_ends(params_k, stage_dims):
+  """Every leaf whole: the stage-split ends are all-gathered over `stage`. Layer slices stay local.
+
+  `all_gather` returns a stage-varying value, so its transpose in the backward pass is a
+  reduce-scatter (psum_scatter): each stage receives only its shard of the summed end gradients.
+  """
+  def gather(path, x, dim):
+    if dim is None or _role(path) == "layers":
+      return x
+    return jax.lax.all_gather(x, STAGE, axis=dim, tiled=True)
+  return jax.tree_util.tree_map_with_path(gather, params_k, stage_dims)
+
+
+def make_forward(model_cfg: model_lib.LlamaConfig, num_stages: int, router: Callable) -> Callable:
+  """forward(params_k, tokens_kxMxbxL1, offset) -> loss_k: the GPipe forward of one device.
+
+  params_k: layer leaves are this stage's [k, L/S, ...] slices, the ends whole (gathered). loss_k is
+  the mean over micro-batches of the loss scored on this device, non-zero on the last stage only.
+  """
+  S = num_stages
+  llama = model_lib.Llama(model_cfg)
+  stage_layers = model_lib.Layers(model_cfg, model_cfg.num_layers // S)
+
+  def embed_k(params, tokens_kxbxL):
+    return jax.vmap(lambda p, t: llama.apply({"params": {"embed": p}}, t, method=model_lib.Llama.embed_tokens))(
+        params["embed"], tokens_kxbxL)
+
+  def layers_k(params, x_kxbxLxD):
+    return jax.vmap(lambda p, x: stage_layers.apply({"params": p}, x))(params["layers"], x_kxbxLxD)
+
+  def loss_k(params, y_kxbxLxD, targets_kxbxL):
+    def one(norm, head, y, t):
+      logits = llama.apply({"params": {"final_norm": norm, "head": head}}, y, method=model_lib.Llama.logits)
+      return model_lib.cross_entropy(logits, t)
+    return jax.vmap(one)(params["final_norm"], params["head"], y_kxbxLxD, targets_kxbxL)
+
+  def forward(params, tokens_kxMxbxL1, offset):
+    k, M, b, L1 = tokens_kxMxbxL1.shape
+    s = jax.lax.axis_index(STAGE)
+    first, last = s == 0, s == S - 1
+
+    def slot(carry, t):
+      x_in, targets_in = carry
+      m = t - s  # the micro-batch this stage works on in slot t
+      valid = (m >= 0) & (m < M)
+      tokens = jax.lax.dynamic_index_in_dim(tokens_kxMxbxL1, jnp.clip(m, 0, M - 1), axis=1, keepdims=False)
+      # lax.cond, not jnp.where: only the first stage pays for the embedding, only the last for the head.
+      x = jax.lax.cond(first, lambda: _vary(embed_k(params, tokens[..., :-1])), lambda: x_in)
+      targets = jnp.where(first, tokens[..., 1:], targets_in)
+      y = layers_k(params, x)
+      loss = jax.lax.cond(last, lambda: _vary(loss_k(params, y, targets)),
+                          lambda: _vary(jnp.zeros((k,), jnp.float32)))
+      loss = jnp.where(valid, loss, 0.0)
+      # Hand the output to the next stage (of the same or a random replica): the slot's only collective.
+      return router((y, targets), t, offset), loss
+
+    init = (_vary(jnp.zeros((k, b, L1 - 1, model_cfg.d_model), model_cfg.dtype)),
+            _vary(jnp.zeros((k, b, L1 - 1), tokens_kxMxbxL1.dtype)))
+    _, loss_Txk = jax.lax.scan(slot, init, jnp.arange(M + S - 1))
+    return jnp.sum(loss_Txk, axis=0) / M
+
+  return forward
+
+
+def _group_sq_norms(grads, roles, stage_dims, num_stages: int):
+  """[k, S]: squared gradient norm of the parameters each stage owns, identical on every device."""
+  S = num_stages
+  s = jax.lax.axis_index(STAGE)
+  stages = jnp.arange(S)
+  total = None
+  dims = jax.tree.leaves(stage_dims, is_leaf=lambda x: x is None)  # None = replicated over stages
+  for g, role, dim in zip(jax.tree.leaves(grads), jax.tree.leaves(roles), dims):
+    sq = jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
+    if dim is None:
+      sq = sq / S  # the same full gradient on every stage: the psum below counts it S times
+    owner = {"layers": s, "first": 0, "last": S - 1}.get(role, 0)
+    term = _vary(sq[:, None] * (stages == owner)[None, :].astype(jnp.float32))
+    total = term if total is None else total + term
+  return jax.lax.psum(total, STAGE)
+
+
+def _clip(grads, roles, group_sq, max_norm: float, mode: str, num_stages: int):
+  """Scales each gradient leaf as optax.clip_by_global_norm would, per owner stage or over all stages."""
+  s = jax.lax.axis_index(STAGE)
+  if mode == "global":
+    norm = jnp.sqrt(jnp.sum(group_sq, axis=1))  # [k]
+    norms = {"layers": norm, "first": norm, "last": norm}
+  else:
+    per_stage = jnp.sqrt(group_sq)  # [k, S]
+    norms = {"layers": per_stage[:, s], "first": per_stage[:, 0], "last": per_stage[:, num_stages - 1]}
+
+  def scale(g, role):
+    norm = norms.get(role, norms["first"]).reshape((-1,) + (1,) * (g.ndim - 1))
+    return jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm)
+
+  return jax.tree.map(scale, grads, roles)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The jittable step functions (the drop-ins train.build uses).
+# ---------------------------------------------------------------------------------------------------
+
+
+def num_microbatches(config: ml_collections.ConfigDict) -> int:
+  return int(config.pipeline.microbatches) or int(config.data.batch_size)
+
+
+def route_schedule(config: ml_collections.ConfigDict, mode: str | None = None) -> routing.RouteSchedule:
+  return routing.RouteSchedule(seed=config.seed, num_replicas=config.num_replicas, num_stages=config.num_stages,
+                               num_microbatches=num_microbatches(config), mode=mode or config.pipeline.routing,
+                               pool_size=config.pipeline.route_pool)
+
+
+def make_grads_fn(config: ml_collections.ConfigDict, model_cfg: model_lib.LlamaConfig, mesh: Mesh,
+                  schedule: routing.RouteSchedule | None = None):
+  """grads_fn(params_k, batch_kxBxL1, step_k) -> (loss_k, grads) inside shard_map(replica, stage).
+
+  loss_k is summed over stages (the last stage's loss), grads are this device's shards. Exposed for
+  the tests, which compare it with the unpipelined gradients.
+  """
+  S, F = mesh.shape[STAGE], sharding_lib.fsdp_size(mesh)
+  schedule = schedule or route_schedule(config)
+  forward = make_forward(model_cfg, S, routing.make_slot_router(schedule, mesh.shape[REPLICA]))
+  M = num_microbatches(config)
+
+  def grads_fn(params, batch_kxBxL1, step_k, global_shapes):
+    stage_dims = _stage_dims(global_shapes, S, F)
+    k, B, L1 = batch_kxBxL1.shape
+    tokens = batch_kxBxL1.reshape(k, M, B // M, L1)
+    # The route of this step: every replica has taken the same number of steps, so every device
+    # computes the same offset (and takes the same switch branches) without communicating.
+    offset = schedule.offset_traced(step_k[0])
+
+    def loss_fn(p):
+      loss_k = forward(_gather_ends(p, stage_dims), tokens, offset)
+      return jnp.sum(loss_k), loss_k
+
+    (_, loss_k), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    # Only the last stage scored anything: the sum over stages is the replica's loss (N floats).
+    return jax.lax.psum(loss_k, STAGE), grads
+
+  return grads_fn
+
+
+def make_inner_step(config: ml_collections.ConfigDict, model_cfg: model_lib.LlamaConfig, mesh: Mesh,
+                    reduce_grads: Callable | None = None) -> Callable:
+  """step(state without outer, batch [N, B, L+1]) -> (state, {"loss": [N], "grad_norm": [N]})."""
+  S, F = mesh.shape[STAGE], sharding_lib.fsdp_size(mesh)
+  grads_fn = make_grads_fn(config, model_cfg, mesh)
+  optimizer = make_optimizer(config.inner, config.num_steps)
+  max_norm, mode = float(config.inner.grad_clip), config.pipeline.clip
+
+  def local(state, batch_kxBxL1, global_shapes):
+    roles = jax.tree_util.tree_map_with_path(lambda p, x: _role(p), global_shapes)
+    stage_dims = _stage_dims(global_shapes, S, F)
+    loss_k, grads = grads_fn(state.params, batch_kxBxL1, state.step, global_shapes)
+    group_sq = _group_sq_norms(grads, roles, stage_dims, S)
+    grad_norm_k = jnp.sqrt(jnp.sum(group_sq, axis=1))
+    if reduce_grads is not None:  # ddp: per stage, each device averages its own shards over `replica`
+      grads = reduce_grads(grads)
+      group_sq = _group_sq_norms(grads, roles, stage_dims, S)
+    if max_norm > 0:
+      grads = _clip(grads, roles, group_sq, max_norm, mode, S)
+    # Adam is elementwise: each device updates its own shards (layer slice, 1/S of the ends).
+    state = jax.vmap(inner.apply_grads, in_axes=(0, 0, None))(state, grads, optimizer)
+    return state, {"loss": loss_k, "grad_norm": grad_norm_k}
+
+  def step(state, batch):
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
+    specs = _manual_specs(state, S, F)
+    fn = jax.shard_map(functools.partial(local, global_shapes=shapes), mesh=mesh,
+                       in_specs=(specs, P(REPLICA)), out_specs=(specs, P(REPLICA)),
+                       axis_names={REPLICA, STAGE})
+    return fn(state, batch)
+
+  return step
+
+
+def make_eval_step(config: ml_collections.ConfigDict, model_cfg: model_lib.LlamaConfig, mesh: Mesh) -> Callable:
+  """eval(params, batch [B, L+1]) -> loss [N]: every replica scores the batch with its own weights.
+
+  Always fixed routing (each replica's own stages in order), whatever the training routing.
+  """
+  S, F = mesh.shape[STAGE], sharding_lib.fsdp_size(mesh)
+  forward = make_forward(model_cfg, S, routing.make_slot_router(route_schedule(config, "fixed"), mesh.shape[REPLICA]))
+  micro = config.data.batch_size // num_microbatches(config)  # sequences per micro-batch, as in training
+
+  def local(params, batch_BxL1, global_shapes):
+    k = jax.tree.leaves(params)[0].shape[0]
+    B, L1 = batch_BxL1.shape
+    b = micro if B % micro == 0 else 1
+    tokens = jnp.broadcast_to(batch_BxL1.reshape(1, B // b, b, L1), (k, B // b, b, L1))
+    loss_k = forward(_gather_ends(params, _stage_dims(global_shapes, S, F)), tokens, jnp.int32(0))
+    return jax.lax.psum(loss_k, STAGE)
+
+  def evaluate(params, batch_BxL1):
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    fn = jax.shard_map(functools.partial(local, global_shapes=shapes), mesh=mesh,
+                       in_specs=(_manual_specs(params, S, F), P()), out_specs=P(REPLICA),
+                       axis_names={REPLICA, STAGE})
+    return fn(params, batch_BxL1)
+
+  return evaluate
+
+
+def bubble_fraction(num_stages: int, num_microbatches_: int) -> float:
+  """GPipe's idle fraction of each stage: (S − 1) / (M + S − 1)."""
+  return (num_stages - 1) / (num_microbatches_ + num_stages - 1)

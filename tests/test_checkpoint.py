@@ -1,0 +1,347 @@
+"""Checkpoints: exact resume after SIGKILL and SIGTERM, corrupt-checkpoint fallback, the NaN policies,
+restoring onto fewer devices, warm start.
+
+Every run is the smoke config (8 replicas of a tiny Llama on 8 fake CPU devices) for STEPS steps.
+Compilation dominates the cost, so the module shares one persistent compilation cache (in-process and
+with its subprocesses) and one uninterrupted reference run that the resumed runs must reproduce; a
+pool of 4 pairings (not 32) keeps the outer step's program small. Where a test needs only what a
+restore returns, it restores onto an abstract state (no compilation) and stops there: the exactness
+of training on from a restore is checked once, by the SIGKILL test.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import default
+from noloco_jax import checkpoint
+from noloco_jax import mesh as mesh_lib
+from noloco_jax import metrics as metrics_lib
+from noloco_jax import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 36  # H = 3, logs every 3 steps, evaluates every 6: twelve rounds
+FLAGS = [f"--config.num_steps={STEPS}", "--config.checkpoint_every=2", "--config.outer.pairing_pool=4"]
+START_TIMEOUT_S = 300  # a cold start compiles everything; the machine may be shared
+
+
+def smoke(**fields):
+  config = default.get_config("smoke")
+  config.num_steps, config.checkpoint_every, config.outer.pairing_pool = STEPS, 2, 4
+  for dotted, value in fields.items():
+    *parents, leaf = dotted.split("__")
+    node = config
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return config
+
+
+def rows(workdir) -> list[dict]:
+  """metrics.jsonl without timing metrics (the only ones allowed to differ between runs)."""
+  return [{k: v for k, v in r.items() if not k.startswith("perf/")}
+          for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
+
+
+def restore_only(workdir, **fields):
+  """(setup, state, resume) as a run on `workdir` would start; compiles nothing, reads no data."""
+  setup = train.build(smoke(**fields))
+  state, resume = checkpoint.Checkpointer(setup, workdir).restore(jax.eval_shape(setup.init_state), _AnyData())
+  return setup, state, resume
+
+
+class _AnyData:
+  """Stands in for the data iterator: checks that the checkpoint positions every replica."""
+
+  def set_state(self, state):
+    assert set(state["replicas"]) == {str(r) for r in range(8)}
+
+
+def checkpoint_steps(workdir) -> list[int]:
+  return sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit())
+
+
+def wait_for_background_saves(workdir, timeout_s: float = 60) -> None:
+  root, deadline = os.path.join(workdir, "checkpoints"), time.time() + timeout_s
+  while [n for n in os.listdir(root) if "tmp" in n] and time.time() < deadline:
+    time.sleep(0.05)
+
+
+def copy_run(src, dst) -> str:
+  shutil.copytree(src, dst)
+  return str(dst)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  """One persistent compilation cache for this module's runs, in-process and in subprocesses."""
+  path = str(tmp_path_factory.mktemp("jax_cache"))
+  options = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0,
+             "jax_persistent_cache_min_entry_size_bytes": -1}
+  saved = {k: getattr(jax.config, k) for k in options}
+  for k, v in options.items():
+    jax.config.update(k, v)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
+             **{k.upper(): str(v) for k, v in options.items()})
+  yield env
+  for k, v in saved.items():
+    jax.config.update(k, v)
+
+
+@pytest.fixture(scope="module")
+def reference(cache, tmp_path_factory):
+  """The uninterrupted run: its workdir and final state."""
+  del cache
+  workdir = str(tmp_path_factory.mktemp("reference"))
+  result = train.train_and_evaluate(smoke(), workdir)
+  return workdir, result["state"]
+
+
+def launch(workdir, env, *flags) -> tuple[subprocess.Popen, str]:
+  log = os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + ".log")
+  with open(log, "w") as out:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "noloco_jax.main", "--config=configs/default.py:smoke", f"--workdir={workdir}",
+         *FLAGS, *flags], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+  return proc, log
+
+
+def wait_for_train_row(workdir, proc, log, min_step: int) -> int:
+  """Polls metrics.jsonl until a train/loss row with step ≥ min_step appears; returns that step."""
+  path, deadline = os.path.join(workdir, "metrics.jsonl"), time.time() + START_TIMEOUT_S
+  while time.time() < deadline:
+    if os.path.exists(path):
+      with open(path) as f:
+        for line in f:
+          try:
+            row = json.loads(line)
+          except json.JSONDecodeError:
+            continue  # a line being written
+          if "train/loss" in row and row["step"] >= min_step:
+            return row["step"]
+    if proc.poll() is not None:
+      pytest.fail(f"the run ended (exit {proc.returncode}) before step {min_step}:\n{open(log).read()[-3000:]}")
+    time.sleep(0.02)
+  proc.kill()
+  pytest.fail(f"no train row with step ≥ {min_step} within {START_TIMEOUT_S} s:\n{open(log).read()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def killed(cache, tmp_path_factory):
+  """A run of `python -m noloco_jax.main` killed with SIGKILL mid-run: a pristine copy of its workdir."""
+  workdir = str(tmp_path_factory.mktemp("killed") / "run")
+  proc, log = launch(workdir, cache)
+  step = wait_for_train_row(workdir, proc, log, min_step=9)
+  assert proc.poll() is None, "the run finished before it could be killed"
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert checkpoint_steps(workdir), f"no checkpoint finished before the kill at step ≥ {step}"
+  return copy_run(workdir, tmp_path_factory.mktemp("killed_copy") / "run")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exact resume.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_sigkill_then_restart_reproduces_the_uninterrupted_metrics(reference, killed, tmp_path, caplog):
+  workdir = copy_run(killed, tmp_path / "run")
+  restored = checkpoint_steps(workdir)[-1]
+  killed_rows = rows(workdir)
+  with caplog.at_level("INFO"):
+    train.train_and_evaluate(smoke(), workdir)  # the restart (in-process: the same code as main)
+  assert f"resumed from step {restored}" in caplog.text
+  late = [r for r in killed_rows if r["step"] > restored]
+  if late:  # rows the killed run wrote after its last checkpoint: dropped, never silently
+    assert f"dropped {len(late)} row(s)" in caplog.text
+  assert rows(workdir) == rows(reference[0])  # bitwise: every loss, eval and comm figure
+
+
+def test_sigterm_saves_the_step_reached_and_exits_0(reference, cache, tmp_path):
+  workdir = str(tmp_path / "run")
+  proc, log = launch(workdir, cache, "--config.checkpoint_every=0")  # no save but the preemption one
+  wait_for_train_row(workdir, proc, log, min_step=3)
+  proc.send_signal(signal.SIGSTOP)  # freeze it, so that the signal lands mid-run however fast it is
+  reached = max(r["step"] for r in rows(workdir))
+  proc.send_signal(signal.SIGTERM)
+  proc.send_signal(signal.SIGCONT)
+  assert proc.wait(timeout=120) == 0, open(log).read()[-3000:]
+  assert "Stop requested: saved a checkpoint at step" in open(log).read()
+
+  (saved,) = checkpoint_steps(workdir)
+  assert reached <= saved < STEPS  # the step it was in (plus at most the one the signal interrupted)
+  assert max(r["step"] for r in rows(workdir)) <= saved
+  with open(os.path.join(workdir, "checkpoints", str(saved), "meta", "metadata")) as f:
+    meta = json.load(f)
+  assert meta["step"] == saved and meta["round"] == saved // 3
+  assert meta["pairing"]["mode"] == "pool" and meta["pairing"]["round"] == saved // 3
+
+  _, _, resume = restore_only(workdir, checkpoint_every=0)
+  assert resume.step == saved and resume.pending[0] == list(range(saved // 3 * 3 + 1, saved + 1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Failures: a corrupt checkpoint, a different setup, NaN.
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax, after a failed read
+def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(killed, tmp_path, caplog):
+  workdir = copy_run(killed, tmp_path / "run")
+  root = os.path.join(workdir, "checkpoints")
+  steps = checkpoint_steps(workdir)
+  assert len(steps) >= 2, steps
+  latest, previous = steps[-1], steps[-2]
+  data = os.path.join(root, str(latest), "state", "d")  # the merged array data that restore reads
+  biggest = max((os.path.join(data, n) for n in os.listdir(data)), key=os.path.getsize)
+  with open(biggest, "r+b") as f:
+    f.truncate(os.path.getsize(biggest) // 2)
+  # And a write interrupted before orbax's rename: never a candidate, cleaned up at start.
+  os.makedirs(os.path.join(root, f"{latest + 2}.orbax-checkpoint-tmp", "state"))
+
+  with caplog.at_level("INFO"):
+    _, _, resume = restore_only(workdir)
+  assert f"step {latest} in {root} is not readable" in caplog.text
+  assert resume.step == previous and f"resumed from step {previous}" in caplog.text
+  assert [n.split("-")[0] for n in os.listdir(os.path.join(workdir, "checkpoints_corrupt"))] == [str(latest)]
+  assert checkpoint_steps(workdir) == steps[:-1]  # the older good ones untouched; `latest` may be saved again
+  assert not [n for n in os.listdir(root) if "tmp" in n]
+
+
+def test_a_checkpoint_of_another_setup_is_an_error_not_a_fallback(reference, tmp_path):
+  workdir = copy_run(reference[0], tmp_path / "run")
+  before = checkpoint_steps(workdir)
+  with pytest.raises(checkpoint.IncompatibleCheckpointError, match="another shape"):
+    restore_only(workdir, model__d_model=64)
+  with pytest.raises(checkpoint.IncompatibleCheckpointError, match="another pairing schedule"):
+    restore_only(workdir, outer__pairing="fresh")
+  assert checkpoint_steps(workdir) == before  # nothing moved aside
+
+
+def poison_step(monkeypatch, call: int, replica: int) -> None:
+  """Makes the `call`-th inner step return NaN for `replica`: its loss and its weights."""
+  real_build = train.build
+
+  def build(config, *args, **kwargs):
+    setup = real_build(config, *args, **kwargs)
+    real_step, calls = setup.inner_step, [0]
+
+    def inner_step(state, batch):
+      state, metrics = real_step(state, batch)
+      calls[0] += 1
+      if calls[0] == call:
+        nan_at = lambda x: jax.device_put(x.at[replica].set(np.nan), x.sharding)
+        metrics = {**metrics, "loss": nan_at(metrics["loss"])}
+        state = state.replace(params=jax.tree.map(nan_at, state.params))
+      return state, metrics
+
+    setup.inner_step = inner_step
+    return setup
+
+  monkeypatch.setattr(train, "build", build)
+
+
+def test_nan_stops_the_run_before_saving_naming_step_and_replica(cache, monkeypatch, tmp_path):
+  del cache
+  poison_step(monkeypatch, call=5, replica=3)
+  workdir = str(tmp_path / "run")
+  # Checkpoints every step, logs every 3: the check before the save of step 5 is the one that fires.
+  with pytest.raises(FloatingPointError, match=r"at step 5 on replica 3"):
+    train.train_and_evaluate(smoke(checkpoint_every=1), workdir)
+  wait_for_background_saves(workdir)  # (main's exit would wait for them too)
+  assert checkpoint_steps(workdir)[-1] == 4  # the last good one, complete and untouched
+  monkeypatch.undo()
+  _, state, resume = restore_only(workdir)
+  assert resume.step == 4 and all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+
+
+def test_skip_round_undoes_the_round_and_goes_on(cache, monkeypatch, tmp_path, caplog):
+  del cache
+  poison_step(monkeypatch, call=5, replica=3)  # step 5: inside the round of steps 4-6
+  with caplog.at_level("WARNING"):
+    result = train.train_and_evaluate(smoke(nan_policy="skip_round", checkpoint_every=6), str(tmp_path))
+  assert result["history"]["skipped_rounds"] == [[4, 6]]
+  assert "undoing the round of steps 4-6 (loss nan at step 5 on replica 3)" in caplog.text
+  state = result["state"]
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+  # The three undone steps are not counted by the replicas (their learning-rate schedule included).
+  np.testing.assert_array_equal(np.asarray(state.step), STEPS - 3)
+  logged = {r["step"]: r for r in rows(str(tmp_path)) if "train/loss" in r}
+  assert logged[6]["train/loss"] == "nan" and np.isfinite(logged[9]["train/loss"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Another layout; warm start.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_restore_onto_fewer_devices_continues_the_same_run(reference, killed, tmp_path):
+  """8 replicas saved from 8 devices, trained on from 4 devices holding 2 replicas each.
+
+  The numbers agree to float32 round-off (rtol 1e-5): the per-replica math is the same, but XLA may
+  fuse a program holding k replicas per device differently.
+  """
+  workdir = copy_run(killed, tmp_path / "run")
+  train.train_and_evaluate(smoke(num_devices=4), workdir)
+  got, want = rows(workdir), rows(reference[0])
+  assert [sorted(r) for r in got] == [sorted(r) for r in want]
+  for g, w in zip(got, want):
+    for key, value in w.items():
+      np.testing.assert_allclose(g[key], value, rtol=1e-5, atol=1e-7, err_msg=f"{key} at step {w['step']}")
+
+
+def test_restore_onto_two_devices_is_bitwise(reference, tmp_path):
+  """The final checkpoint of the reference run, restored onto 2 devices (4 replicas each)."""
+  ref_dir, ref_state = reference
+  setup, state, resume = restore_only(copy_run(ref_dir, tmp_path / "run"), num_devices=2)
+  assert resume.step == STEPS and setup.mesh.devices.size == 2
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+    assert got.sharding == mesh_lib.replica_sharding(setup.mesh)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_warm_start_takes_the_weights_and_starts_fresh(reference, tmp_path):
+  ref_dir, ref_state = reference
+  setup = train.build(smoke(checkpoint__warm_start=ref_dir))
+  state, resume = checkpoint.Checkpointer(setup, str(tmp_path)).restore(setup.init_state(), train_iter=None)
+  assert resume is None
+  for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  for got, want in zip(jax.tree.leaves(state.outer["slow"]), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert all(not np.asarray(x).any() for x in jax.tree.leaves(state.outer["momentum"]))
+  assert not np.asarray(state.step).any()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers, without training.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_unlogged_metrics_round_trip_bitwise_through_json():
+  rng = np.random.default_rng(0)
+  metrics = [{"loss": rng.normal(size=8).astype(np.float32) * 1e3, "grad_norm": rng.random(8, np.float32)}
+             for _ in range(2)]
+  rounds = [({"pseudo_grad_norm": rng.random(8, np.float32)}, np.float32(rng.random()))]
+  record = json.loads(json.dumps(checkpoint.pending_to_host([4, 5], metrics, rounds)))
+  steps, metrics2, rounds2 = checkpoint.pending_from_host(record)
+  assert steps == [4, 5]
+  for a, b in zip(jax.tree.leaves((metrics, rounds)), jax.tree.leaves((metrics2, rounds2))):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+def test_drop_rows_after_keeps_earlier_rows_and_counts_a_cut_line(tmp_path):
+  path = str(tmp_path / "metrics.jsonl")
+  with open(path, "w") as f:
+    f.write('{"step": 0, "a": 1}\n{"step": 3, "a": 2}\n{"step": 6, "a": 3}\n{"step": 9, "a"')
+  assert checkpoint.drop_rows_after(path, 3) == 2
+  assert [r["step"] for r in metrics_lib.read_jsonl(path)] == [0, 3]
+  assert checkpoint.drop_rows_after(path, 3) == 0

@@ -1,0 +1,195 @@
+"""Multi-process jobs over loopback: 2 processes × 4 fake CPU devices against 1 process × 8 devices.
+
+The 2-process jobs run as real subprocesses (noloco_jax.launch_local, gloo collectives over
+127.0.0.1); the 1-process runs are in this pytest process, whose 8 fake devices come from conftest.py.
+
+Tolerance: every metric of the 2-process job equals the 1-process one to rtol 1e-5. Observed: all
+values are bitwise equal except `replicas/weight_std`, whose cross-replica all-reduce sums in another
+order across processes (≈ 6e-8 relative). The NoLoCo state itself only moves through ppermute, so
+the weights are bitwise equal.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import default
+from noloco_jax import distributed
+from noloco_jax import launch_local
+from noloco_jax import mesh as mesh_lib
+from noloco_jax import metrics as metrics_lib
+from noloco_jax import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RTOL = 1e-5
+# Overrides on top of `smoke`: checkpoints after steps 6 and 12, synchronous so the test can rely on
+# a step being on disk as soon as the run passes it.
+OVERRIDES = {"checkpoint_every": 6, "checkpoint.async_save": False}
+
+
+def _config(**extra):
+  config = default.get_config("smoke")
+  for key, value in {**OVERRIDES, **extra}.items():
+    node = config
+    *path, last = key.split(".")
+    for part in path:
+      node = node[part]
+    node[last] = value
+  return config
+
+
+def _flags(workdir, **extra):
+  return ["--config=configs/default.py:smoke", f"--workdir={workdir}"] + [
+      f"--config.{k}={v}" for k, v in {**OVERRIDES, **extra}.items()]
+
+
+def _start(workdir, log_dir, num_processes=2, devices=4, heartbeat_s=10, **extra):
+  return launch_local.Job(num_processes, devices, _flags(workdir, **extra), log_dir=str(log_dir), cwd=REPO,
+                          env={"NOLOCO_HEARTBEAT_TIMEOUT_S": str(heartbeat_s)})
+
+
+def _logs(job) -> str:
+  out = []
+  for path in job.log_paths:
+    with open(path) as f:
+      out.append(f"==== {path}\n" + "".join(f.readlines()[-40:]))
+  return "\n".join(out)
+
+
+def _rows(workdir):
+  return [{k: v for k, v in row.items() if not k.startswith("perf/")}
+          for row in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
+
+
+def _assert_same_metrics(got, want):
+  assert [r["step"] for r in got] == [r["step"] for r in want]
+  for g, w in zip(got, want):
+    assert g.keys() == w.keys(), (g, w)
+    for key in w:
+      np.testing.assert_allclose(g[key], w[key], rtol=RTOL, err_msg=f"step {w['step']} {key}")
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+  """The 2 × 4 job, run once: (workdir, job)."""
+  root = tmp_path_factory.mktemp("mp2")
+  workdir = root / "run"
+  job = _start(workdir, root / "logs")
+  codes = job.wait(timeout_s=480, grace_s=30)
+  assert codes == [0, 0], _logs(job)
+  return str(workdir), job
+
+
+def test_two_processes_match_one_process_and_resume_in_one(two_process_run, tmp_path):
+  workdir2, job = two_process_run
+  with open(job.log_paths[0]) as f:
+    log0 = f.read()
+  assert "process 1: devices" in log0 and "2 processes agree" in log0  # the layout and the start-up check
+  assert not os.path.exists(os.path.join(workdir2, "process_1")), "only process 0 writes metrics"
+
+  one = train.train_and_evaluate(_config(), str(tmp_path / "one"))
+  _assert_same_metrics(_rows(workdir2), _rows(tmp_path / "one"))
+
+  # The 2-process checkpoint of step 6 resumes in one process and ends where the 1-process run ended.
+  resumed_dir = tmp_path / "resumed"
+  shutil.copytree(workdir2, resumed_dir)
+  shutil.rmtree(resumed_dir / "checkpoints" / "12")
+  resumed = train.train_and_evaluate(_config(), str(resumed_dir))
+  _assert_same_metrics(_rows(resumed_dir), _rows(tmp_path / "one"))
+  for a, b in zip(_host_leaves(resumed["state"].params), _host_leaves(one["state"].params)):
+    np.testing.assert_array_equal(a, b)  # NoLoCo moves values only by ppermute: bitwise equal
+
+
+def _host_leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(mesh_lib.fetch(tree))]
+
+
+def test_a_killed_process_ends_the_job_quickly_and_the_checkpoint_stays_valid(tmp_path):
+  workdir = tmp_path / "run"
+  job = _start(workdir, tmp_path / "logs", heartbeat_s=10, num_steps=100_000, checkpoint_every=3)
+  ckpt_dir = workdir / "checkpoints"
+  deadline = time.time() + 420
+  while not (ckpt_dir.is_dir() and len([d for d in os.listdir(ckpt_dir) if d.isdigit()]) >= 2):
+    assert time.time() < deadline and all(p.poll() is None for p in job.procs), _logs(job)
+    time.sleep(0.5)
+  job.procs[1].send_signal(signal.SIGKILL)
+  killed_at = time.time()
+  try:
+    rc0 = job.procs[0].wait(timeout=90)
+  except Exception:  # pylint: disable=broad-except
+    job.wait(timeout_s=0, grace_s=0)
+    raise AssertionError("process 0 did not exit within 90 s of its peer's death:\n" + _logs(job))
+  elapsed = time.time() - killed_at
+  job.wait(timeout_s=0, grace_s=5)
+  assert rc0 != 0, _logs(job)
+  # Bound: the broken link fails process 0's next collective at once; failing that, the heartbeat
+  # timeout (10 s here) ends it. 45 s leaves room for a loaded 2-core machine.
+  assert elapsed < 45, f"process 0 took {elapsed:.1f} s to exit\n" + _logs(job)
+  with open(job.log_paths[0]) as f:
+    log0 = f.read()
+  assert "Process 0 of 2 failed" in log0 or "distributed service detected fatal errors" in log0, _logs(job)
+
+  # Whatever was on disk at the kill restores: the latest committed step resumes in one process.
+  steps = sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
+  latest = steps[-1]
+  result = train.train_and_evaluate(_config(num_steps=latest + 3, checkpoint_every=3), str(workdir))
+  assert result["history"]["eval"][-1]["step"] == latest + 3
+  assert _rows(workdir)[-1]["step"] == latest + 3
+
+
+def test_mismatched_processes_fail_the_start_up_check(tmp_path):
+  """Process 1 runs another seed: both processes stop with an error naming the differing fields."""
+  root = tmp_path
+  port = launch_local.free_port()
+  procs = []
+  for pid, seed in ((0, 0), (1, 1)):
+    env = launch_local.process_env(pid, 2, 4, port, {"NOLOCO_HEARTBEAT_TIMEOUT_S": "10"})
+    with open(root / f"p{pid}.log", "w") as log:
+      procs.append(subprocess.Popen([sys.executable, "-m", "noloco_jax.main"] + _flags(root / "run", seed=seed),
+                                    env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+  codes = [p.wait(timeout=420) for p in procs]
+  logs = "".join(open(root / f"p{i}.log").read() for i in range(2))
+  assert all(c != 0 for c in codes), logs
+  assert "ConsistencyError" in logs and "seed differs: processes [0] have '0'; processes [1] have '1'" in logs, logs
+
+
+def test_options_resolve_flags_then_environment_then_defaults():
+  env = {"NOLOCO_COORDINATOR_ADDRESS": "10.0.0.1:1234", "NOLOCO_NUM_PROCESSES": "4", "NOLOCO_PROCESS_ID": "3"}
+  opts = distributed.resolve_options(env, process_id=2)
+  assert (opts.coordinator_address, opts.num_processes, opts.process_id) == ("10.0.0.1:1234", 4, 2)
+  assert opts.heartbeat_timeout_s == distributed.Options.heartbeat_timeout_s
+  assert distributed.plan(opts)[0]
+  assert not distributed.plan(distributed.resolve_options({}, num_processes=1))[0]
+  assert not distributed.plan(distributed.resolve_options({"NOLOCO_DISTRIBUTED": "off"}, num_processes=4))[0]
+  with pytest.raises(ValueError, match="NOLOCO_NUM_PROCESSES"):
+    distributed.resolve_options({"NOLOCO_NUM_PROCESSES": "two"})
+
+
+def test_a_slurm_job_with_several_tasks_is_detected(monkeypatch):
+  for key, value in {"SLURM_JOB_ID": "123", "SLURM_STEP_NODELIST": "node[001-002]", "SLURM_NTASKS": "16",
+                     "SLURM_PROCID": "5", "SLURM_LOCALID": "5"}.items():
+    monkeypatch.setenv(key, value)
+  assert distributed.detect_cluster() == ("SlurmCluster", 16)
+  assert distributed.plan(distributed.resolve_options({})) == (True, "SlurmCluster detected with 16 processes")
+  monkeypatch.setenv("SLURM_NTASKS", "1")  # a single-task step stays a single-process job
+  assert not distributed.plan(distributed.resolve_options({}))[0]
+
+
+def test_replica_checksums_tell_replicas_apart():
+  mesh = mesh_lib.make_mesh(8, 8)
+  x = np.broadcast_to(np.random.default_rng(0).normal(size=(1, 5, 3)).astype(np.float32), (8, 5, 3)).copy()
+  x[3, 4, 2] = np.nextafter(x[3, 4, 2], np.float32(np.inf))  # one ulp on one replica
+  tree = {"w": jax.device_put(x, mesh_lib.replica_sharding(mesh)),
+          "step": jax.device_put(jnp.zeros(8, jnp.int32), mesh_lib.replica_sharding(mesh)),
+          "h": jax.device_put(jnp.ones((8, 2), jnp.bfloat16), mesh_lib.replica_sharding(mesh))}
+  sums = distributed.replica_checksums(mesh, tree)
+  differ = [r for r in range(8) if not np.array_equal(sums[r], sums[0])]
+  assert differ == [3]
