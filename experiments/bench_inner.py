@@ -38,18 +38,12 @@ def main(argv=None):
   import jax
   import numpy as np
   from configs import default
-  from noloco_jax import inner, mesh as mesh_lib, model as model_lib, train
+  from noloco_jax import experiment, inner, mesh as mesh_lib, model as model_lib, train
 
   cfg = default.get_config(args.config_arg or None)
   cfg.num_replicas = args.replicas
   cfg.outer.kind = "none"  # only the inner step is measured
-  for item in args.set:
-    key, _, value = item.partition("=")
-    node = cfg
-    *path, leaf = key.split(".")
-    for part in path:
-      node = node[part]
-    node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value == "True"
+  experiment.apply_overrides(cfg, args.set)
 
   setup = train.build(cfg, vocab_size=257)
   n = cfg.num_replicas

@@ -56,14 +56,8 @@ def _config(args):
   cfg.num_replicas = args.replicas
   cfg.model.preset = args.preset
   cfg.outer.pairing = "fixed"
-  for item in args.set:
-    key, _, value = item.partition("=")
-    node = cfg
-    *path, leaf = key.split(".")
-    for part in path:
-      node = node[part]
-    node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value == "True"
-  return cfg
+  from noloco_jax import experiment  # pylint: disable=g-import-not-at-top
+  return experiment.apply_overrides(cfg, args.set)
 
 
 # ---------------------------------------------------------------------------------------------------
