@@ -6,6 +6,7 @@ to bottom: set-up, state built already sharded, the jitted step functions, then 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -277,68 +278,77 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     writer.write_scalars(0, scalars)
     history["eval"].append({"step": 0, **scalars})
 
-  for step in range(first_step, config.num_steps + 1):
-    guard.begin(step, state)
-    batch = mesh_lib.global_array(mesh, next(train_iter), n)
-    state, step_metrics = setup.inner_step(state, batch)
-    guard.observe(step_metrics["loss"])
-    comm_bytes += bytes_per_step
-    pending_steps.append(step)
-    pending_metrics.append(step_metrics)  # device arrays: fetched only when logging
+  try:
+    for step in range(first_step, config.num_steps + 1):
+      guard.begin(step, state)
+      batch = mesh_lib.global_array(mesh, next(train_iter), n)
+      state, step_metrics = setup.inner_step(state, batch)
+      guard.observe(step_metrics["loss"])
+      comm_bytes += bytes_per_step
+      pending_steps.append(step)
+      pending_metrics.append(step_metrics)  # device arrays: fetched only when logging
 
-    if setup.method.has_rounds and step % H == 0:
-      round_fn, pool_index = setup.outer_round(round_)
-      state, round_metrics = round_fn(state, jnp.int32(pool_index))
-      comm_bytes += bytes_per_round
-      pending_round.append((round_metrics, setup.weight_std(state.params)))
-      if pairing_log is not None:
-        pairing_log.write(json.dumps({"round": round_, "step": step, "pool_index": pool_index,
-                                      "groups": [list(g) for g in setup.schedule.groups(round_)]}) + "\n")
-      round_ += 1
-    state = guard.end(step, state, history)
-    report(step)
+      if setup.method.has_rounds and step % H == 0:
+        round_fn, pool_index = setup.outer_round(round_)
+        state, round_metrics = round_fn(state, jnp.int32(pool_index))
+        comm_bytes += bytes_per_round
+        pending_round.append((round_metrics, setup.weight_std(state.params)))
+        if pairing_log is not None:
+          pairing_log.write(json.dumps({"round": round_, "step": step, "pool_index": pool_index,
+                                        "groups": [list(g) for g in setup.schedule.groups(round_)]}) + "\n")
+        round_ += 1
+      state = guard.end(step, state, history)
+      report(step)
 
-    if step % max(config.log_every, 1) == 0 or step == config.num_steps:
-      # One gather per log interval (a collective over all processes in a multi-process job), never per step.
-      pending_metrics, pending_round = mesh_lib.fetch((pending_metrics, pending_round))
-      losses = np.stack([np.asarray(m["loss"]) for m in pending_metrics])
-      if config.nan_policy == "error":
-        check_finite(losses, pending_steps)
-      now = time.time()
-      steps_per_s = (step - last_log_step) / max(now - last_log_time, 1e-9)
-      scalars = {
-          "train/loss": float(losses.mean()),
-          "train/grad_norm": float(np.mean([np.asarray(m["grad_norm"]) for m in pending_metrics])),
-          "comm/bytes_per_replica": comm_bytes,
-          "outer/round": round_,
-          "perf/steps_per_s": steps_per_s,
-          "perf/tokens_per_s": steps_per_s * tokens_per_step,
-      }
-      if pending_round:
-        scalars["outer/pseudo_grad_norm"] = float(np.mean([np.asarray(m["pseudo_grad_norm"]) for m, _ in pending_round]))
-        scalars["replicas/weight_std"] = float(pending_round[-1][1])
-      writer.write_scalars(step, scalars)
-      history["train"] = scalars
-      pending_steps, pending_metrics, pending_round = [], [], []
-      last_log_time, last_log_step = time.time(), step
+      if step % max(config.log_every, 1) == 0 or step == config.num_steps:
+        # One gather per log interval (a collective over all processes in a multi-process job), never per step.
+        pending_metrics, pending_round = mesh_lib.fetch((pending_metrics, pending_round))
+        losses = np.stack([np.asarray(m["loss"]) for m in pending_metrics])
+        if config.nan_policy == "error":
+          check_finite(losses, pending_steps)
+        now = time.time()
+        steps_per_s = (step - last_log_step) / max(now - last_log_time, 1e-9)
+        scalars = {
+            "train/loss": float(losses.mean()),
+            "train/grad_norm": float(np.mean([np.asarray(m["grad_norm"]) for m in pending_metrics])),
+            "comm/bytes_per_replica": comm_bytes,
+            "outer/round": round_,
+            "perf/steps_per_s": steps_per_s,
+            "perf/tokens_per_s": steps_per_s * tokens_per_step,
+        }
+        if pending_round:
+          scalars["outer/pseudo_grad_norm"] = float(np.mean([np.asarray(m["pseudo_grad_norm"]) for m, _ in pending_round]))
+          scalars["replicas/weight_std"] = float(pending_round[-1][1])
+        writer.write_scalars(step, scalars)
+        history["train"] = scalars
+        pending_steps, pending_metrics, pending_round = [], [], []
+        last_log_time, last_log_step = time.time(), step
 
-    if (config.eval_every and step % config.eval_every == 0) or step == config.num_steps:
-      with report.timed("eval"):
-        scalars = evaluate(setup, state, eval_batches)
-      writer.write_scalars(step, scalars)
-      history["eval"].append({"step": step, **scalars})
-      last_log_time = time.time()  # keep evaluation out of the steps/s figure
+      if (config.eval_every and step % config.eval_every == 0) or step == config.num_steps:
+        with report.timed("eval"):
+          scalars = evaluate(setup, state, eval_batches)
+        writer.write_scalars(step, scalars)
+        history["eval"].append({"step": step, **scalars})
+        last_log_time = time.time()  # keep evaluation out of the steps/s figure
 
-    preempted = checkpoint_lib.stop_requested(step, config.log_every)  # SIGTERM; agreed by all processes
-    if checkpointer.due(step) or preempted:
-      pending = checkpoint_lib.pending_to_host(pending_steps, pending_metrics, pending_round)
-      if config.nan_policy == "error":  # never save a state whose losses were not checked
-        check_finite(checkpoint_lib.pending_losses(pending), pending_steps)
-      checkpointer.save(step, state, train_iter, round_=round_, comm_bytes=comm_bytes, history=history,
-                        pending=pending)
-    if preempted:
-      logging.warning("Stop requested: saved a checkpoint at step %d; run the same command to resume.", step)
-      break
+      preempted = checkpoint_lib.stop_requested(step, config.log_every)  # SIGTERM; agreed by all processes
+      if checkpointer.due(step) or preempted:
+        pending = checkpoint_lib.pending_to_host(pending_steps, pending_metrics, pending_round)
+        if config.nan_policy == "error":  # never save a state whose losses were not checked
+          check_finite(checkpoint_lib.pending_losses(pending), pending_steps)
+        checkpointer.save(step, state, train_iter, round_=round_, comm_bytes=comm_bytes, history=history,
+                          pending=pending)
+      if preempted:
+        logging.warning("Stop requested: saved a checkpoint at step %d; run the same command to resume.", step)
+        break
+  except BaseException:
+    # Leave no prefetch thread or open writer behind an error (e.g. a NaN stop in a notebook), and
+    # flush the metrics written so far. The checkpointer is not closed here: in a multi-process job
+    # its close waits for the other processes, which may be the ones that failed.
+    with contextlib.suppress(Exception):
+      train_iter.close()
+      writer.close()
+    raise
 
   checkpointer.close()  # the last (asynchronous) save is complete before the run reports
   writer.flush()
