@@ -13,23 +13,13 @@ Arguments (comma-separated, after `configs/c4.py:`):
   smoke, model=NAME   as in configs/default.py.
 """
 
-import importlib.util
-import os
-
 import ml_collections
 
-
-def _default():
-  # Configs are loaded by path, not as a package: import the sibling file the same way.
-  spec = importlib.util.spec_from_file_location("noloco_default_config",
-                                                os.path.join(os.path.dirname(__file__), "default.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from noloco_jax import config_files
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  default = _default()
+  default = config_files.load_sibling(__file__, "default")
   config = default.get_config()
   config.num_steps = 25_000  # Reference: 25k steps.
   config.eval_every = 1000

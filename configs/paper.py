@@ -51,10 +51,9 @@ so that updates of 1e-4 relative size are not rounded away); messages in float32
 for medium and large, and for large φ and δ in pinned host memory between rounds (outer.offload).
 """
 
-import importlib.util
-import os
-
 import ml_collections
+
+from noloco_jax import config_files
 
 # The rows of PAPER.md section 3: (model, GPUs, DP, PP).
 ROWS = (
@@ -92,12 +91,7 @@ VOCAB = {"c4": 128_256, "reddit": 128_002}
 
 
 def _sibling(name: str):
-  # Configs are loaded by path, not as a package: import the sibling file the same way.
-  spec = importlib.util.spec_from_file_location(f"noloco_{name}_config",
-                                                os.path.join(os.path.dirname(__file__), f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return config_files.load_sibling(__file__, name)
 
 
 def _parse(arg: str | None) -> dict:

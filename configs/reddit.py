@@ -12,22 +12,13 @@ To print decoded text, use `--config.data.tokenizer=hf --config.data.hf_tokenize
 Arguments after `configs/reddit.py:` are those of configs/default.py (smoke, model=NAME).
 """
 
-import importlib.util
-import os
-
 import ml_collections
 
-
-def _default():
-  spec = importlib.util.spec_from_file_location("noloco_default_config",
-                                                os.path.join(os.path.dirname(__file__), "default.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from noloco_jax import config_files
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  default = _default()
+  default = config_files.load_sibling(__file__, "default")
   config = default.get_config()
   config.num_steps = 25_000
   config.eval_every = 1000

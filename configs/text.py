@@ -10,18 +10,13 @@ and add `--config.data.tokenizer=sentencepiece --config.data.spm_model=PREFIX.mo
 Arguments after `configs/text.py:` are those of configs/default.py (smoke, model=NAME).
 """
 
-import importlib.util
-import os
-
 import ml_collections
+
+from noloco_jax import config_files
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  spec = importlib.util.spec_from_file_location("noloco_default_config",
-                                                os.path.join(os.path.dirname(__file__), "default.py"))
-  default = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(default)
-  config = default.get_config(arg)
+  config = config_files.load_sibling(__file__, "default").get_config(arg)
   config.data.source = "text"
   config.data.train_files = ""  # Glob(s), comma-separated (required).
   config.data.eval_files = ""  # Glob(s) of held-out files (required).

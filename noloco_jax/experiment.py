@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import io
 import json
 import logging
@@ -31,6 +30,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from noloco_jax import config_files
 from noloco_jax import metrics as metrics_lib
 from noloco_jax import train
 
@@ -75,10 +75,7 @@ def enable_compile_cache(path: str | None = None) -> str | None:
 
 def load_default_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """configs/default.py's `get_config(arg)`, loaded by path (configs/ is not a package)."""
-  spec = importlib.util.spec_from_file_location("noloco_default_config", os.path.join(REPO, "configs", "default.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return config_files.load_sibling(os.path.join(REPO, "configs", "default.py"), "default").get_config(arg)
 
 
 def base_config(*, smoke: bool = False, num_replicas: int = 8, num_steps: int | None = None,

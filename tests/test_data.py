@@ -13,6 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from configs import default
 from noloco_jax import data
 from noloco_jax.data import packing
 from noloco_jax.data import sources
@@ -25,11 +26,6 @@ EOS = 256
 
 def data_config(**overrides) -> ml_collections.ConfigDict:
   """config.data of configs/default.py with overrides."""
-  sys.path.insert(0, os.path.join(REPO, "configs"))
-  try:
-    import default  # pylint: disable=g-import-not-at-top
-  finally:
-    sys.path.pop(0)
   c = default.get_config().data
   c.update(overrides)
   return c

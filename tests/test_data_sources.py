@@ -16,6 +16,7 @@ import tensorflow_datasets as tfds
 
 import ml_collections
 
+from configs import default
 from noloco_jax import data
 from noloco_jax.data import sources
 from noloco_jax.data import spec as spec_lib
@@ -25,13 +26,7 @@ EOS = 256
 
 
 def data_config(**overrides) -> ml_collections.ConfigDict:
-  """config.data of configs/default.py with overrides (helpers repeated from test_data.py so each
-  module runs on its own)."""
-  sys.path.insert(0, os.path.join(REPO, "configs"))
-  try:
-    import default  # pylint: disable=g-import-not-at-top
-  finally:
-    sys.path.pop(0)
+  """config.data of configs/default.py with overrides."""
   c = default.get_config().data
   c.update(overrides)
   return c
