@@ -15,7 +15,7 @@ Arguments (comma-separated, after `configs/c4.py:`):
 
 import ml_collections
 
-from noloco_jax import config_files
+from noloco_jax.tools import config_files
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -32,7 +32,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.data.source = "c4_json"
   config.data.path = ""  # Directory with c4-train.*.json.gz / c4-validation.*.json.gz (required).
   config.data.tokenizer = "sentencepiece"
-  config.data.spm_model = ""  # From `python -m noloco_jax.data.train_spm --config=configs/c4.py ...`.
+  config.data.spm_model = ""  # From `python -m noloco_jax.io.data.train_spm --config=configs/c4.py ...`.
   config.data.seq_len = 1024  # Reference: 1024 (its C4 loader yields 1025 tokens, as we do).
   # 8 replicas x 64 sequences x 1024 tokens = 0.5M tokens per inner step, the paper's small batch.
   config.data.batch_size = 64

@@ -26,7 +26,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 1 runs the single-device simulator: all replicas on one device, exchange by gather.
   config.num_devices = 0
   # Devices per replica group (the `fsdp` mesh axis): a replica's θ, Adam moments, φ and δ are split
-  # over them leaf by leaf, and its batch_size sequences too (noloco_jax/sharding.py). The job uses
+  # over them leaf by leaf, and its batch_size sequences too (noloco_jax/parallel/sharding.py). The job uses
   # num_devices × fsdp devices; fsdp must divide each process's devices and data.batch_size.
   config.fsdp = 1
   config.eval_every = 100  # Steps between evaluations (validation loss/ppl, weight std). 0 = only at the end.
@@ -34,10 +34,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint_every = 0  # Steps between checkpoints; 0 = only at the end.
   # What a non-finite (NaN/Inf) training loss does: "error" stops the run naming the step and the
   # replica (the last good checkpoint stays as it was); "skip_round" undoes the round it happened in
-  # and goes on (see noloco_jax/checkpoint.py: RoundGuard).
+  # and goes on (see noloco_jax/io/checkpoint.py: RoundGuard).
   config.nan_policy = "error"
 
-  # ---- Checkpoints (orbax, in workdir/checkpoints; see noloco_jax/checkpoint.py) ----
+  # ---- Checkpoints (orbax, in workdir/checkpoints; see noloco_jax/io/checkpoint.py) ----
   # A run resumes from the latest checkpoint of its own workdir; else it starts from warm_start; else from scratch.
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.keep = 3  # Most recent checkpoints kept; >= 2 leaves a fallback if the latest is unreadable.
@@ -46,7 +46,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint.warm_start = ""
   config.checkpoint.async_save = True  # Write in a background thread; training goes on meanwhile.
 
-  # ---- Model (a Llama decoder; see noloco_jax/model.py) ----
+  # ---- Model (a Llama decoder; see noloco_jax/models/llama.py) ----
   config.model = ml_collections.ConfigDict()
   config.model.preset = "tiny"  # tiny | small | medium | large (PAPER.md section 2).
   # Size fields: 0 means "take it from the preset"; any positive value overrides the preset.
@@ -64,7 +64,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # memory falls from O(layers) to O(1) layers, for about one extra forward pass of compute.
   config.model.remat = False
 
-  # ---- Data (see noloco_jax/data/) ----
+  # ---- Data (see noloco_jax/io/data/) ----
   config.data = ml_collections.ConfigDict()
   # stdlib = the embedded corpus (the running Python's standard-library sources, built into the TFDS
   # cache on first use) | tfds (a TFDS dataset prepared in data_dir) | c4_json (C4 JSON-lines files
@@ -94,7 +94,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.data.eval_files = ""  # Sources parquet / text: glob(s) of validation files.
   config.data.parquet_ids_field = "input_ids"  # Source parquet: column of token-id lists.
   config.data.parquet_mask_field = "attention_mask"  # Source parquet: 0 marks padding to drop (optional column).
-  config.data.spm_model = ""  # Tokenizer sentencepiece: the .model file (python -m noloco_jax.data.train_spm).
+  config.data.spm_model = ""  # Tokenizer sentencepiece: the .model file (python -m noloco_jax.io.data.train_spm).
   config.data.hf_tokenizer = ""  # Tokenizer hf: hub name or local tokenizer.json/dir; HF_TOKEN env for gated ones.
   config.data.vocab_size = 0  # Tokenizer pretokenized: vocabulary size of the stored ids.
   config.data.eos_id = -1  # Separator id for pretokenized (required) and hf (-1 = the tokenizer's end-of-text).
@@ -138,7 +138,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.outer.pairing = "pool"
   config.outer.pairing_pool = 32
 
-  # ---- Pipeline parallelism (see noloco_jax/pipeline.py and routing.py) ----
+  # ---- Pipeline parallelism (see noloco_jax/parallel/pipeline.py and routing.py) ----
   # S: stages per replica (the `stage` mesh axis; the job uses num_devices × num_stages × fsdp devices).
   # Layers are split evenly (num_layers % S == 0); the embedding runs on the first stage, the head on the last.
   config.num_stages = 1

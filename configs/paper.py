@@ -53,7 +53,7 @@ for medium and large, and for large φ and δ in pinned host memory between roun
 
 import ml_collections
 
-from noloco_jax import config_files
+from noloco_jax.tools import config_files
 
 # The rows of PAPER.md section 3: (model, GPUs, DP, PP).
 ROWS = (

@@ -5,14 +5,14 @@
 
 The files are tokenized once into a cache in --config.data.data_dir and shuffled by sequence.
 For a SentencePiece vocabulary, train one with
-`python -m noloco_jax.data.train_spm --config=configs/text.py --config.data.train_files=... --output=PREFIX`
+`python -m noloco_jax.io.data.train_spm --config=configs/text.py --config.data.train_files=... --output=PREFIX`
 and add `--config.data.tokenizer=sentencepiece --config.data.spm_model=PREFIX.model`.
 Arguments after `configs/text.py:` are those of configs/default.py (smoke, model=NAME).
 """
 
 import ml_collections
 
-from noloco_jax import config_files
+from noloco_jax.tools import config_files
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -5,7 +5,7 @@ r"""Checkpoint save and restore time and size for a config (default: configs/def
 
 Saves the replica-stacked TrainState (filled with noise, so that it compresses like a trained one)
 `--saves` times through
-noloco_jax.checkpoint.Checkpointer (exactly what the training loop saves: state, meta and data items),
+noloco_jax.io.checkpoint.Checkpointer (exactly what the training loop saves: state, meta and data items),
 once with asynchronous and once with synchronous saves, then restores the latest. Reports:
   state_bytes        bytes of the TrainState on the devices (θ, inner Adam μ and ν, φ, δ, counters);
   checkpoint_bytes   bytes of one step directory on disk;
@@ -57,11 +57,11 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   if "JAX_NUM_CPU_DEVICES" not in os.environ:  # one CPU device per replica, as main.py (CPU backend only)
     jax.config.update("jax_num_cpu_devices", _CONFIG.value.num_replicas)
-  from noloco_jax import checkpoint  # pylint: disable=g-import-not-at-top
-  from noloco_jax import data  # pylint: disable=g-import-not-at-top
-  from noloco_jax import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from noloco_jax import model as model_lib  # pylint: disable=g-import-not-at-top
-  from noloco_jax import train  # pylint: disable=g-import-not-at-top
+  from noloco_jax.io import checkpoint  # pylint: disable=g-import-not-at-top
+  from noloco_jax.io import data  # pylint: disable=g-import-not-at-top
+  from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.models import llama as model_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.training import loop as train  # pylint: disable=g-import-not-at-top
 
   config = _CONFIG.value
   setup = train.build(config)

@@ -26,7 +26,7 @@ from absl import flags
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from noloco_jax import data  # pylint: disable=g-import-not-at-top,wrong-import-position
+from noloco_jax.io import data  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Training config.")
 _STEPS = flags.DEFINE_integer("steps", 2000, "Batches to time (after one warm-up batch).")

@@ -38,7 +38,11 @@ def main(argv=None):
   import jax
   import numpy as np
   from configs import default
-  from noloco_jax import experiment, inner, mesh as mesh_lib, model as model_lib, train
+  from noloco_jax.tools import experiment
+  from noloco_jax.training import inner
+  from noloco_jax.parallel import mesh as mesh_lib
+  from noloco_jax.models import llama as model_lib
+  from noloco_jax.training import loop as train
 
   cfg = default.get_config(args.config_arg or None)
   cfg.num_replicas = args.replicas

@@ -11,7 +11,7 @@ CPU devices, P processes × N/P devices over loopback (P = 1: one process, no ja
 
 Time: median over --repeats calls of the slowest process's wall time; before each call all processes
 meet at a barrier, so a call is timed from a common start. Bytes: operand bytes of the collectives in
-each compiled program (noloco_jax/hlo.py), i.e. what each replica puts into a collective; NoLoCo's
+each compiled program (noloco_jax/tools/hlo.py), i.e. what each replica puts into a collective; NoLoCo's
 round uses one fixed pairing (outer.pairing=fixed: the pool mode's lax.switch runs one such branch).
 
     python experiments/bench_outer.py --json                                  # tiny preset, P = 1, 2, 4
@@ -56,7 +56,7 @@ def _config(args):
   cfg.num_replicas = args.replicas
   cfg.model.preset = args.preset
   cfg.outer.pairing = "fixed"
-  from noloco_jax import experiment  # pylint: disable=g-import-not-at-top
+  from noloco_jax.tools import experiment  # pylint: disable=g-import-not-at-top
   return experiment.apply_overrides(cfg, args.set)
 
 
@@ -67,16 +67,19 @@ def _config(args):
 
 def _worker(args) -> None:
   sys.path.insert(0, ROOT)
-  from noloco_jax import distributed  # pylint: disable=g-import-not-at-top
+  from noloco_jax.parallel import distributed  # pylint: disable=g-import-not-at-top
   multi = distributed.initialize(distributed.resolve_options())
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  from noloco_jax import hlo as hlo_lib, mesh as mesh_lib, model as model_lib, train  # pylint: disable=g-import-not-at-top
-  from noloco_jax import outer as outer_lib  # pylint: disable=g-import-not-at-top
-  from noloco_jax.mesh import REPLICA  # pylint: disable=g-import-not-at-top
+  from noloco_jax.tools import hlo as hlo_lib
+  from noloco_jax.parallel import mesh as mesh_lib
+  from noloco_jax.models import llama as model_lib
+  from noloco_jax.training import loop as train  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import methods as outer_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.parallel.mesh import REPLICA  # pylint: disable=g-import-not-at-top
   from noloco_jax.outer import exchange  # pylint: disable=g-import-not-at-top
 
   def timed(fn, carry, *rest):
@@ -144,7 +147,7 @@ def _worker(args) -> None:
 
 def _run_job(args, argv, num_processes: int) -> dict:
   sys.path.insert(0, ROOT)
-  from noloco_jax import launch_local  # pylint: disable=g-import-not-at-top
+  from noloco_jax.tools import launch_local  # pylint: disable=g-import-not-at-top
   if args.replicas % num_processes:
     raise SystemExit(f"--replicas={args.replicas} is not a multiple of {num_processes} processes.")
   worker_argv = [a for a in argv if not a.startswith(("--processes", "--json"))] + ["--worker"]

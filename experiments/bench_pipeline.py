@@ -134,7 +134,10 @@ def main(argv=None):
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from configs import default
-  from noloco_jax import mesh as mesh_lib, model as model_lib, pipeline, train
+  from noloco_jax.parallel import mesh as mesh_lib
+  from noloco_jax.models import llama as model_lib
+  from noloco_jax.parallel import pipeline
+  from noloco_jax.training import loop as train
 
   if args.ablation:
     result = ablation(args, default, train)

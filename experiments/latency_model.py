@@ -1,6 +1,6 @@
 """Latency and α–β communication models of PAPER.md section 4: all-reduce vs NoLoCo's pair exchange.
 
-The models live in noloco_jax/latency.py (pure functions, importable from notebooks); this script
+The models live in noloco_jax/tools/latency.py (pure functions, importable from notebooks); this script
 only parses flags, calls `latency.summary`, and prints tables, a JSON line and/or a plot.
 
     python experiments/latency_model.py                        # readable tables, a few seconds
@@ -19,10 +19,10 @@ import os
 import sys
 
 try:
-  from noloco_jax import latency
+  from noloco_jax.tools import latency
 except ImportError:  # run from a checkout without `pip install -e .`
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from noloco_jax import latency
+  from noloco_jax.tools import latency
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -13,11 +13,11 @@ import os
 
 import ml_collections
 
-from noloco_jax import model as model_lib
-from noloco_jax.outer import KINDS, MESSAGE_DTYPES
+from noloco_jax.models import llama as model_lib
+from noloco_jax.outer.methods import KINDS, MESSAGE_DTYPES
 from noloco_jax.outer.pairing import MODES
-from noloco_jax.pipeline import CLIPS
-from noloco_jax.routing import ROUTINGS
+from noloco_jax.parallel.pipeline import CLIPS
+from noloco_jax.parallel.routing import ROUTINGS
 
 _TOP = {"seed", "num_steps", "num_replicas", "num_devices", "fsdp", "eval_every", "log_every", "checkpoint_every",
         "nan_policy", "model", "data", "inner", "outer", "checkpoint", "num_stages", "pipeline"}
@@ -30,7 +30,7 @@ _OUTER = {"kind", "inner_steps", "group_size", "momentum", "lr", "gamma", "neste
 _CHECKPOINT = {"keep", "warm_start", "async_save"}
 _PIPELINE = {"routing", "microbatches", "route_pool", "clip"}
 NAN_POLICIES = ("error", "skip_round")
-# Sections owned by other modules validate their own keys (data: noloco_jax.data.validate).
+# Sections owned by other modules validate their own keys (data: noloco_jax.io.data.validate).
 _SECTIONS = {"": _TOP, "model": _MODEL, "inner": _INNER, "outer": _OUTER, "checkpoint": _CHECKPOINT,
              "pipeline": _PIPELINE}
 

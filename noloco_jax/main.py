@@ -1,7 +1,7 @@
 """Command line: python -m noloco_jax.main --config=configs/default.py --workdir=DIR [--config.x=y ...]
 
 Flags and platform set-up only; the work happens in train.train_and_evaluate. Multi-process jobs
-(SLURM, TPU pods, launch_local.py) are set up by noloco_jax/distributed.py: see its docstring for the
+(SLURM, TPU pods, launch_local.py) are set up by noloco_jax/parallel/distributed.py: see its docstring for the
 flags --distributed, --coordinator_address, --num_processes, --process_id and their NOLOCO_* variables.
 """
 
@@ -10,13 +10,13 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from noloco_jax import distributed
+from noloco_jax.parallel import distributed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for metrics, TensorBoard events, checkpoints and the config.")
 config_flags.DEFINE_config_file("config", None, "Training config file (ml_collections).", lock_config=True)
 flags.DEFINE_bool("dry_run", False, "Compile the run's steps from shapes on --topology and report per-device "
-                  "memory and bytes sent, without training or allocating (noloco_jax/dryrun.py). Exits 1 if it "
+                  "memory and bytes sent, without training or allocating (noloco_jax/tools/dryrun.py). Exits 1 if it "
                   "does not fit.")
 flags.DEFINE_string("topology", "8x80GB", "With --dry_run: DEVICESxMEMORY, e.g. 64x80GB (faked with CPU devices "
                     "when this machine has fewer).")
@@ -45,7 +45,7 @@ def main(argv):
   tf.config.set_visible_devices([], "GPU")
   config = FLAGS.config
   if FLAGS.dry_run:
-    from noloco_jax import dryrun
+    from noloco_jax.tools import dryrun
     topology = dryrun.parse_topology(FLAGS.topology)
     dryrun.fake_devices(topology)  # before anything starts JAX's backends
     try:
@@ -60,7 +60,8 @@ def main(argv):
   # One fake CPU device per device of the mesh: replicas × stages × fsdp.
   _fake_cpu_devices(config.num_replicas * config.get("num_stages", 1) * config.fsdp, multi_process)
 
-  from noloco_jax import checkpoint, train
+  from noloco_jax.io import checkpoint
+  from noloco_jax.training import loop as train
   # SIGTERM (preemption): finish the current step, save a checkpoint, exit 0. Installed after
   # jax.distributed, so that this handler, not the runtime's, receives the signal.
   checkpoint.install_preemption_handler()

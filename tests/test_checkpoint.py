@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from configs import default
-from noloco_jax import checkpoint
-from noloco_jax import mesh as mesh_lib
-from noloco_jax import metrics as metrics_lib
-from noloco_jax import train
+from noloco_jax.io import checkpoint
+from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.training import loop as train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 36  # H = 3, logs every 3 steps, evaluates every 6: twelve rounds

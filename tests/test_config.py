@@ -12,7 +12,7 @@ import pytest
 
 from configs import default
 from noloco_jax import config as config_lib
-from noloco_jax import train
+from noloco_jax.training import loop as train
 
 # (dotted field, bad value, words the message must hold besides "field=value").
 BAD_VALUES = [
@@ -74,7 +74,7 @@ BAD_VALUES = [
     ("pipeline.route_pool", 0, "≥ 1"),
     ("pipeline.microbatches", -1, "≥ 0"),
     ("pipeline.microbatches", 3, "divisor of data.batch_size=2"),
-    # Data (validated by noloco_jax.data, called from build before anything is compiled).
+    # Data (validated by noloco_jax.io.data, called from build before anything is compiled).
     ("data.seq_len", 0, ">= 1"),
     ("data.batch_size", 0, ">= 1"),
     ("data.eval_batches", -1, ">= 0"),

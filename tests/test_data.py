@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from configs import default
-from noloco_jax import data
-from noloco_jax.data import packing
-from noloco_jax.data import sources
-from noloco_jax.data import stdlib_builder
-from noloco_jax.data import streams
+from noloco_jax.io import data
+from noloco_jax.io.data import packing
+from noloco_jax.io.data import sources
+from noloco_jax.io.data import stdlib_builder
+from noloco_jax.io.data import streams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS = 256
@@ -91,7 +91,7 @@ def test_stdlib_corpus_splits_and_metadata(stdlib_dir):
 
 
 def test_stdlib_prepare_is_safe_from_two_processes(tmp_path):
-  code = ("import sys; from noloco_jax.data import stdlib_builder as s; "
+  code = ("import sys; from noloco_jax.io.data import stdlib_builder as s; "
           "b = s.prepare(sys.argv[1]); print(b.info.splits['train'].num_examples)")
   procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -221,7 +221,7 @@ def test_same_batches_in_another_process(tmp_path):
   c = text_config(tmp_path, {f"{i}.txt": f"cross process {i} " * 9 for i in range(5)}, seq_len=13)
   with data.make_train_iterator(c, seed=11, replica_ids=range(2), num_replicas=2, vocab_size=257) as it:
     here = np.stack(take(it, 3))
-  code = ("import sys, json, ml_collections, numpy as np; from noloco_jax import data; "
+  code = ("import sys, json, ml_collections, numpy as np; from noloco_jax.io import data; "
           "c = ml_collections.ConfigDict(json.loads(sys.argv[1])); "
           "it = data.make_train_iterator(c, seed=11, replica_ids=[0, 1], num_replicas=2, vocab_size=257); "
           "print(json.dumps(np.stack([next(it) for _ in range(3)]).tolist())); it.close()")

@@ -17,9 +17,9 @@ import tensorflow_datasets as tfds
 import ml_collections
 
 from configs import default
-from noloco_jax import data
-from noloco_jax.data import sources
-from noloco_jax.data import spec as spec_lib
+from noloco_jax.io import data
+from noloco_jax.io.data import sources
+from noloco_jax.io.data import spec as spec_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS = 256
@@ -281,7 +281,7 @@ def test_sentencepiece_trained_by_cli(tmp_path):
   lines = [" ".join(rng.choice(words, 12)) for _ in range(300)]
   glob_ = write_texts(tmp_path / "t", {f"{i}.txt": "\n".join(lines[i::5]) for i in range(5)})
   out = str(tmp_path / "spm" / "tiny")
-  cmd = [sys.executable, "-m", "noloco_jax.data.train_spm", f"--config={REPO}/configs/text.py",
+  cmd = [sys.executable, "-m", "noloco_jax.io.data.train_spm", f"--config={REPO}/configs/text.py",
          f"--config.data.train_files={glob_}", f"--config.data.eval_files={glob_}",
          "--vocab_size=300", f"--output={out}"]
   subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=300)

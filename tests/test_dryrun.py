@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from configs import paper
-from noloco_jax import dryrun
+from noloco_jax.tools import dryrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A paper row shrunk to seconds (smoke), with the row's PP devices on fsdp: 4 replicas × fsdp 2 = 8 devices.

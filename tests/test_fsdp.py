@@ -14,10 +14,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default
-from noloco_jax import hlo as hlo_lib
-from noloco_jax import mesh as mesh_lib
-from noloco_jax import sharding as sharding_lib
-from noloco_jax import train
+from noloco_jax.tools import hlo as hlo_lib
+from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.parallel import sharding as sharding_lib
+from noloco_jax.training import loop as train
 
 N, STEPS, VOCAB = 4, 2, 257
 

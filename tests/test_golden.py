@@ -11,7 +11,7 @@ import json
 import os
 
 from configs import default
-from noloco_jax import train
+from noloco_jax.training import loop as train
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "smoke_metrics.jsonl")
 TIMINGS = ("perf/",)  # wall-clock figures differ from run to run by nature

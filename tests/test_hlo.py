@@ -1,6 +1,6 @@
 """The HLO collective parser on hand-written programs in the forms XLA prints."""
 
-from noloco_jax import hlo
+from noloco_jax.tools import hlo
 
 _HLO = """
 HloModule jit_f

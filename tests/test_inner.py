@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from configs import default
-from noloco_jax import inner
-from noloco_jax import mesh as mesh_lib
-from noloco_jax import train
+from noloco_jax.training import inner
+from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.training import loop as train
 
 N = 8
 

@@ -1,4 +1,4 @@
-"""NumPy reference checks of noloco_jax/latency.py and experiments/latency_model.py (fast, no JAX)."""
+"""NumPy reference checks of noloco_jax/tools/latency.py and experiments/latency_model.py (fast, no JAX)."""
 
 import json
 import math
@@ -11,10 +11,10 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 try:
-  from noloco_jax import latency
+  from noloco_jax.tools import latency
 except ImportError:  # a checkout without `pip install -e .`
   sys.path.insert(0, REPO)
-  from noloco_jax import latency
+  from noloco_jax.tools import latency
 
 
 # ---- Constant message times ----

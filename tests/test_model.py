@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from noloco_jax import model as model_lib
+from noloco_jax.models import llama as model_lib
 
 
 def _tiny(**overrides):

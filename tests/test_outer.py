@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from configs import default
-from noloco_jax import hlo as hlo_lib
-from noloco_jax import mesh as mesh_lib
-from noloco_jax import outer as outer_lib
-from noloco_jax import train
+from noloco_jax.tools import hlo as hlo_lib
+from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.outer import methods as outer_lib
+from noloco_jax.training import loop as train
 from noloco_jax.outer import pairing
-from noloco_jax.state import TrainState
+from noloco_jax.training.state import TrainState
 
 N = 8
 

@@ -7,7 +7,7 @@ import pytest
 
 from configs import paper
 from noloco_jax import config as config_lib
-from noloco_jax import model as model_lib
+from noloco_jax.models import llama as model_lib
 
 GRID = paper.grid()
 

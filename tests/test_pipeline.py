@@ -16,14 +16,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default
-from noloco_jax import inner
-from noloco_jax import mesh as mesh_lib
-from noloco_jax import metrics as metrics_lib
-from noloco_jax import model as model_lib
-from noloco_jax import pipeline
-from noloco_jax import routing
-from noloco_jax import train
-from noloco_jax.mesh import REPLICA, STAGE
+from noloco_jax.training import inner
+from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.models import llama as model_lib
+from noloco_jax.parallel import pipeline
+from noloco_jax.parallel import routing
+from noloco_jax.training import loop as train
+from noloco_jax.parallel.mesh import REPLICA, STAGE
 
 VOCAB = 257
 
@@ -249,7 +249,7 @@ def test_checkpoint_round_trip_with_stages(trained):
 
 def test_outer_round_sends_one_model_per_replica_with_stages(grads_setup):
   """Bytes in the compiled round's collective-permutes = the accounting (no end leaf sent S times)."""
-  from noloco_jax import hlo  # pylint: disable=g-import-not-at-top
+  from noloco_jax.tools import hlo  # pylint: disable=g-import-not-at-top
   setup = grads_setup[0]
   assert setup.method.kind == "noloco"
   # One grouping (no switch over the pool, whose branches would all be counted).

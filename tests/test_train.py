@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from configs import default
-from noloco_jax import metrics as metrics_lib
-from noloco_jax import train
+from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.training import loop as train
 
 
 @pytest.mark.parametrize("kind", ["noloco", "diloco", "gossip", "ddp", "none"])

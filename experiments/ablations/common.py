@@ -7,7 +7,7 @@ persistent compilation cache, and reads the smoke switch:
                      (what tests/test_notebooks.py executes)
     NOLOCO_SEEDS=0,1,2   seeds of a full run (default 0,1)
 
-Everything else comes from noloco_jax.experiment, re-exported here as `experiment`.
+Everything else comes from noloco_jax.tools.experiment, re-exported here as `experiment`.
 """
 
 import os
@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
-from noloco_jax import experiment  # noqa: E402
+from noloco_jax.tools import experiment  # noqa: E402
 from noloco_jax import config as config_lib  # noqa: E402
 
 experiment.enable_compile_cache()

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from noloco_jax.mesh import REPLICA
+from noloco_jax.parallel.mesh import REPLICA
 from noloco_jax.outer.pairing import Groups, sources_for_shift
 
 

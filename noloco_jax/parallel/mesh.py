@@ -5,7 +5,7 @@ group holds k = N / D consecutive replicas. Code that is manual over `replica` s
 (`axis_names={REPLICA}`), so that the other axes are automatic inside it without rewriting it.
 
 Axes, in order: `replica` (always first), [`stage`, pipeline, only when num_stages > 1], `fsdp` (the devices of one
-replica group, over which its state and batch are split; noloco_jax/sharding.py). With fsdp = F the
+replica group, over which its state and batch are split; noloco_jax/parallel/sharding.py). With fsdp = F the
 mesh is [D, F]: D × F devices, each replica group the F consecutive devices of one process.
 """
 
@@ -156,7 +156,7 @@ def global_array(mesh: Mesh, local_rows: np.ndarray, num_replicas: int) -> jax.A
   shape = (num_replicas,) + tuple(local_rows.shape[1:])
   # With fsdp > 1 each device of a replica group gets only its slice of the group's sequences
   # (sharding.batch_sharding); the process still passes whole rows, all of its devices being local.
-  from noloco_jax import sharding as sharding_lib  # pylint: disable=g-import-not-at-top (sharding imports mesh)
+  from noloco_jax.parallel import sharding as sharding_lib  # pylint: disable=g-import-not-at-top (sharding imports mesh)
   return jax.make_array_from_process_local_data(sharding_lib.batch_sharding(mesh, shape), local_rows, shape)
 
 

@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from noloco_jax import hlo as hlo_lib
-from noloco_jax import mesh as mesh_lib
-from noloco_jax import model as model_lib
-from noloco_jax import sharding as sharding_lib
-from noloco_jax.mesh import REPLICA
+from noloco_jax.tools import hlo as hlo_lib
+from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.models import llama as model_lib
+from noloco_jax.parallel import sharding as sharding_lib
+from noloco_jax.parallel.mesh import REPLICA
 
 _UNITS = {"kb": 10 ** 3, "kib": 2 ** 10, "mb": 10 ** 6, "mib": 2 ** 20, "gb": 10 ** 9, "gib": 2 ** 30,
           "tb": 10 ** 12, "tib": 2 ** 40}
@@ -100,7 +100,7 @@ def _abstract(tree, shardings):
 def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size: int | None = None,
             include_eval: bool = True) -> dict[str, Any]:
   """Compiles the run's programs on `topology` from shapes only; returns figures (see `report`)."""
-  from noloco_jax import train  # pylint: disable=g-import-not-at-top (train imports the data package)
+  from noloco_jax.training import loop as train  # pylint: disable=g-import-not-at-top (train imports the data package)
   devices = _devices(topology.num_devices)
   fsdp = config.fsdp
   mesh = mesh_lib.make_mesh(config.num_replicas, config.num_devices, devices=devices, fsdp=fsdp,

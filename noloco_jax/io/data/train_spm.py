@@ -1,6 +1,6 @@
 r"""Trains a SentencePiece tokenizer on the training split of any configured text source.
 
-    python -m noloco_jax.data.train_spm --config=configs/c4.py --config.data.path=/data/c4/en \
+    python -m noloco_jax.io.data.train_spm --config=configs/c4.py --config.data.path=/data/c4/en \
         --vocab_size=32000 --output=/data/c4_spm --max_chars=200000000
 
 writes /data/c4_spm.model (and .vocab); then run with `--config.data.tokenizer=sentencepiece
@@ -18,8 +18,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from noloco_jax.data import sources
-from noloco_jax.data import spec as spec_lib
+from noloco_jax.io.data import sources
+from noloco_jax.io.data import spec as spec_lib
 
 _MAX_LINE = 4096  # SentencePiece skips longer "sentences"; cut them instead, at this many characters.
 

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from absl import logging
 import numpy as np
 
-from noloco_jax.data import packing
-from noloco_jax.data import sources
-from noloco_jax.data import spec as spec_lib
-from noloco_jax.data import streams
+from noloco_jax.io.data import packing
+from noloco_jax.io.data import sources
+from noloco_jax.io.data import spec as spec_lib
+from noloco_jax.io.data import streams
 
-STATE_FORMAT = "noloco_jax.data/1"
+STATE_FORMAT = "noloco_jax.io.data/1"
 
 
 def _mode(spec: spec_lib.DataSpec, source: sources.Source) -> str:

@@ -68,11 +68,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from noloco_jax import mesh as mesh_lib
-from noloco_jax import sharding as sharding_lib
-from noloco_jax.state import TrainState
+from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.parallel import sharding as sharding_lib
+from noloco_jax.training.state import TrainState
 
-FORMAT = "noloco_jax.checkpoint/1"
+FORMAT = "noloco_jax.io.checkpoint/1"
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "checkpoints_corrupt"
 LOG_FILES = ("metrics.jsonl", "pairings.jsonl")  # rows keyed by "step", rewritten on resume
@@ -427,7 +427,7 @@ class Checkpointer:
         shutil.move(os.path.join(self.directory, str(step)), target)
         logging.warning("checkpoint: moved unreadable step %d to %s.", step, target)
     if jax.process_count() > 1:
-      multihost_utils.sync_global_devices("noloco_jax.checkpoint.quarantine")
+      multihost_utils.sync_global_devices("noloco_jax.io.checkpoint.quarantine")
     self._manager.reload()
 
   def _warm_start(self, state: TrainState, abstract) -> TrainState:

@@ -21,19 +21,19 @@ import numpy as np
 from clu import periodic_actions
 from jax.sharding import PartitionSpec as P
 
-from noloco_jax import checkpoint as checkpoint_lib
+from noloco_jax.io import checkpoint as checkpoint_lib
 from noloco_jax import config as config_lib
-from noloco_jax import data as data_lib
-from noloco_jax import distributed
-from noloco_jax import inner
-from noloco_jax import mesh as mesh_lib
-from noloco_jax import metrics as metrics_lib
-from noloco_jax import model as model_lib
-from noloco_jax import outer as outer_lib
-from noloco_jax import pipeline
-from noloco_jax import sharding as sharding_lib
-from noloco_jax.mesh import REPLICA
-from noloco_jax.state import TrainState
+from noloco_jax.io import data as data_lib
+from noloco_jax.parallel import distributed
+from noloco_jax.training import inner
+from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.models import llama as model_lib
+from noloco_jax.outer import methods as outer_lib
+from noloco_jax.parallel import pipeline
+from noloco_jax.parallel import sharding as sharding_lib
+from noloco_jax.parallel.mesh import REPLICA
+from noloco_jax.training.state import TrainState
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -30,11 +30,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from noloco_jax import config_files
-from noloco_jax import metrics as metrics_lib
-from noloco_jax import train
+from noloco_jax.tools import config_files
+from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.training import loop as train
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE_ENV = "NOLOCO_SMOKE"  # "1" shrinks notebooks and scripts to seconds (tests/test_notebooks.py)
 CACHE_ENV = "NOLOCO_COMPILE_CACHE"  # directory of JAX's persistent compilation cache; "" disables
 

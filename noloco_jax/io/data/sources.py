@@ -109,22 +109,22 @@ def make_source(config_data, split: str) -> Source:
   kind = config_data.source
   # Imported here so that a job on the embedded corpus never imports pyarrow or TensorFlow.
   if kind == "stdlib":
-    from noloco_jax.data import tfds_sources  # pylint: disable=g-import-not-at-top
+    from noloco_jax.io.data import tfds_sources  # pylint: disable=g-import-not-at-top
     return tfds_sources.StdlibSource(config_data.data_dir, "train" if split == "train" else "validation")
   if kind == "tfds":
-    from noloco_jax.data import tfds_sources  # pylint: disable=g-import-not-at-top
+    from noloco_jax.io.data import tfds_sources  # pylint: disable=g-import-not-at-top
     return tfds_sources.TfdsSource(config_data, _split_name(config_data, split))
   if kind == "c4_json":
-    from noloco_jax.data import file_sources  # pylint: disable=g-import-not-at-top
+    from noloco_jax.io.data import file_sources  # pylint: disable=g-import-not-at-top
     return file_sources.C4JsonSource(config_data.path, _split_name(config_data, split),
                                      config_data.text_field)
   if kind == "parquet":
-    from noloco_jax.data import file_sources  # pylint: disable=g-import-not-at-top
+    from noloco_jax.io.data import file_sources  # pylint: disable=g-import-not-at-top
     field = "train_files" if split == "train" else "eval_files"
     return file_sources.ParquetSource(config_data[field], field, config_data.parquet_ids_field,
                                       config_data.parquet_mask_field)
   if kind == "text":
-    from noloco_jax.data import file_sources  # pylint: disable=g-import-not-at-top
+    from noloco_jax.io.data import file_sources  # pylint: disable=g-import-not-at-top
     field = "train_files" if split == "train" else "eval_files"
     return file_sources.TextSource(config_data[field], field)
   raise ValueError(f"config.data.source={kind!r} is unknown; valid: {', '.join(SOURCES)}.")

@@ -14,12 +14,12 @@ file_sources (documents), stdlib_builder (the embedded TFDS corpus), packing (to
 streams (one replica's resumable sequence stream), iterator (batches + prefetch), train_spm (CLI).
 """
 
-from noloco_jax.data.iterator import make_eval_batches
-from noloco_jax.data.iterator import make_train_iterator
-from noloco_jax.data.iterator import TrainIterator
-from noloco_jax.data.spec import DataSpec
-from noloco_jax.data.spec import validate
-from noloco_jax.data.tokenizer import make_tokenizer
+from noloco_jax.io.data.iterator import make_eval_batches
+from noloco_jax.io.data.iterator import make_train_iterator
+from noloco_jax.io.data.iterator import TrainIterator
+from noloco_jax.io.data.spec import DataSpec
+from noloco_jax.io.data.spec import validate
+from noloco_jax.io.data.tokenizer import make_tokenizer
 
 __all__ = ["DataSpec", "TrainIterator", "make_eval_batches", "make_train_iterator",
            "make_tokenizer", "validate"]

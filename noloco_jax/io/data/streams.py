@@ -20,7 +20,7 @@ import collections
 
 import numpy as np
 
-from noloco_jax.data import packing
+from noloco_jax.io.data import packing
 
 # Distinct stream tags so that e.g. the eval sample never equals a train permutation.
 _TAG_TRAIN_SEQUENCES, _TAG_EVAL_SEQUENCES, _TAG_UNIT_ORDER, _TAG_BLOCK = 1, 2, 3, 4

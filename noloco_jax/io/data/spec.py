@@ -8,8 +8,8 @@ The field comments live in configs/default.py.
 import dataclasses
 import os
 
-from noloco_jax.data import sources
-from noloco_jax.data import tokenizer as tokenizer_lib
+from noloco_jax.io.data import sources
+from noloco_jax.io.data import tokenizer as tokenizer_lib
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "noloco_jax", "tensorflow_datasets")
 MODES = ("", "array", "stream")

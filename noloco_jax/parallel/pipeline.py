@@ -82,11 +82,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from noloco_jax import inner
-from noloco_jax import model as model_lib
-from noloco_jax import routing
-from noloco_jax import sharding as sharding_lib
-from noloco_jax.mesh import FSDP, REPLICA, STAGE
+from noloco_jax.training import inner
+from noloco_jax.models import llama as model_lib
+from noloco_jax.parallel import routing
+from noloco_jax.parallel import sharding as sharding_lib
+from noloco_jax.parallel.mesh import FSDP, REPLICA, STAGE
 
 CLIPS = ("per_stage", "global")
 # Which stage uses each top-level parameter collection of model.Llama (all others: "layers").

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from noloco_jax.data import sources
-from noloco_jax.data import spec as spec_lib
-from noloco_jax.data import stdlib_builder
+from noloco_jax.io.data import sources
+from noloco_jax.io.data import spec as spec_lib
+from noloco_jax.io.data import stdlib_builder
 
 # Records per unit for random-access builds: small enough that units outnumber replicas on the
 # stdlib corpus (1,730 train files -> 109 units), large enough that a per-epoch shuffle of C4's

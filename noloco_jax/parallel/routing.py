@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from noloco_jax.mesh import REPLICA, STAGE
+from noloco_jax.parallel.mesh import REPLICA, STAGE
 
 ROUTINGS = ("fixed", "random")
 # Domain separators, so that routing never draws the same stream as the pairing schedule or init.

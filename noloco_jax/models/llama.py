@@ -141,7 +141,7 @@ def constrain_batch(x, axis: str | None):
   """Pins an activation's batch dimension (its first) to mesh axis `axis`; a no-op for None.
 
   Why: inside a replica the weights are stored split over `fsdp` along whichever dimension divides
-  (noloco_jax/sharding.py), and left alone XLA's propagation may follow a weight's split into the
+  (noloco_jax/parallel/sharding.py), and left alone XLA's propagation may follow a weight's split into the
   activations (e.g. logits split over the vocabulary, then all-to-all'd back), moving activation-sized
   tensors. Pinning the activations to the batch split at every layer boundary leaves one cheap choice:
   all-gather each weight where it is used (FSDP), reduce-scatter its gradient.

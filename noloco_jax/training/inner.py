@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from noloco_jax import model as model_lib
-from noloco_jax.state import TrainState
+from noloco_jax.models import llama as model_lib
+from noloco_jax.training.state import TrainState
 
 
 def learning_rate_schedule(inner_cfg: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:

@@ -50,7 +50,7 @@ class ByteTokenizer:
 
 
 class SentencePieceTokenizer:
-  """A SentencePiece model file (train one with `python -m noloco_jax.data.train_spm`)."""
+  """A SentencePiece model file (train one with `python -m noloco_jax.io.data.train_spm`)."""
 
   def __init__(self, model_path: str):
     import sentencepiece as spm  # pylint: disable=g-import-not-at-top
@@ -58,7 +58,7 @@ class SentencePieceTokenizer:
     model_path = os.path.expanduser(model_path)
     if not model_path or not os.path.isfile(model_path):
       raise ValueError(f"config.data.spm_model={model_path!r}: no such file; it must be the .model "
-                       "file of a SentencePiece model (see `python -m noloco_jax.data.train_spm`).")
+                       "file of a SentencePiece model (see `python -m noloco_jax.io.data.train_spm`).")
     self._sp = spm.SentencePieceProcessor(model_file=model_path)
     self.vocab_size = int(self._sp.get_piece_size())
     self.eos_id = int(self._sp.eos_id())

@@ -21,8 +21,8 @@ from absl import logging
 from etils import epath
 import tensorflow_datasets as tfds
 
-from noloco_jax.data import locking
-from noloco_jax.data.spec import resolve_data_dir
+from noloco_jax.io.data import locking
+from noloco_jax.io.data.spec import resolve_data_dir
 
 VALIDATION_PERCENT = 3  # Share of files (by path hash) held out for validation.
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")  # Third-party code is not the standard library.

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from noloco_jax.data import sources
+from noloco_jax.io.data import sources
 
 
 class C4JsonSource(sources.Source):

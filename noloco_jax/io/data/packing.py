@@ -12,9 +12,9 @@ import os
 from absl import logging
 import numpy as np
 
-from noloco_jax.data import locking
-from noloco_jax.data import sources
-from noloco_jax.data import spec as spec_lib
+from noloco_jax.io.data import locking
+from noloco_jax.io.data import sources
+from noloco_jax.io.data import spec as spec_lib
 
 _CACHE_SUBDIR = "noloco_jax_tokens"
 _FORMAT_VERSION = 1  # Bump when the packing rule changes, so old caches are not reused.

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from noloco_jax.mesh import FSDP, REPLICA
+from noloco_jax.parallel.mesh import FSDP, REPLICA
 
 # Memory kinds of a leaf's home between steps: the accelerator's memory, or page-locked host memory
 # (φ and δ are touched only once per round; see `offload`).

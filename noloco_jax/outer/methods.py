@@ -1,0 +1,145 @@
+"""Outer methods behind `config.outer.kind`, all through one interface (`OuterMethod`).
+
+| kind     | every step              | every H steps (a round)                                  | sends per replica       |
+|----------|-------------------------|----------------------------------------------------------|-------------------------|
+| `noloco` | local Adam              | group mean of c = βθ + (γ−β)φ over a random group of n   | (n−1) × model, ppermute |
+| `gossip` | local Adam              | NoLoCo with α=0, β=γ=1: φ ← mean_G θ (pairwise averaging) | (n−1) × model, ppermute |
+| `diloco` | local Adam              | all-reduce of φ − θ, outer SGD heavy-ball or Nesterov     | model, all-reduce       |
+| `ddp`    | Adam on averaged grads  | nothing                                                   | model every step        |
+| `none`   | local Adam              | nothing (independent replicas)                            | nothing                 |
+
+A method's round function runs inside `shard_map` over `replica` and sees the k replicas of one device
+stacked (see mesh.replica_map); the exchange code in exchange.py is the only place that communicates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from noloco_jax.parallel.mesh import REPLICA
+from noloco_jax.outer import exchange, rules
+from noloco_jax.outer.pairing import Groups, PairingSchedule
+from noloco_jax.training.state import TrainState
+
+KINDS = ("noloco", "diloco", "gossip", "ddp", "none")
+MESSAGE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterMethod:
+  kind: str
+  has_rounds: bool  # whether an outer step runs every H inner steps
+  uses_pairing: bool  # whether rounds need a PairingSchedule
+  init: Callable  # params of one replica -> outer state of one replica
+  reduce_grads: Callable | None  # inside shard_map, on the [k, ...] gradient stack (ddp only)
+  # make_round(pool, num_devices) -> round(states_k, pool_index) -> (states_k, metrics_k)
+  make_round: Callable[[tuple[Groups, ...], int], Callable] | None
+  bytes_per_round: Callable  # params of one replica -> bytes each replica puts into collectives per round
+  bytes_per_step: Callable  # params of one replica -> bytes per inner step (ddp)
+
+
+def tree_bytes(tree, dtype=None) -> int:
+  """Bytes of a pytree of arrays (or shape structs), optionally as if cast to `dtype`."""
+  return int(sum(np.prod(x.shape) * np.dtype(dtype or x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def _pseudo_grad_norm(states: TrainState):
+  return jax.vmap(optax.tree.norm)(rules.pseudo_gradient(states.params, states.outer["slow"]))
+
+
+def _slow_and_momentum(params):
+  return {"slow": params, "momentum": jax.tree.map(jnp.zeros_like, params)}
+
+
+def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dtype, kind: str) -> OuterMethod:
+  def make_round(pool, num_devices):
+    def round_fn(states: TrainState, pool_index):
+      theta, phi, delta = states.params, states.outer["slow"], states.outer["momentum"]
+      metrics = {"pseudo_grad_norm": _pseudo_grad_norm(states)}
+      c = rules.noloco_message(theta, phi, beta=beta, gamma=gamma)
+      mean_c = exchange.group_mean_from_pool(c, pool, pool_index, num_devices, message_dtype)
+      theta, phi, delta = rules.noloco_update(phi, delta, mean_c, alpha=alpha, gamma=gamma)
+      return states.replace(params=theta, outer={"slow": phi, "momentum": delta}), metrics
+    return round_fn
+
+  return OuterMethod(
+      kind=kind, has_rounds=True, uses_pairing=True, init=_slow_and_momentum, reduce_grads=None,
+      make_round=make_round,
+      bytes_per_round=lambda params: (group_size - 1) * tree_bytes(params, message_dtype),
+      bytes_per_step=lambda params: 0)
+
+
+def _mean_over_replicas(x_k):
+  """Mean over all N replicas of a [k, ...] stack: local mean, then one all-reduce over `replica`."""
+  return jnp.broadcast_to(jax.lax.pmean(jnp.mean(x_k, axis=0), REPLICA), x_k.shape)
+
+
+def _diloco(lr: float, momentum: float, nesterov: bool) -> OuterMethod:
+  transform = rules.diloco_transform(lr=lr, momentum=momentum, nesterov=nesterov)
+
+  def init(params):
+    return {"slow": params, "opt": transform.init(jax.tree.map(lambda p: p.astype(jnp.float32), params))}
+
+  def make_round(pool, num_devices):
+    del pool, num_devices  # an all-reduce needs no pairing
+
+    def round_fn(states: TrainState, pool_index):
+      del pool_index
+      theta, phi = states.params, states.outer["slow"]
+      metrics = {"pseudo_grad_norm": _pseudo_grad_norm(states)}
+      # The one global collective of DiLoCo: every replica contributes its float32 pseudo-gradient.
+      mean_g = jax.tree.map(_mean_over_replicas, rules.pseudo_gradient(theta, phi))
+      theta, phi, opt = jax.vmap(lambda p, o, g: rules.diloco_update(p, o, g, transform))(
+          phi, states.outer["opt"], mean_g)
+      return states.replace(params=theta, outer={"slow": phi, "opt": opt}), metrics
+    return round_fn
+
+  return OuterMethod(
+      kind="diloco", has_rounds=True, uses_pairing=False, init=init, reduce_grads=None,
+      make_round=make_round, bytes_per_round=lambda params: tree_bytes(params, jnp.float32),
+      bytes_per_step=lambda params: 0)
+
+
+def _ddp() -> OuterMethod:
+  def reduce_grads(grads):
+    return jax.tree.map(_mean_over_replicas, grads)
+
+  return OuterMethod(
+      kind="ddp", has_rounds=False, uses_pairing=False, init=lambda params: (), reduce_grads=reduce_grads,
+      make_round=None, bytes_per_round=lambda params: 0, bytes_per_step=lambda params: tree_bytes(params))
+
+
+def _none() -> OuterMethod:
+  return OuterMethod(
+      kind="none", has_rounds=False, uses_pairing=False, init=lambda params: (), reduce_grads=None,
+      make_round=None, bytes_per_round=lambda params: 0, bytes_per_step=lambda params: 0)
+
+
+def make_method(outer_cfg: ml_collections.ConfigDict) -> OuterMethod:
+  kind = outer_cfg.kind
+  if kind == "noloco":
+    return _noloco(outer_cfg.momentum, outer_cfg.lr, outer_cfg.gamma, outer_cfg.group_size,
+                   MESSAGE_DTYPES[outer_cfg.message_dtype], kind)
+  if kind == "gossip":
+    # The momentum ablation: pure pairwise averaging of the fast weights, φ ← mean_G θ.
+    return _noloco(0.0, 1.0, 1.0, outer_cfg.group_size, MESSAGE_DTYPES[outer_cfg.message_dtype], kind)
+  if kind == "diloco":
+    return _diloco(outer_cfg.lr, outer_cfg.momentum, outer_cfg.nesterov)
+  if kind == "ddp":
+    return _ddp()
+  if kind == "none":
+    return _none()
+  raise ValueError(f"outer.kind={kind!r} is not valid; choose one of {KINDS}.")
+
+
+def make_schedule(config: ml_collections.ConfigDict) -> PairingSchedule:
+  return PairingSchedule(seed=config.seed, num_replicas=config.num_replicas,
+                         group_size=config.outer.group_size, mode=config.outer.pairing,
+                         pool_size=config.outer.pairing_pool)
