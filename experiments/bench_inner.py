@@ -41,6 +41,7 @@ def main(argv=None):
   from noloco_jax.tools import experiment
   from noloco_jax.training import inner
   from noloco_jax.parallel import mesh as mesh_lib
+  from noloco_jax.parallel import sharding as sharding_lib
   from noloco_jax.models import llama as model_lib
   from noloco_jax.training import loop as train
 
@@ -53,7 +54,7 @@ def main(argv=None):
   n = cfg.num_replicas
   rng = np.random.default_rng(0)
   batches = rng.integers(0, 257, size=(n, cfg.data.batch_size, cfg.data.seq_len + 1)).astype(np.int32)
-  global_batch = mesh_lib.global_array(setup.mesh, batches, n)
+  global_batch = sharding_lib.global_array(setup.mesh, batches, n)
   state = setup.init_state()
 
   optimizer = inner.make_optimizer(cfg.inner, cfg.num_steps)

@@ -55,7 +55,7 @@ def throughput(args, default, train, mesh_lib, model_lib, pipeline):
     setup = train.build(cfg, vocab_size=257)
     n = cfg.num_replicas
     tokens = rng.integers(0, 257, size=(n, cfg.data.batch_size, cfg.data.seq_len + 1)).astype(np.int32)
-    setups[S], states[S], batches[S] = setup, setup.init_state(), mesh_lib.global_array(setup.mesh, tokens, n)
+    setups[S], states[S], batches[S] = setup, setup.init_state(), sharding_lib.global_array(setup.mesh, tokens, n)
 
   def run(S):
     state = states[S]
@@ -135,6 +135,7 @@ def main(argv=None):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from configs import default
   from noloco_jax.parallel import mesh as mesh_lib
+  from noloco_jax.parallel import sharding as sharding_lib
   from noloco_jax.models import llama as model_lib
   from noloco_jax.parallel import pipeline
   from noloco_jax.training import loop as train

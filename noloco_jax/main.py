@@ -10,7 +10,10 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from noloco_jax.io import checkpoint
 from noloco_jax.parallel import distributed
+from noloco_jax.tools import dryrun
+from noloco_jax.training import loop as train
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for metrics, TensorBoard events, checkpoints and the config.")
@@ -45,7 +48,6 @@ def main(argv):
   tf.config.set_visible_devices([], "GPU")
   config = FLAGS.config
   if FLAGS.dry_run:
-    from noloco_jax.tools import dryrun
     topology = dryrun.parse_topology(FLAGS.topology)
     dryrun.fake_devices(topology)  # before anything starts JAX's backends
     try:
@@ -60,8 +62,6 @@ def main(argv):
   # One fake CPU device per device of the mesh: replicas × stages × fsdp.
   _fake_cpu_devices(config.num_replicas * config.get("num_stages", 1) * config.fsdp, multi_process)
 
-  from noloco_jax.io import checkpoint
-  from noloco_jax.training import loop as train
   # SIGTERM (preemption): finish the current step, save a checkpoint, exit 0. Installed after
   # jax.distributed, so that this handler, not the runtime's, receives the signal.
   checkpoint.install_preemption_handler()

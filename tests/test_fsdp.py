@@ -53,7 +53,7 @@ def _train(fsdp: int, microbatches: int = 1, offload: bool = False):
   losses = []
   for _ in range(STEPS):
     batch = rng.integers(0, VOCAB, size=(N, 4, cfg.data.seq_len + 1)).astype(np.int32)
-    state, metrics = setup.inner_step(state, mesh_lib.global_array(setup.mesh, batch, N))
+    state, metrics = setup.inner_step(state, sharding_lib.global_array(setup.mesh, batch, N))
     losses.append(np.asarray(metrics["loss"]))
   round_fn, index = setup.outer_round(0)
   compiled = round_fn.lower(state, jnp.int32(index)).compile()  # compiled once, run and read

@@ -9,6 +9,7 @@ import pytest
 from configs import default
 from noloco_jax.training import inner
 from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.training import loop as train
 
 N = 8
@@ -32,7 +33,7 @@ def test_inner_steps_lower_the_loss_on_a_fixed_batch():
   cfg = _config()
   setup = train.build(cfg, vocab_size=257)
   state = setup.init_state()
-  batch = mesh_lib.global_array(setup.mesh, _batches(cfg), N)
+  batch = sharding_lib.global_array(setup.mesh, _batches(cfg), N)
   losses = []
   for _ in range(6):
     state, metrics = setup.inner_step(state, batch)
@@ -66,7 +67,7 @@ def test_mapped_step_equals_each_replica_stepped_alone(num_devices):
 
   mapped = state
   for step in range(2):
-    mapped, metrics = setup.inner_step(mapped, mesh_lib.global_array(setup.mesh, batches, N))
+    mapped, metrics = setup.inner_step(mapped, sharding_lib.global_array(setup.mesh, batches, N))
   for r in range(N):
     s = one
     for step in range(2):
@@ -96,5 +97,5 @@ def test_ddp_replicas_stay_identical():
   setup = train.build(cfg, vocab_size=257)
   state = setup.init_state()
   for seed in range(2):
-    state, _ = setup.inner_step(state, mesh_lib.global_array(setup.mesh, _batches(cfg, seed), N))
+    state, _ = setup.inner_step(state, sharding_lib.global_array(setup.mesh, _batches(cfg, seed), N))
   assert float(setup.weight_std(state.params)) < 1e-7

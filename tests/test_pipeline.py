@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from configs import default
 from noloco_jax.training import inner
 from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.models import llama as model_lib
 from noloco_jax.parallel import pipeline
@@ -87,7 +88,7 @@ def _pipelined_grads(setup, schedule, params_N, tokens, step):
                              axis_names={REPLICA, STAGE}))
   shardings = pipeline.state_shardings(params_N, mesh)
   steps = np.full((cfg.num_replicas,), step, np.int32)
-  loss, grads = fn(jax.device_put(params_N, shardings), mesh_lib.global_array(mesh, tokens, cfg.num_replicas),
+  loss, grads = fn(jax.device_put(params_N, shardings), sharding_lib.global_array(mesh, tokens, cfg.num_replicas),
                    jax.device_put(steps, mesh_lib.replica_sharding(mesh)))
   return np.asarray(loss), jax.tree.map(np.asarray, grads)
 

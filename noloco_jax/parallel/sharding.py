@@ -81,6 +81,18 @@ def batch_sharding(mesh: Mesh, batch_shape: tuple[int, ...]) -> NamedSharding:
   return NamedSharding(mesh, P(REPLICA))
 
 
+def global_array(mesh: Mesh, local_rows: np.ndarray, num_replicas: int) -> jax.Array:
+  """Assembles the global [N, ...] replica-sharded array from this process's rows (its replicas only).
+
+  `local_rows[i]` belongs to replica mesh.local_replica_ids(mesh, N)[i]. Nothing crosses processes: each
+  process places its rows on its own devices.
+  """
+  shape = (num_replicas,) + tuple(local_rows.shape[1:])
+  # With fsdp > 1 each device of a replica group gets only its slice of the group's sequences
+  # (batch_sharding); the process still passes whole rows, all of its devices being local.
+  return jax.make_array_from_process_local_data(batch_sharding(mesh, shape), local_rows, shape)
+
+
 def eval_batch_sharding(mesh: Mesh, batch_shape: tuple[int, ...]) -> NamedSharding:
   """A validation batch [B, L+1] scored by every replica: sequences over fsdp, whole on every replica."""
   if batch_shape and batch_shape[0] % fsdp_size(mesh) == 0:

@@ -30,6 +30,7 @@ import ml_collections
 import numpy as np
 
 from noloco_jax.tools import hlo as hlo_lib
+from noloco_jax.training import loop as train
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.models import llama as model_lib
 from noloco_jax.parallel import sharding as sharding_lib
@@ -100,7 +101,6 @@ def _abstract(tree, shardings):
 def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size: int | None = None,
             include_eval: bool = True) -> dict[str, Any]:
   """Compiles the run's programs on `topology` from shapes only; returns figures (see `report`)."""
-  from noloco_jax.training import loop as train  # pylint: disable=g-import-not-at-top (train imports the data package)
   devices = _devices(topology.num_devices)
   fsdp = config.fsdp
   mesh = mesh_lib.make_mesh(config.num_replicas, config.num_devices, devices=devices, fsdp=fsdp,

@@ -175,7 +175,7 @@ def build(config: ml_collections.ConfigDict, mesh=None, vocab_size: int | None =
     return new.replace(outer=state.outer), metrics
 
   # `fsdp` is automatic inside the shard_map: the batch arrives split over fsdp on its sequence axis
-  # (mesh.global_array), the weights split per leaf (activations pinned to the batch split,
+  # (sharding.global_array), the weights split per leaf (activations pinned to the batch split,
   # model.constrain_batch), and XLA all-gathers each weight where it is used and reduces its gradient
   # over fsdp. out_shardings pins the new state to the same layout.
   inner_step = jax.jit(step, out_shardings=(state_sh, per_replica), donate_argnums=0)
@@ -281,7 +281,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   try:
     for step in range(first_step, config.num_steps + 1):
       guard.begin(step, state)
-      batch = mesh_lib.global_array(mesh, next(train_iter), n)
+      batch = sharding_lib.global_array(mesh, next(train_iter), n)
       state, step_metrics = setup.inner_step(state, batch)
       guard.observe(step_metrics["loss"])
       comm_bytes += bytes_per_step

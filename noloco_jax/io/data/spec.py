@@ -8,7 +8,7 @@ The field comments live in configs/default.py.
 import dataclasses
 import os
 
-from noloco_jax.io.data import sources
+from noloco_jax.io.data import documents
 from noloco_jax.io.data import tokenizer as tokenizer_lib
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "noloco_jax", "tensorflow_datasets")
@@ -98,8 +98,8 @@ def validate_with_tokenizer(config_data, model_max_seq_len: int = 0, vocab_size:
   for name in ("eval_batches", "prefetch"):
     if spec[name] < 0:
       _fail(name, spec[name], "an integer >= 0")
-  if spec.source not in sources.SOURCES:
-    _fail("source", spec.source, " | ".join(sources.SOURCES))
+  if spec.source not in documents.SOURCES:
+    _fail("source", spec.source, " | ".join(documents.SOURCES))
   if spec.tokenizer not in tokenizer_lib.KINDS:
     _fail("tokenizer", spec.tokenizer, " | ".join(tokenizer_lib.KINDS))
   if spec.mode not in MODES:
@@ -126,7 +126,7 @@ def _check_paths(spec: DataSpec) -> None:
       _fail("path", spec.path, "an existing directory holding c4-train.*.json.gz files")
   if spec.source in ("parquet", "text"):
     for name in ("train_files", "eval_files"):
-      sources.expand_globs(spec[name], name)  # Raises naming the pattern that matches nothing.
+      documents.expand_globs(spec[name], name)  # Raises naming the pattern that matches nothing.
   if spec.source == "tfds" and not spec.tfds_name:
     _fail("tfds_name", spec.tfds_name, "a TFDS dataset name such as 'c4/en'")
   if spec.tokenizer == "sentencepiece" and not os.path.isfile(os.path.expanduser(spec.spm_model)):
