@@ -46,8 +46,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint.warm_start = ""
   config.checkpoint.async_save = True  # Write in a background thread; training goes on meanwhile.
 
-  # ---- Model (a Llama decoder; see noloco_jax/models/llama.py) ----
+  # ---- Model (a Llama decoder; see noloco_jax/models/llama.py and the interface in models/base.py) ----
   config.model = ml_collections.ConfigDict()
+  config.model.arch = "llama"  # A registered model (noloco_jax/models/__init__.py); llama is the only built-in.
   config.model.preset = "tiny"  # tiny | small | medium | large (PAPER.md section 2).
   # Size fields: 0 means "take it from the preset"; any positive value overrides the preset.
   config.model.d_model = 0

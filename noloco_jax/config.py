@@ -21,7 +21,7 @@ from noloco_jax.parallel.routing import ROUTINGS
 
 _TOP = {"seed", "num_steps", "num_replicas", "num_devices", "fsdp", "eval_every", "log_every", "checkpoint_every",
         "nan_policy", "model", "data", "inner", "outer", "checkpoint", "num_stages", "pipeline"}
-_MODEL = {"preset", "d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size", "max_seq_len",
+_MODEL = {"arch", "preset", "d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size", "max_seq_len",
           "rope_theta", "norm_eps", "param_dtype", "dtype", "remat"}
 _INNER = {"optimizer", "lr", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps", "weight_decay", "grad_clip",
           "microbatches"}

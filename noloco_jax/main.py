@@ -1,6 +1,6 @@
 """Command line: python -m noloco_jax.main --config=configs/default.py --workdir=DIR [--config.x=y ...]
 
-Flags and platform set-up only; the work happens in train.train_and_evaluate. Multi-process jobs
+Flags and platform set-up only; the work happens in training.train_and_evaluate. Multi-process jobs
 (SLURM, TPU pods, launch_local.py) are set up by noloco_jax/parallel/distributed.py: see its docstring for the
 flags --distributed, --coordinator_address, --num_processes, --process_id and their NOLOCO_* variables.
 """
@@ -13,7 +13,7 @@ from ml_collections import config_flags
 from noloco_jax.io import checkpoint
 from noloco_jax.parallel import distributed
 from noloco_jax.tools import dryrun
-from noloco_jax.training import loop as train
+from noloco_jax import training
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for metrics, TensorBoard events, checkpoints and the config.")
@@ -66,7 +66,7 @@ def main(argv):
   # jax.distributed, so that this handler, not the runtime's, receives the signal.
   checkpoint.install_preemption_handler()
   with distributed.fail_fast():
-    train.train_and_evaluate(config, FLAGS.workdir)
+    training.train_and_evaluate(config, FLAGS.workdir)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Config validation: every constrained field fails before anything is compiled, naming field and value.
 
-`train.build` is the one entry point that runs all the checks (config.validate, then the data
+`build_lib.build` is the one entry point that runs all the checks (config.validate, then the data
 section's own validation, then the mesh's device count); it compiles nothing, so each case costs
 milliseconds.
 """
@@ -12,7 +12,7 @@ import pytest
 
 from configs import default
 from noloco_jax import config as config_lib
-from noloco_jax.training import loop as train
+from noloco_jax.training import build as build_lib
 
 # (dotted field, bad value, words the message must hold besides "field=value").
 BAD_VALUES = [
@@ -101,13 +101,13 @@ def set_field(config, dotted: str, value) -> None:
 
 def build_error(config) -> str:
   with pytest.raises(ValueError) as info:
-    train.build(config)
+    build_lib.build(config)
   return str(info.value)
 
 
 def test_the_default_and_smoke_configs_are_valid():
   config_lib.validate(default.get_config())
-  train.build(smoke())
+  build_lib.build(smoke())
 
 
 @pytest.mark.parametrize("field,value,valid", BAD_VALUES, ids=[f"{f}={v!r}" for f, v, _ in BAD_VALUES])

@@ -12,9 +12,10 @@ from configs import default
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.outer import methods as outer_lib
-from noloco_jax.training import loop as train
+from noloco_jax.training import build as build_lib
+from noloco_jax.outer import rounds as rounds_lib
 from noloco_jax.outer import pairing
-from noloco_jax.training.state import TrainState
+from noloco_jax.inner.state import TrainState
 
 N = 8
 
@@ -42,7 +43,7 @@ def _run_round(method, groups_pool, index, theta, outer_state, num_devices=N):
   sharding = mesh_lib.replica_sharding(mesh)
   state = TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer_state)
   state = jax.device_put(state, sharding)
-  round_fn = train.make_round_fn(method, mesh, groups_pool)
+  round_fn = rounds_lib.make_round_fn(method, mesh, groups_pool)
   new_state, metrics = round_fn(state, jnp.int32(index))
   return jax.tree.map(np.asarray, new_state), jax.tree.map(np.asarray, metrics)
 
@@ -239,7 +240,7 @@ def test_counted_bytes_match_the_compiled_collectives(kind, message_dtype, group
   outer_state = {"slow": phi, "momentum": delta} if kind != "diloco" else jax.vmap(method.init)(phi)
   state = TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer_state)
   state = jax.device_put(state, mesh_lib.replica_sharding(mesh))
-  lowered = train.make_round_fn(method, mesh, (groups,)).lower(state, jnp.int32(0))
+  lowered = rounds_lib.make_round_fn(method, mesh, (groups,)).lower(state, jnp.int32(0))
   hlo = lowered.compile().as_text()
   counted = method.bytes_per_round(jax.tree.map(lambda x: x[0], theta))
   permuted, reduced = hlo_lib.collective_bytes(hlo, "collective-permute"), hlo_lib.collective_bytes(hlo, "all-reduce")
@@ -260,7 +261,7 @@ def test_counted_bytes_match_the_compiled_collectives(kind, message_dtype, group
 def test_outer_rounds_compile_once_per_pairing_program(mode):
   cfg = default.get_config("smoke")
   cfg.outer.pairing, cfg.outer.pairing_pool = mode, 4
-  setup = train.build(cfg, vocab_size=257)
+  setup = build_lib.build(cfg, vocab_size=257)
   state = setup.init_state()
   indices = []
   for round_ in range(6):
@@ -268,7 +269,7 @@ def test_outer_rounds_compile_once_per_pairing_program(mode):
     state, _ = round_fn(state, jnp.int32(index))
     indices.append(index)
   if mode == "pool":
-    assert len(setup._rounds) == 1 and round_fn._cache_size() == 1  # one program for all six rounds
+    assert len(setup.rounds) == 1 and round_fn._cache_size() == 1  # one program for all six rounds
     assert len(set(indices)) > 1  # ... yet the rounds used different pairings
   else:
-    assert len(setup._rounds) == len({setup.schedule.groups(r) for r in range(6)})
+    assert len(setup.rounds) == len({setup.schedule.groups(r) for r in range(6)})

@@ -26,7 +26,7 @@ import optax
 from noloco_jax.parallel.mesh import REPLICA
 from noloco_jax.outer import exchange, rules
 from noloco_jax.outer.pairing import Groups, PairingSchedule
-from noloco_jax.training.state import TrainState
+from noloco_jax.inner.state import TrainState
 
 KINDS = ("noloco", "diloco", "gossip", "ddp", "none")
 MESSAGE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

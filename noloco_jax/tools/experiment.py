@@ -1,4 +1,4 @@
-"""Small experiments on top of `train.train_and_evaluate`: configs, seed sweeps, summaries and plots.
+"""Small experiments on top of `training.train_and_evaluate`: configs, seed sweeps, summaries and plots.
 
 Shared by experiments/compare_methods.py and the ablation notebooks in experiments/ablations/, so that
 they differ only in what they sweep. JAX must already have its devices: set JAX_NUM_CPU_DEVICES
@@ -32,7 +32,7 @@ import numpy as np
 
 from noloco_jax.tools import config_files
 from noloco_jax.io import metrics as metrics_lib
-from noloco_jax.training import loop as train
+from noloco_jax import training
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE_ENV = "NOLOCO_SMOKE"  # "1" shrinks notebooks and scripts to seconds (tests/test_notebooks.py)
@@ -167,8 +167,8 @@ def run(config: ml_collections.ConfigDict, *, label: str = "", workdir: str | No
     if quiet:
       absl_logger.setLevel(logging.WARNING)
     with contextlib.redirect_stdout(out) if quiet else contextlib.nullcontext():
-      result = train.train_and_evaluate(config, workdir)
-  except train.NonFiniteLossError as e:
+      result = training.train_and_evaluate(config, workdir)
+  except training.NonFiniteLossError as e:
     error = str(e)
   finally:
     absl_logger.setLevel(old_level)

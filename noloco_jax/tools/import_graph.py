@@ -6,9 +6,11 @@
 Reads the source with `ast` only (nothing is imported, so it also runs on an old checkout). An edge
 A -> B means module A imports module B of the package, at module level or inside a function: both
 count for cycles, since an import moved into a function to dodge a cycle still is one. Importing
-`pkg.mod` is an edge to `pkg.mod` only, not to `pkg/__init__` (Python runs it too, but counting it
-would make every package with re-exports look cyclic). Cycles are reported as the strongly
-connected components of more than one module (or a module importing itself).
+`pkg.sub.mod` also runs `pkg/__init__` and `pkg/sub/__init__` first, so it is an edge to each of
+them too, except to the importer's own parent packages (already initialised, or being initialised,
+when it runs). Cycles are the strongly connected components of more than one module (or a module
+importing itself). `folders` is the same graph with modules merged into their folders, for reading
+the layering; a folder-level cycle is not an import cycle.
 """
 
 from __future__ import annotations
@@ -128,9 +130,13 @@ def analyse(root: str) -> dict[str, Any]:
       source = f.read()
     sizes[module] = len(source.splitlines())
     tree = ast.parse(source)
+    own_parents = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
     for target, line, in_function in _imports(tree, module, path.endswith("__init__.py"), modules):
-      if target != module:
-        graph[module].add(target)
+      parts = target.split(".")
+      for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        if name in modules and name != module and (name == target or name not in own_parents):
+          graph[module].add(name)
       if in_function:
         function_imports.append(f"{module}:{line} imports {target}")
     functions.extend(_functions(tree, module))
@@ -146,7 +152,18 @@ def analyse(root: str) -> dict[str, Any]:
       "imports": {m: sorted(t) for m, t in sorted(graph.items())},
       "function_level_imports": function_imports,
       "cycles": _cycles(graph),
+      "folders": _folders(graph, modules),
   }
+
+
+def _folders(graph: dict[str, set[str]], modules: dict[str, str]) -> dict[str, list[str]]:
+  """{folder: folders it imports}: a module's folder is its package (a package's own __init__ included)."""
+  def folder(m):
+    return m if modules[m].endswith("__init__.py") else m.rpartition(".")[0]
+  out: dict[str, set[str]] = {}
+  for m, targets in graph.items():
+    out.setdefault(folder(m), set()).update(folder(t) for t in targets if folder(t) != folder(m))
+  return {k: sorted(v) for k, v in sorted(out.items())}
 
 
 def default_root() -> str:
@@ -163,6 +180,7 @@ def main(argv=None) -> None:
   result = analyse(args.root)
   if args.summary:
     result.pop("imports")
+    result.pop("module_lines")
   json.dump(result, sys.stdout, indent=1)
   print()
 
