@@ -34,10 +34,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint_every = 0  # Steps between checkpoints; 0 = only at the end.
   # What a non-finite (NaN/Inf) training loss does: "error" stops the run naming the step and the
   # replica (the last good checkpoint stays as it was); "skip_round" undoes the round it happened in
-  # and goes on (see noloco_jax/io/checkpoint.py: RoundGuard).
+  # and goes on (see noloco_jax/io/checkpoint/guard.py: RoundGuard).
   config.nan_policy = "error"
 
-  # ---- Checkpoints (orbax, in workdir/checkpoints; see noloco_jax/io/checkpoint.py) ----
+  # ---- Checkpoints (orbax, in workdir/checkpoints; see noloco_jax/io/checkpoint/) ----
   # A run resumes from the latest checkpoint of its own workdir; else it starts from warm_start; else from scratch.
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.keep = 3  # Most recent checkpoints kept; >= 2 leaves a fallback if the latest is unreadable.

@@ -60,7 +60,7 @@ def main(argv):
   # Before anything starts JAX's backends: jax.distributed must come first.
   multi_process = distributed.initialize(distributed.options_from_flags(FLAGS))
   # One fake CPU device per device of the mesh: replicas × stages × fsdp.
-  _fake_cpu_devices(config.num_replicas * config.get("num_stages", 1) * config.fsdp, multi_process)
+  _fake_cpu_devices(config.num_replicas * config.num_stages * config.fsdp, multi_process)
 
   # SIGTERM (preemption): finish the current step, save a checkpoint, exit 0. Installed after
   # jax.distributed, so that this handler, not the runtime's, receives the signal.

@@ -53,10 +53,11 @@ def rows(workdir) -> list[dict]:
 
 
 def restore_only(workdir, **fields):
-  """(setup, state, resume) as a run on `workdir` would start; compiles nothing, reads no data."""
+  """(setup, state, loop state) as a run on `workdir` would start; compiles nothing, reads no data."""
   setup = build_lib.build(smoke(**fields))
-  state, resume = checkpoint.Checkpointer(setup, workdir).restore(jax.eval_shape(setup.init_state), _AnyData())
-  return setup, state, resume
+  state, loop = checkpoint.Checkpointer(setup, workdir).restore(jax.eval_shape(setup.init_state), _AnyData(),
+                                                                training.LoopState())
+  return setup, state, loop
 
 
 class _AnyData:
@@ -186,7 +187,8 @@ def test_sigterm_saves_the_step_reached_and_exits_0(reference, cache, tmp_path):
   assert meta["pairing"]["mode"] == "pool" and meta["pairing"]["round"] == saved // 3
 
   _, _, resume = restore_only(workdir, checkpoint_every=0)
-  assert resume.step == saved and resume.pending[0] == list(range(saved // 3 * 3 + 1, saved + 1))
+  assert resume.step == saved and resume.pending_steps == list(range(saved // 3 * 3 + 1, saved + 1))
+  assert resume.round == saved // 3 and len(resume.pending_metrics) == len(resume.pending_steps)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -312,8 +314,9 @@ def test_restore_onto_two_devices_is_bitwise(reference, tmp_path):
 def test_warm_start_takes_the_weights_and_starts_fresh(reference, tmp_path):
   ref_dir, ref_state = reference
   setup = build_lib.build(smoke(checkpoint__warm_start=ref_dir))
-  state, resume = checkpoint.Checkpointer(setup, str(tmp_path)).restore(setup.init_state(), train_iter=None)
-  assert resume is None
+  fresh = training.LoopState()
+  state, loop = checkpoint.Checkpointer(setup, str(tmp_path)).restore(setup.init_state(), None, fresh)
+  assert loop is fresh and not loop.resumed
   for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   for got, want in zip(jax.tree.leaves(state.outer["slow"]), jax.tree.leaves(state.params)):
@@ -325,6 +328,20 @@ def test_warm_start_takes_the_weights_and_starts_fresh(reference, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # Helpers, without training.
 # ---------------------------------------------------------------------------------------------------
+
+
+def test_the_loop_state_round_trips_whole_through_json():
+  """What Checkpointer.save writes of the loop state is what restore hands back (to_record / from_record)."""
+  rng = np.random.default_rng(1)
+  loop = training.LoopState(step=7, round=2, comm_bytes=12345, history={"eval": [{"step": 0, "eval/loss": 5.5}]})
+  loop.add_step(8, {"loss": rng.normal(size=4).astype(np.float32), "grad_norm": rng.random(4, np.float32)}, 10)
+  loop.add_round({"pseudo_grad_norm": rng.random(4, np.float32)}, np.float32(0.25), 100)
+  back = training.LoopState.from_record(json.loads(json.dumps(loop.to_record())))
+  assert (back.step, back.round, back.comm_bytes, back.history) == (8, 3, 12455, loop.history)
+  assert back.pending_steps == [8]
+  for a, b in zip(jax.tree.leaves((loop.pending_metrics, loop.pending_rounds)),
+                  jax.tree.leaves((back.pending_metrics, back.pending_rounds))):
+    assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
 
 
 def test_unlogged_metrics_round_trip_bitwise_through_json():

@@ -8,6 +8,7 @@ def test_the_package_has_no_import_cycles_and_no_function_level_imports():
   assert result["num_modules"] > 30, result["num_modules"]  # the walk found the package
   assert result["cycles"] == [], result["cycles"]
   assert result["function_level_imports"] == [], result["function_level_imports"]
+  assert result["folder_cycles"] == [], result["folder_cycles"]  # the folders are layered too
 
 
 def test_the_analysis_finds_a_cycle_and_a_function_level_import(tmp_path):

@@ -20,6 +20,7 @@ if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
 from noloco_jax.tools import experiment  # noqa: E402
+from noloco_jax.tools import plots  # noqa: E402
 from noloco_jax import config as config_lib  # noqa: E402
 
 experiment.enable_compile_cache()

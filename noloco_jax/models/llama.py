@@ -65,7 +65,7 @@ def resolve_config(model_cfg: ml_collections.ConfigDict, *, vocab_size: int, seq
       norm_eps=float(model_cfg.norm_eps),
       dtype=DTYPES[model_cfg.dtype],
       param_dtype=DTYPES[model_cfg.param_dtype],
-      remat=bool(model_cfg.get("remat", False)),
+      remat=bool(model_cfg.remat),
       **sizes,
   )
 

@@ -9,7 +9,9 @@
 | `none`   | local Adam              | nothing (independent replicas)                            | nothing                 |
 
 A method's round function runs inside `shard_map` over `replica` and sees the k replicas of one device
-stacked (see mesh.replica_map); the exchange code in exchange.py is the only place that communicates.
+stacked (see mesh.replica_map). Communication: NoLoCo and gossip through exchange.py (ppermutes within
+the groups, no all-reduce); DiLoCo's all-reduce and DDP's gradient average are the `jax.lax.pmean` over
+`replica` in this file (`_mean_over_replicas`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Where each leaf of the replica-stacked state lives inside one replica: the `fsdp` mesh axis.
 
-The mesh is (replica, fsdp) (mesh.make_mesh). Every leaf keeps its leading [N] replica axis on
+The mesh is (replica, fsdp), or (replica, stage, fsdp) with pipeline stages (mesh.make_mesh; the
+`stage` split is pipeline.py's). Every leaf keeps its leading [N] replica axis on
 `replica`, as before; inside one replica, a leaf is split over the `fsdp` devices along ONE of its own
 dimensions, so θ, the Adam moments, φ and δ all shrink by the fsdp size on every device. The step
 functions stay manual over `replica` only (mesh.replica_map): inside them `fsdp` is an automatic axis,
 and XLA inserts the all-gathers (weights before use) and the gradient reductions itself (the
-activations are pinned to the batch split so that it does exactly that: model.constrain_batch).
+activations are pinned to the batch split so that it does exactly that: llama.constrain_batch).
 
 Which dimension: the largest one that the fsdp size divides (ties: the first), else the leaf is
 replicated over fsdp. Rationale:
@@ -104,7 +105,7 @@ def offload(shardings: Any, outer: bool) -> Any:
   """The state's shardings with φ and δ (`outer`) homed in pinned host memory when `outer` is True.
 
   Between rounds the outer state is only carried through the inner steps, so it need not take device
-  memory; the round function brings it to the device and sends it back (see train.build).
+  memory; the round function brings it to the device and sends it back (outer/rounds.py).
   """
   if not outer:
     return shardings

@@ -10,7 +10,7 @@ count for cycles, since an import moved into a function to dodge a cycle still i
 them too, except to the importer's own parent packages (already initialised, or being initialised,
 when it runs). Cycles are the strongly connected components of more than one module (or a module
 importing itself). `folders` is the same graph with modules merged into their folders, for reading
-the layering; a folder-level cycle is not an import cycle.
+the layering (`folder_cycles`: its cycles; a folder-level cycle is not an import cycle).
 """
 
 from __future__ import annotations
@@ -141,6 +141,7 @@ def analyse(root: str) -> dict[str, Any]:
         function_imports.append(f"{module}:{line} imports {target}")
     functions.extend(_functions(tree, module))
   longest = max(functions, key=lambda f: f[1])
+  folders = _folders(graph, modules)
   return {
       "root": os.path.abspath(root),
       "num_modules": len(modules),
@@ -152,14 +153,18 @@ def analyse(root: str) -> dict[str, Any]:
       "imports": {m: sorted(t) for m, t in sorted(graph.items())},
       "function_level_imports": function_imports,
       "cycles": _cycles(graph),
-      "folders": _folders(graph, modules),
+      "folders": folders,
+      "folder_cycles": _cycles({k: set(v) for k, v in folders.items()}),
   }
 
 
 def _folders(graph: dict[str, set[str]], modules: dict[str, str]) -> dict[str, list[str]]:
-  """{folder: folders it imports}: a module's folder is its package (a package's own __init__ included)."""
+  """{folder: folders it imports}: a module's folder is its package (a package's own __init__ included);
+  the modules at the package's top level (main, config) are nodes of their own."""
   def folder(m):
-    return m if modules[m].endswith("__init__.py") else m.rpartition(".")[0]
+    if modules[m].endswith("__init__.py") or m.count(".") == 1:
+      return m
+    return m.rpartition(".")[0]
   out: dict[str, set[str]] = {}
   for m, targets in graph.items():
     out.setdefault(folder(m), set()).update(folder(t) for t in targets if folder(t) != folder(m))
