@@ -81,8 +81,9 @@ SIZES = {
 }
 # The outer step of each method (PAPER.md section 2; heavy-ball momentum for both, as the reference).
 OUTER = {
-    "noloco": dict(kind="noloco", inner_steps=50, group_size=2, momentum=0.5, lr=0.7, gamma=0.7),
-    "diloco": dict(kind="diloco", inner_steps=100, momentum=0.3, lr=0.7, nesterov=False),
+    "noloco": dict(kind="noloco", inner_steps=50, group_size=2, outer_momentum=0.5, outer_lr=0.7,
+                   consensus_weight=0.7),
+    "diloco": dict(kind="diloco", inner_steps=100, outer_momentum=0.3, outer_lr=0.7, nesterov=False),
     "ddp": dict(kind="ddp"),
 }
 # Vocabularies: the reference model's 128,002 ids for Reddit (Llama-3 ids up to <|end_of_text|>); the
@@ -140,14 +141,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.num_steps = 25_000
   config.num_replicas = o["dp"]
   config.num_devices = 0  # every replica group on its own devices: DP groups of GPUs / DP devices
-  if "num_stages" in config and o["pp_as"] == "stages":  # PP = pipeline stages, as in the paper
+  if o["pp_as"] == "stages":  # PP = pipeline stages, as in the paper
     config.num_stages = o["pp"]
     config.fsdp = o["gpus"] // (o["dp"] * o["pp"])
-  else:  # pp_as=fsdp (or no pipeline axis): a replica's GPUs / DP devices all go to fsdp
-    if "num_stages" in config:
-      config.num_stages = 1
+  else:  # pp_as=fsdp: a replica's GPUs / DP devices all go to fsdp
+    config.num_stages = 1
     config.fsdp = o["gpus"] // o["dp"]
-  stages = config.get("num_stages", 1)
+  stages = config.num_stages
 
   config.model.preset = o["model"]
   config.model.vocab_size = VOCAB[o["data"]]
@@ -192,7 +192,7 @@ def _shrink(config: ml_collections.ConfigDict) -> None:
   config.checkpoint_every = 0
   config.outer.inner_steps = 3
   config.inner.warmup_steps = 2
-  config.model.update(d_model=32, num_layers=config.get("num_stages", 1), num_heads=2, mlp_dim=64, vocab_size=0)
+  config.model.update(d_model=32, num_layers=config.num_stages, num_heads=2, mlp_dim=64, vocab_size=0)
   config.inner.microbatches = 1
   config.outer.offload = False
   config.data.update(source="stdlib", tokenizer="bytes", mode="", path="", hf_tokenizer="", train_files="",

@@ -17,13 +17,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-# hidden / layers / heads / MLP. `small` uses 12 heads as the reference code does (the paper says 16).
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(d_model=128, num_layers=2, num_heads=4, mlp_dim=384),
-    "small": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=3072),
-    "medium": dict(d_model=2048, num_layers=24, num_heads=32, mlp_dim=8192),
-    "large": dict(d_model=4096, num_layers=32, num_heads=32, mlp_dim=16384),
-}
+from noloco_jax.config.model import PRESETS  # hidden / layers / heads / MLP per preset
+
+# The dtypes of config.model.dtype / param_dtype (noloco_jax/config/model.py: DTYPES).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -62,7 +58,7 @@ def resolve_config(model_cfg: ml_collections.ConfigDict, *, vocab_size: int, seq
       norm_eps=float(model_cfg.norm_eps),
       dtype=DTYPES[model_cfg.dtype],
       param_dtype=DTYPES[model_cfg.param_dtype],
-      remat=bool(model_cfg.get("remat", False)),
+      remat=bool(model_cfg.remat),
       **sizes,
   )
 

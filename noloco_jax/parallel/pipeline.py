@@ -82,13 +82,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from noloco_jax.config.pipeline import CLIPS
 from noloco_jax.training import inner
 from noloco_jax.models import llama as model_lib
 from noloco_jax.parallel import routing
 from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.parallel.mesh import FSDP, REPLICA, STAGE
 
-CLIPS = ("per_stage", "global")
 # Which stage uses each top-level parameter collection of model.Llama (all others: "layers").
 _OWNER = {"embed": "first", "final_norm": "last", "head": "last"}
 

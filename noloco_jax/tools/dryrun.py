@@ -104,7 +104,7 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
   devices = _devices(topology.num_devices)
   fsdp = config.fsdp
   mesh = mesh_lib.make_mesh(config.num_replicas, config.num_devices, devices=devices, fsdp=fsdp,
-                            stages=config.get("num_stages", 1))
+                            stages=config.num_stages)
   setup = train.build(config, mesh=mesh, vocab_size=vocab_size or config.model.vocab_size or None,
                       check_data=False)
   n, b, l1 = config.num_replicas, config.data.batch_size, config.data.seq_len + 1

@@ -40,8 +40,8 @@ CACHE_ENV = "NOLOCO_COMPILE_CACHE"  # directory of JAX's persistent compilation 
 
 #: The paper's outer hyperparameters per method (PAPER.md section 2; γ = β as in the reference code).
 PAPER_OUTER: dict[str, dict[str, Any]] = {
-    "noloco": dict(momentum=0.5, lr=0.7, gamma=0.7, group_size=2, inner_steps=50),
-    "diloco": dict(momentum=0.3, lr=0.7, nesterov=False, inner_steps=100),
+    "noloco": dict(outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.7, group_size=2, inner_steps=50),
+    "diloco": dict(outer_momentum=0.3, outer_lr=0.7, nesterov=False, inner_steps=100),
     "gossip": dict(group_size=2, inner_steps=50),  # NoLoCo with α=0, β=γ=1 (set by outer/)
     "ddp": {},
     "none": {},

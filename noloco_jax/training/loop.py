@@ -127,7 +127,7 @@ def build(config: ml_collections.ConfigDict, mesh=None, vocab_size: int | None =
   `check_data=False` (the dry run) skips checking data paths, and opening the tokenizer when the
   vocabulary is given (`vocab_size` or config.model.vocab_size).
   """
-  config_lib.validate(config)
+  config = config_lib.validate(config)  # every field present, under its current name
   if vocab_size is None:
     from_config = config.model.vocab_size if not check_data else 0
     vocab_size = from_config or data_lib.make_tokenizer(config.data).vocab_size
@@ -224,6 +224,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   start_time = time.time()
   os.makedirs(workdir, exist_ok=True)
   setup = build(config)
+  config = setup.config  # validated: renamed fields under their new names
   mesh, n = setup.mesh, config.num_replicas
   is_main = jax.process_index() == 0
   if is_main:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-KINDS = ("bytes", "sentencepiece", "hf", "pretokenized")
+from noloco_jax.config.data import TOKENIZERS as KINDS  # config.data.tokenizer
 
 
 def _sha256_file(path: str) -> str:
