@@ -230,7 +230,7 @@ def test_a_missing_field_or_section_takes_the_schema_s_default():
 def test_the_config_package_imports_nothing_else_from_noloco_jax():
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  code = ("import sys, noloco_jax.config; "
+  code = ("import sys, noloco_jax.config, noloco_jax.config.cli; "
           "print(sorted(m for m in sys.modules if m.startswith('noloco_jax.') and not m.startswith('noloco_jax.config')))")
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]", out.stdout
@@ -286,3 +286,52 @@ def test_gamma_outside_the_stability_bound_warns(caplog):
   warnings = [r.getMessage() for r in caplog.records if "stability bound" in r.getMessage()]
   assert len(warnings) == 1 and "outer.consensus_weight=2" in warnings[0] and "1.500" in warnings[0], warnings
 
+
+# ---------------------------------------------------------------- the command line (issue 18, item 11)
+
+
+# (command-line flags after --workdir, the last line the user must see on stderr). Each exits 2, before training.
+SMOKE = "--config=configs/default.py:smoke"
+CLI_ERRORS = [
+    ([SMOKE, "--config.outer.momentun=0.9"],
+     "noloco_jax: config.outer.momentun is not a field; did you mean config.outer.outer_momentum?"),
+    ([SMOKE, "--config.modle.d_model=64"], "noloco_jax: config.modle is not a field; did you mean config.model?"),
+    ([SMOKE, "--config.outer.momentum=1.5"],  # the old name, mapped (one warning line), then checked
+     "noloco_jax: config.outer.outer_momentum=1.5 is not valid: a number in [0, 1)."),
+    ([SMOKE, "--config.outer.kind=fedavg"],
+     "noloco_jax: config.outer.kind='fedavg' is not valid: one of noloco | diloco | gossip | ddp | none."),
+    ([SMOKE, "--config.num_steps=abc"], "noloco_jax: config.num_steps='abc' is not valid: an integer."),
+    ([SMOKE, "--config.outer.lr=0.5", "--config.outer.outer_lr=0.6"],
+     "noloco_jax: config.outer.lr=0.5 and config.outer.outer_lr=0.6 are both set; lr is the old name of "
+     "outer_lr: set only outer_lr."),
+    (["--config=configs/default.py:smok"], "noloco_jax: flag --config=configs/default.py:smok: ValueError: "
+     "configs/default.py: unknown argument 'smok'; valid: 'smoke', 'model=NAME'."),
+    (["--config=configs/nonexistent.py"], "noloco_jax: --config=configs/nonexistent.py: cannot load it: "
+     "[Errno 2] No such file or directory: 'configs/nonexistent.py'"),
+]
+
+
+@pytest.mark.parametrize("flags,last_line", CLI_ERRORS, ids=[" ".join(f) for f, _ in CLI_ERRORS])
+def test_a_bad_command_line_prints_one_line_and_exits_2(tmp_path, flags, last_line):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path}", *flags], cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2, proc.stderr
+  assert lines[-1] == last_line, proc.stderr
+  # Nothing but the error and at most a deprecation warning: no traceback, no usage text.
+  assert len(lines) <= 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_a_config_error_found_after_start_up_is_one_line_and_exits_2(tmp_path):
+  """The checks that need the file system (data paths, tokenizer files) run in train.build."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path / 'run'}", SMOKE,
+                         "--config.data.source=text", "--config.data.train_files=/nonexistent/*.txt"],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.splitlines()[-1] == ("noloco_jax: config.data.train_files='/nonexistent/*.txt': pattern "
+                                          "'/nonexistent/*.txt' matches no file."), proc.stderr
