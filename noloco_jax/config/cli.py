@@ -23,6 +23,7 @@ from noloco_jax.config.run import Config
 
 USAGE_ERROR = 2  # exit status of a usage error (as argparse and most Unix tools)
 _OVERRIDE = re.compile(r"^--?(?P<flag>\w+)\.(?P<path>[\w.]+)(=(?P<value>.*))?$")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _BAD_VALUE = re.compile(r"flag --(?P<flag>\w+)\.(?P<path>[\w.]+)=(?P<value>.*?): ")
 
 
@@ -64,8 +65,13 @@ def explain(argv: Sequence[str], error: Exception, flag_values: flags.FlagValues
   lines = [line.strip() for line in str(error).splitlines() if line.strip()]
   if not lines:
     return type(error).__name__
-  # A config file that raised while loading: its flag, then the exception's own last line.
-  return lines[0] if len(lines) == 1 else f"{lines[0].split(': ')[0]}: {lines[-1]}"
+  if len(lines) == 1:
+    return lines[0]
+  # A config file that raised while loading: its flag, the exception's own last line, and where in
+  # the config file (the innermost frame of the traceback absl put into the message) it was raised.
+  frames = _FRAME.findall(str(error))
+  where = f" ({frames[-1][0]}, line {frames[-1][1]})" if frames else ""
+  return f"{lines[0].split(': ')[0]}: {lines[-1]}{where}"
 
 
 def _load_config(argv, flag_values, config_flag) -> ml_collections.ConfigDict | None:

@@ -47,11 +47,6 @@ class Config(Section):
   outer: OuterConfig = _section(OuterConfig)  # noloco_jax/config/outer.py
   pipeline: PipelineConfig = _section(PipelineConfig)  # noloco_jax/config/pipeline.py
 
-  @property
-  def num_mesh_devices(self) -> int:
-    """Devices of the mesh per replica group times groups: what a single-process CPU run fakes."""
-    return self.num_replicas * self.num_stages * self.fsdp
-
   def check(self) -> None:
     """The top-level fields alone (the sections have checked themselves when they were parsed)."""
     for name in ("num_steps", "num_replicas", "fsdp", "num_stages"):
