@@ -8,7 +8,8 @@ ConfigDict (or dict, or an instance) into it:
   existed keeps working);
 - a field the dataclass lacks is a ConfigError that suggests the nearest field;
 - a renamed field (`RENAMED`: old name -> new name) is read under its old name too, with a one-line
-  warning; old and new set to different values is an error;
+  warning; old and new set to different values is an error (a new field still at its default
+  counts as not set: a ConfigDict cannot tell "left alone" from "set to the default");
 - every value is checked against the field's type (bool, int, float, str; an int is accepted and
   converted where a float is expected).
 
