@@ -37,7 +37,7 @@ def make_optimizer(inner_cfg: ml_collections.ConfigDict, num_steps: int, *,
   schedule = learning_rate_schedule(inner_cfg, num_steps)
   if inner_cfg.optimizer == "adam":
     opt = optax.adam(schedule, b1=inner_cfg.b1, b2=inner_cfg.b2, eps=inner_cfg.eps)
-  else:  # "adamw" (validated in config.py)
+  else:  # "adamw" (validated by noloco_jax/config/inner.py)
     opt = optax.adamw(schedule, b1=inner_cfg.b1, b2=inner_cfg.b2, eps=inner_cfg.eps,
                       weight_decay=inner_cfg.weight_decay)
   if inner_cfg.grad_clip > 0:

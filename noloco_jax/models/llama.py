@@ -18,16 +18,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from noloco_jax.config.model import PRESETS  # hidden / layers / heads / MLP per preset
 from noloco_jax.models import base
 from noloco_jax.models.base import DTYPES
-
-# hidden / layers / heads / MLP. `small` uses 12 heads as the reference code does (the paper says 16).
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(d_model=128, num_layers=2, num_heads=4, mlp_dim=384),
-    "small": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=3072),
-    "medium": dict(d_model=2048, num_layers=24, num_heads=32, mlp_dim=8192),
-    "large": dict(d_model=4096, num_layers=32, num_heads=32, mlp_dim=16384),
-}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,13 +84,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from noloco_jax.config.pipeline import CLIPS
 from noloco_jax.inner import step as inner
 from noloco_jax.models.base import Model
 from noloco_jax.parallel import routing
 from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.parallel.mesh import FSDP, REPLICA, STAGE
 
-CLIPS = ("per_stage", "global")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -39,10 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from noloco_jax.config.pipeline import ROUTINGS
 from noloco_jax.parallel import collectives
 from noloco_jax.parallel.mesh import REPLICA, STAGE
 
-ROUTINGS = ("fixed", "random")
 # Domain separators, so that routing never draws the same stream as the pairing schedule or init.
 _PERMUTATION_STREAM = 0x9B1
 _OFFSET_STREAM = 0x9B2

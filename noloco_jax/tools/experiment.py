@@ -111,7 +111,8 @@ def apply_overrides(config: ml_collections.ConfigDict, items: Iterable[str]) -> 
     *path, leaf = key.split(".")
     for part in path:
       node = node[part]
-    node[leaf] = value == "True" if isinstance(node[leaf], bool) else type(node[leaf])(value)
+    kind = node.get_type(leaf)  # a placeholder (an old, renamed field's name) has a type but no value
+    node[leaf] = value == "True" if kind is bool else kind(value)
   return config
 
 

@@ -63,7 +63,7 @@ def build(config: ml_collections.ConfigDict, mesh=None, vocab_size: int | None =
   `check_data=False` (the dry run) skips checking data paths, and opening the tokenizer when the
   vocabulary is given (`vocab_size` or config.model.vocab_size).
   """
-  config_lib.validate(config)
+  config = config_lib.validate(config)  # every field present, under its current name
   if vocab_size is None:
     from_config = config.model.vocab_size if not check_data else 0
     vocab_size = from_config or data_lib.make_tokenizer(config.data).vocab_size

@@ -37,6 +37,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   start_time = time.time()
   os.makedirs(workdir, exist_ok=True)
   setup = build_lib.build(config)
+  config = setup.config  # validated: renamed fields under their new names
   mesh, n, H = setup.mesh, config.num_replicas, config.outer.inner_steps
   is_main = jax.process_index() == 0
   if is_main:

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from absl import logging
 import numpy as np
 
-SOURCES = ("stdlib", "tfds", "c4_json", "parquet", "text")
+from noloco_jax.config import ConfigError
+from noloco_jax.config.data import SOURCES  # noqa: F401 (config.data.source; re-exported)
 
 Document = str | np.ndarray  # Text to tokenize, or token ids (pre-tokenized sources).
 
@@ -54,15 +55,15 @@ def decode_utf8(raw: bytes, where: str, log: InputLog) -> str:
 
 
 def expand_globs(patterns: str, field: str) -> list[str]:
-  """Sorted files matching comma-separated glob patterns; a ValueError naming `field` if none do."""
+  """Sorted files matching comma-separated glob patterns; a ConfigError naming `field` if none do."""
   if not patterns:
-    raise ValueError(f"config.data.{field} is empty; give a file glob (comma-separated for several).")
+    raise ConfigError(f"config.data.{field} is empty; give a file glob (comma-separated for several).")
   files = set()
   for pattern in patterns.split(","):
     pattern = os.path.expanduser(pattern.strip())
     matched = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
     if not matched:
-      raise ValueError(f"config.data.{field}={patterns!r}: pattern {pattern!r} matches no file.")
+      raise ConfigError(f"config.data.{field}={patterns!r}: pattern {pattern!r} matches no file.")
     files.update(os.path.abspath(p) for p in matched)
   return sorted(files)
 
