@@ -35,6 +35,15 @@ class Config(Section):
   eval_every: int = 100  # Steps between evaluations (validation loss/ppl, weight std). 0 = only at the end.
   log_every: int = 25  # Steps between training-metric logs (host fetches only at these steps).
   checkpoint_every: int = 0  # Steps between checkpoints; 0 = only at the end.
+  # Multi-process jobs only (one process has no cross-process collective to avoid). False: no step
+  # between evaluations waits for another process except through the outer round itself: each
+  # process logs its own replicas' training rows (workdir/metrics/process_<i>.jsonl, NaN check on
+  # its own losses) and process 0 merges the rows that have arrived into metrics.jsonl; SIGTERM is
+  # agreed at evaluation steps; the per-round weight std is left out of training rows (it stays in
+  # every evaluation). The only job-wide barriers are then evaluations (eval_every), checkpoints
+  # (checkpoint_every) and nan_policy="skip_round"'s per-round check. True: every log step gathers
+  # every replica's metrics (a barrier over all processes every log_every steps), as before.
+  log_barrier: bool = False
   # What a non-finite (NaN/Inf) training loss does: "error" stops the run naming the step and the
   # replica (the last good checkpoint stays as it was); "skip_round" undoes the round it happened in
   # and goes on (see noloco_jax/io/checkpoint/guard.py: RoundGuard).

@@ -23,9 +23,11 @@ from clu import periodic_actions
 from noloco_jax.io import checkpoint as checkpoint_lib
 from noloco_jax.io import data as data_lib
 from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.io import process_metrics
 from noloco_jax.parallel import distributed
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
+from noloco_jax.training import faults
 from noloco_jax.training import build as build_lib
 from noloco_jax.training.loop_state import LoopState
 
@@ -57,6 +59,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   bytes_per_step = setup.method.bytes_per_step(one_replica)
 
   writer = metrics_lib.make_writer(workdir)
+  # Without log_barrier, nothing between two evaluations waits for another process except the outer
+  # round's own exchange with partners: training rows are this process's replicas (io/process_metrics.py),
+  # the per-round weight std (an all-reduce over every replica) is left to evaluations, and SIGTERM is
+  # agreed at evaluation steps. One process has no such collective, so it always logs everything.
+  local_ids = mesh_lib.local_replica_ids(mesh, n)
+  job_wide = config.log_barrier or jax.process_count() == 1
+  plog = process_metrics.ProcessLog(workdir, writer, len(local_ids))
+  stop_every = config.log_every if config.log_barrier else (config.eval_every or config.num_steps)
+  fault = faults.from_env()  # NOLOCO_FAULTS (tests, experiments/bench_network.py); else nothing
   if not loop.resumed:
     writer.write_scalars(0, {"model/num_params": setup.model.num_params()})
   pairing_log = open(os.path.join(workdir, "pairings.jsonl"), "a") if is_main and setup.schedule else None
@@ -80,18 +91,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if pairing_log is not None:
           pairing_log.write(json.dumps({"round": loop.round, "step": step, "pool_index": pool_index,
                                         "groups": [list(g) for g in setup.schedule.groups(loop.round)]}) + "\n")
-        loop.add_round(round_metrics, setup.weight_std(state.params), bytes_per_round)
+        loop.add_round(round_metrics, setup.weight_std(state.params) if job_wide else None, bytes_per_round)
       state = guard.end(step, state, loop.history)
       report(step)
+      fault.after_step(step)
 
       if step % max(config.log_every, 1) == 0 or step == config.num_steps:
-        writer.write_scalars(step, _train_scalars(config, loop, rate.since_last_log(step)))
+        scalars = _train_scalars(config, loop, rate.since_last_log(step), None if job_wide else local_ids)
+        (writer.write_scalars if config.log_barrier else plog.write_train)(step, scalars)
       if (config.eval_every and step % config.eval_every == 0) or step == config.num_steps:
         with report.timed("eval"):
-          _evaluate_and_log(setup, state, eval_batches, writer, loop, step)
+          _evaluate_and_log(setup, state, eval_batches, writer, loop, step, plog)
         rate.restart()  # keep evaluation out of the steps/s figure
 
-      preempted = checkpoint_lib.stop_requested(step, config.log_every)  # SIGTERM; agreed by all processes
+      preempted = checkpoint_lib.stop_requested(step, stop_every)  # SIGTERM; agreed by all processes
       if checkpointer.due(step) or preempted:
         checkpointer.save(step, state, loop, train_iter)  # checks the pending losses and the state first
       if preempted:
@@ -103,10 +116,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # its close waits for the other processes, which may be the ones that failed.
     with contextlib.suppress(Exception):
       train_iter.close()
+      plog.close()
       writer.close()
     raise
 
   checkpointer.close()  # the last (asynchronous) save is complete before the run reports
+  plog.close()  # process 0 merges the rows that have arrived (all of them after the final evaluation)
   writer.flush()
   train_iter.close()
   if pairing_log is not None:
@@ -171,20 +186,29 @@ def evaluate(setup: build_lib.Setup, state, eval_batches: jax.Array) -> dict[str
           "replicas/weight_std": float(setup.weight_std(state.params))}
 
 
-def _evaluate_and_log(setup, state, eval_batches, writer, loop: LoopState, step: int) -> None:
-  scalars = evaluate(setup, state, eval_batches)
+def _evaluate_and_log(setup, state, eval_batches, writer, loop: LoopState, step: int, plog=None) -> None:
+  scalars = evaluate(setup, state, eval_batches)  # a barrier: every process's rows up to `step` are written
+  if plog is not None:
+    plog.sync()  # so process 0 merges them before the evaluation row: metrics.jsonl stays in step order
   writer.write_scalars(step, scalars)
   loop.history["eval"].append({"step": step, **scalars})
 
 
-def _train_scalars(config, loop: LoopState, rates: dict[str, float]) -> dict[str, Any]:
-  """The log step's training scalars, from the metrics pending since the last log (then cleared)."""
-  # One gather per log interval (a collective over all processes in a multi-process job), never per step.
+def _train_scalars(config, loop: LoopState, rates: dict[str, float], local_ids=None) -> dict[str, Any]:
+  """The log step's training scalars, from the metrics pending since the last log (then cleared).
+
+  local_ids None: every replica, by one gather per log interval (a collective over all processes in a
+  multi-process job), never per step. Else only these replicas, read from this process's shards.
+  """
   steps, metrics, rounds = loop.take_pending()
-  metrics, rounds = mesh_lib.fetch((metrics, rounds))
+  if local_ids is None:
+    metrics, rounds = mesh_lib.fetch((metrics, rounds))
+  else:
+    metrics, rounds = process_metrics.local_fetch((metrics, rounds), local_ids, config.num_replicas)
   losses = np.stack([np.asarray(m["loss"]) for m in metrics])
   if config.nan_policy == "error":
-    checkpoint_lib.check_finite(losses, steps)
+    # A NaN on this process stops this process; the job then ends through distributed.py's failure path.
+    checkpoint_lib.check_finite(losses, steps, local_ids)
   scalars = {
       "train/loss": float(losses.mean()),
       "train/grad_norm": float(np.mean([np.asarray(m["grad_norm"]) for m in metrics])),
@@ -194,7 +218,8 @@ def _train_scalars(config, loop: LoopState, rates: dict[str, float]) -> dict[str
   }
   if rounds:
     scalars["outer/pseudo_grad_norm"] = float(np.mean([np.asarray(m["pseudo_grad_norm"]) for m, _ in rounds]))
-    scalars["replicas/weight_std"] = float(rounds[-1][1])
+    if rounds[-1][1] is not None:  # None: not computed (a global all-reduce; see log_barrier)
+      scalars["replicas/weight_std"] = float(rounds[-1][1])
   loop.history["train"] = scalars
   return scalars
 

@@ -28,11 +28,15 @@ class NonFiniteStateError(FloatingPointError):
   """The state holds NaN or Inf; raised instead of saving it."""
 
 
-def check_finite(losses_SxN: np.ndarray, steps: list[int]) -> None:
-  """Raises NonFiniteLossError naming the first step and replica whose loss is NaN or Inf."""
+def check_finite(losses_SxN: np.ndarray, steps: list[int], replica_ids: list[int] | None = None) -> None:
+  """Raises NonFiniteLossError naming the first step and replica whose loss is NaN or Inf.
+
+  `replica_ids`: the global index of each column, when the columns are one process's replicas.
+  """
   bad = ~np.isfinite(losses_SxN)
   if bad.any():
     s, r = np.argwhere(bad)[0]
+    r = r if replica_ids is None else replica_ids[r]
     raise NonFiniteLossError(f"non-finite training loss {losses_SxN[s, r]} at step {steps[s]} on replica {r}.")
 
 

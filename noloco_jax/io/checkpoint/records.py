@@ -44,13 +44,13 @@ def pending_to_host(steps: list[int], metrics: list[dict], rounds: list[tuple]) 
   """The training metrics fetched since the last log, as JSON-able host values."""
   return {"steps": [int(s) for s in steps],
           "metrics": [{k: array_to_json(v) for k, v in m.items()} for m in metrics],
-          "rounds": [[{k: array_to_json(v) for k, v in m.items()}, array_to_json(w)] for m, w in rounds]}
+          "rounds": [[{k: array_to_json(v) for k, v in m.items()}, None if w is None else array_to_json(w)] for m, w in rounds]}
 
 
 def pending_from_host(pending: dict) -> tuple[list, list, list]:
   """(pending steps, pending metrics, pending rounds) as the loop keeps them, with NumPy values."""
   metrics = [{k: array_from_json(v) for k, v in m.items()} for m in pending["metrics"]]
-  rounds = [({k: array_from_json(v) for k, v in m.items()}, array_from_json(w)) for m, w in pending["rounds"]]
+  rounds = [({k: array_from_json(v) for k, v in m.items()}, None if w is None else array_from_json(w)) for m, w in pending["rounds"]]
   return list(pending["steps"]), metrics, rounds
 
 
@@ -77,7 +77,7 @@ def schedule_record(schedule, round_: int) -> dict | None:
 
 def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
   """Dotted names of the fields that differ, ignoring those that cannot change the numbers."""
-  ignore = {"checkpoint", "num_devices", "checkpoint_every", "log_every", "data.prefetch"}
+  ignore = {"checkpoint", "num_devices", "checkpoint_every", "log_every", "log_barrier", "data.prefetch"}
   out = []
   for key in sorted(set(saved) | set(now)):
     name = prefix + key

@@ -1,0 +1,110 @@
+"""Deterministic fault injection for tests and benchmarks: slow, stalled or killed processes.
+
+The training loop calls `after_step(step)` once per inner step (noloco_jax/training/loop.py). Faults
+come from the environment variable NOLOCO_FAULTS, a `;`-separated list of `kind:key=value,...`:
+
+    delay:process=1,seconds=0.2                  sleep 0.2 s after every step on process 1
+    slowdown:process=1,factor=2                  sleep (factor − 1) × the step's own time: 2× slower
+    lognormal:process=*,median=0.05,sigma=0.5,seed=0
+                                                 sleep a log-normal time after every step; the draws of
+                                                 process p come from seed + p, so they are reproducible
+    stall:process=1,step=4,seconds=3             sleep 3 s once, after step 4 (what a peer sees of a
+                                                 link down for 3 s: nothing arrives, then all of it)
+    kill:process=1,step=5                        SIGKILL process 1 right after step 5 (a lost host)
+
+`process=*` (or leaving `process` out) applies to every process. Nothing else reads the variable;
+without it `after_step` does nothing, so a normal run carries no fault code on its path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+import numpy as np
+
+ENV = "NOLOCO_FAULTS"
+KINDS = ("delay", "slowdown", "lognormal", "stall", "kill")
+
+
+@dataclasses.dataclass
+class Fault:
+  kind: str
+  process: int | None  # None: every process
+  params: dict[str, float]
+
+
+def parse(spec: str) -> list[Fault]:
+  """Faults of a NOLOCO_FAULTS string; a bad entry is one clear error naming it."""
+  faults = []
+  for entry in filter(None, (e.strip() for e in spec.split(";"))):
+    kind, _, args = entry.partition(":")
+    if kind not in KINDS:
+      raise ValueError(f"{ENV}: fault kind {kind!r} in {entry!r} is not valid (valid: {', '.join(KINDS)}).")
+    params: dict[str, float] = {}
+    for pair in filter(None, args.split(",")):
+      key, sep, value = pair.partition("=")
+      if not sep:
+        raise ValueError(f"{ENV}: {pair!r} in {entry!r} is not key=value.")
+      params[key.strip()] = value.strip()
+    process = params.pop("process", "*")
+    try:
+      values = {k: float(v) for k, v in params.items()}
+      fault = Fault(kind, None if process == "*" else int(process), values)
+    except ValueError:
+      raise ValueError(f"{ENV}: {entry!r} has a value that is not a number.") from None
+    need = {"delay": {"seconds"}, "slowdown": {"factor"}, "lognormal": {"median", "sigma"},
+            "stall": {"step", "seconds"}, "kill": {"step"}}[kind]
+    if need - values.keys():
+      raise ValueError(f"{ENV}: {entry!r} needs {sorted(need)}.")
+    faults.append(fault)
+  return faults
+
+
+class Injector:
+  """Applies the faults that name this process after each step."""
+
+  def __init__(self, faults: list[Fault], process_index: int):
+    self.faults = [f for f in faults if f.process in (None, process_index)]
+    self._rngs = {id(f): np.random.default_rng(int(f.params.get("seed", 0)) + process_index)
+                  for f in self.faults if f.kind == "lognormal"}
+    self._last = time.perf_counter()
+    self.slept_s = 0.0  # injected seconds so far (benchmarks subtract or report it)
+
+  def delay_after(self, step: int, step_s: float) -> float:
+    """Seconds to sleep after `step`, which took `step_s` (pure apart from the seeded draws)."""
+    total = 0.0
+    for f in self.faults:
+      p = f.params
+      if f.kind == "delay":
+        total += p["seconds"]
+      elif f.kind == "slowdown":
+        total += max(p["factor"] - 1.0, 0.0) * step_s
+      elif f.kind == "lognormal":
+        total += float(p["median"] * np.exp(p["sigma"] * self._rngs[id(f)].standard_normal()))
+      elif f.kind == "stall" and step == int(p["step"]):
+        total += p["seconds"]
+    return total
+
+  def after_step(self, step: int) -> None:
+    if not self.faults:
+      return
+    now = time.perf_counter()
+    seconds = self.delay_after(step, now - self._last)
+    if seconds > 0:
+      time.sleep(seconds)
+      self.slept_s += seconds
+    for f in self.faults:
+      if f.kind == "kill" and step == int(f.params["step"]):
+        os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no checkpoint: as if the host vanished
+    self._last = time.perf_counter()
+
+
+def from_env(process_index: int | None = None) -> Injector:
+  """The injector for this process from NOLOCO_FAULTS (empty without it)."""
+  if process_index is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    process_index = jax.process_index()
+  return Injector(parse(os.environ.get(ENV, "")), process_index)
