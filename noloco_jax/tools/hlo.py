@@ -88,3 +88,49 @@ def stablehlo_collective_bytes(mlir_text: str, op: str = "collective_permute") -
   for dims, dtype in re.findall(r'"stablehlo\.' + op + r'".*?: \(tensor<([\dx]*?)x?(f32|bf16|f16|i32|ui32)>', mlir_text):
     total += sizes[dtype] * int(np.prod([int(d) for d in dims.split("x") if d] or [1]))
   return total
+
+
+# ---- Who talks to whom: the device groups of each collective (tests of "no global barrier") ----
+
+_GROUPS = re.compile(r"replica_groups=(\{[\d,{}\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_PAIRS = re.compile(r"source_target_pairs=\{([\d,{}\s]*)\}")
+
+
+def _iota_groups(text: str) -> list[tuple[int, ...]]:
+  """`[G,S]<=[dims]T(perm)`: iota(prod dims).reshape(dims).transpose(perm).reshape(G, S), as rows."""
+  m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+  shape, dims = [int(d) for d in m.group(1).split(",")], [int(d) for d in m.group(2).split(",")]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  if m.group(3):
+    ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+  return [tuple(int(i) for i in row) for row in ids.reshape(shape[0], -1)]
+
+
+def collective_groups(hlo_text: str) -> list[tuple[str, list[tuple[int, ...]]]]:
+  """(op, groups) of every collective in optimized HLO text, in program order.
+
+  For `collective-permute` the groups are its (source, target) pairs; for the others, its
+  replica_groups (explicit `{{0,1},{2,3}}` or iota `[2,2]<=[4]`), `[]` meaning all devices. The ids
+  are the program's device (partition) ids, i.e. positions in the mesh's device order.
+  """
+  found = []
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    opcode = m.group(3).removesuffix("-start")
+    if opcode not in OPS:
+      continue
+    if opcode == "collective-permute":
+      pairs = _PAIRS.search(line)
+      groups = [tuple(int(i) for i in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", pairs.group(1))] if pairs else []
+    else:
+      g = _GROUPS.search(line)
+      if g is None or g.group(1) in ("{}", "{{}}"):
+        groups = []
+      elif g.group(1).startswith("["):
+        groups = _iota_groups(g.group(1))
+      else:
+        groups = [tuple(int(i) for i in grp.split(",") if i) for grp in re.findall(r"\{([\d,]*)\}", g.group(1))]
+    found.append((opcode, groups))
+  return found
