@@ -1,8 +1,8 @@
 """Preemption: SIGTERM sets a flag; the loop reads it after every step, saves, and returns (main exits 0).
 
-Single-process jobs read the flag after every step. Multi-process jobs agree on it at every log step
-with one all-gather of a 4-byte flag (log steps already wait for the host, so this adds nothing to
-the step pipeline), so every process stops at the same step.
+Single-process jobs read the flag after every step. Multi-process jobs agree on it every `sync_every`
+steps with one all-gather of a 4-byte flag, so every process stops at the same step; the loop passes
+its barrier steps (evaluations; log steps with log_barrier=True), so the agreement adds no barrier.
 """
 
 from __future__ import annotations
