@@ -14,11 +14,18 @@ come from the environment variable NOLOCO_FAULTS, a `;`-separated list of `kind:
 
 `process=*` (or leaving `process` out) applies to every process. Nothing else reads the variable;
 without it `after_step` does nothing, so a normal run carries no fault code on its path.
+
+NOLOCO_TRACE=DIR (benchmarks: experiments/bench_network.py) also times every step: the loop's
+hooks then wait for the state to be computed (so steps no longer overlap with the host) and append
+{step, inner_s, round_s, slept_s} to DIR/trace_<process>.jsonl: inner_s from the end of the previous
+step to the end of this inner step, round_s the outer round (its exchange and any wait for partners),
+slept_s the injected delay.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import time
@@ -26,6 +33,7 @@ import time
 import numpy as np
 
 ENV = "NOLOCO_FAULTS"
+TRACE_ENV = "NOLOCO_TRACE"
 KINDS = ("delay", "slowdown", "lognormal", "stall", "kill")
 
 
@@ -66,7 +74,12 @@ def parse(spec: str) -> list[Fault]:
 class Injector:
   """Applies the faults that name this process after each step."""
 
-  def __init__(self, faults: list[Fault], process_index: int):
+  def __init__(self, faults: list[Fault], process_index: int, trace_dir: str | None = None):
+    self._trace = None
+    if trace_dir:
+      os.makedirs(trace_dir, exist_ok=True)
+      self._trace = open(os.path.join(trace_dir, f"trace_{process_index}.jsonl"), "a", buffering=1)
+    self._round_start = None
     self.faults = [f for f in faults if f.process in (None, process_index)]
     self._rngs = {id(f): np.random.default_rng(int(f.params.get("seed", 0)) + process_index)
                   for f in self.faults if f.kind == "lognormal"}
@@ -88,17 +101,30 @@ class Injector:
         total += p["seconds"]
     return total
 
-  def after_step(self, step: int) -> None:
-    if not self.faults:
+  def before_round(self, state) -> None:
+    """Tracing only: the inner step's end (waited for), the round's start."""
+    if self._trace is not None:
+      _wait(state)
+      self._round_start = time.perf_counter()
+
+  def after_step(self, step: int, state=None) -> None:
+    if not self.faults and self._trace is None:
       return
+    if self._trace is not None:
+      _wait(state)
     now = time.perf_counter()
-    seconds = self.delay_after(step, now - self._last)
+    inner_end = self._round_start or now
+    seconds = self.delay_after(step, inner_end - self._last)
     if seconds > 0:
       time.sleep(seconds)
       self.slept_s += seconds
+    if self._trace is not None:
+      self._trace.write(json.dumps({"step": step, "inner_s": inner_end - self._last, "round_s": now - inner_end,
+                                    "slept_s": seconds, "end": time.time()}) + "\n")
     for f in self.faults:
       if f.kind == "kill" and step == int(f.params["step"]):
         os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no checkpoint: as if the host vanished
+    self._round_start = None
     self._last = time.perf_counter()
 
 
@@ -107,4 +133,9 @@ def from_env(process_index: int | None = None) -> Injector:
   if process_index is None:
     import jax  # pylint: disable=g-import-not-at-top
     process_index = jax.process_index()
-  return Injector(parse(os.environ.get(ENV, "")), process_index)
+  return Injector(parse(os.environ.get(ENV, "")), process_index, os.environ.get(TRACE_ENV))
+
+
+def _wait(state) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.block_until_ready(state)

@@ -86,6 +86,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       loop.add_step(step, step_metrics, bytes_per_step)
 
       if setup.method.has_rounds and step % H == 0:
+        fault.before_round(state)
         round_fn, pool_index = setup.outer_round(loop.round)
         state, round_metrics = round_fn(state, jnp.int32(pool_index))
         if pairing_log is not None:
@@ -94,7 +95,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         loop.add_round(round_metrics, setup.weight_std(state.params) if job_wide else None, bytes_per_round)
       state = guard.end(step, state, loop.history)
       report(step)
-      fault.after_step(step)
+      fault.after_step(step, state)
 
       if step % max(config.log_every, 1) == 0 or step == config.num_steps:
         scalars = _train_scalars(config, loop, rate.since_last_log(step), None if job_wide else local_ids)

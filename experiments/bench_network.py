@@ -1,0 +1,169 @@
+"""Stragglers and slow links on real processes: NoLoCo vs DiLoCo vs DDP over loopback (issue 17).
+
+Runs P processes (1 CPU device, 1 replica each) with noloco_jax.tools.launch_local, one process made
+slow (NOLOCO_FAULTS slowdown: it sleeps (factor − 1) × its own step time after every step) or every
+process given a seeded log-normal per-step delay, optionally with a bandwidth limit: the script then
+re-runs itself inside a new network namespace (`unshare -n`, root only) whose loopback gets a `tbf`
+qdisc (burst above the 64 KiB loopback MTU, else every packet is dropped and the job hangs). No
+traffic leaves 127.0.0.1 of that namespace.
+
+Every step is timed by NOLOCO_TRACE (training/faults.py: the loop waits for each step, so host and
+device no longer overlap). Per process: busy = inner steps + injected sleep; wait = time in outer
+rounds (the exchange and the wait for partners). DDP's all-reduce is inside its inner step, so its
+wait is the inner time beyond the same process's median NoLoCo inner step (a step with no
+collective), when NoLoCo ran too.
+
+Reported per (P, method): wall time per round (median over rounds after the first, the slowest
+process), each process's idle fraction (wait / (busy + wait)), tokens/s (the job's, from the slowest
+process), bytes sent per replica (the method's accounting, comm/bytes_per_replica), and the model's
+figure beside it (the straggler's round time bound: DiLoCo/DDP idle = 1 − 1/factor for every fast
+process; NoLoCo idle only in rounds paired with the straggler, 1 − 1/factor in those).
+
+    python experiments/bench_network.py                       # P = 4 and 8, one 2× straggler
+    python experiments/bench_network.py --rate=20mbit         # plus a bandwidth limit (root)
+    python experiments/bench_network.py --quick               # seconds-long: P = 2, 4 steps (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from noloco_jax.io import metrics as metrics_lib  # noqa: E402
+from noloco_jax.tools import launch_local  # noqa: E402
+
+
+def _flags(workdir: str, method: str, processes: int, steps: int, inner_steps: int) -> list[str]:
+  return ["--config=configs/default.py:smoke", f"--workdir={workdir}", f"--config.outer.kind={method}",
+          f"--config.num_replicas={processes}", f"--config.num_steps={steps}",
+          f"--config.outer.inner_steps={inner_steps}", "--config.outer.pairing_pool=4",
+          f"--config.log_every={inner_steps}", "--config.eval_every=0"]
+
+
+def run_one(method: str, processes: int, steps: int, inner_steps: int, faults: str, root: str) -> dict:
+  """One job; per-process traces and the job's last metrics row."""
+  workdir = os.path.join(root, f"{method}_p{processes}")
+  trace_dir = os.path.join(workdir, "trace")
+  job = launch_local.Job(processes, 1, _flags(workdir, method, processes, steps, inner_steps),
+                         log_dir=workdir + "_logs", cwd=REPO,
+                         env={"NOLOCO_FAULTS": faults, "NOLOCO_TRACE": trace_dir,
+                              "NOLOCO_HEARTBEAT_TIMEOUT_S": "60"})
+  codes = job.wait(timeout_s=900, grace_s=30)
+  if codes != [0] * processes:
+    tail = "".join(open(p).read()[-2000:] for p in job.log_paths)
+    raise RuntimeError(f"{method} P={processes} failed {codes}:\n{tail}")
+  traces = [metrics_lib.read_jsonl(os.path.join(trace_dir, f"trace_{p}.jsonl")) for p in range(processes)]
+  rows = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/loss" in r]
+  return {"traces": traces, "last_row": rows[-1]}
+
+
+def summarise(method: str, run: dict, inner_steps: int, tokens_per_step: int, reference_inner_s=None) -> dict:
+  """The reported quantities of one job (see the module docstring)."""
+  per_process, round_walls = [], []
+  for trace in run["traces"]:
+    steps = trace[1:]  # the first step compiles
+    inner = np.asarray([s["inner_s"] for s in steps])
+    wait = np.asarray([s["round_s"] for s in steps])
+    slept = np.asarray([s["slept_s"] for s in steps])
+    if method == "ddp" and reference_inner_s is not None:
+      ref = reference_inner_s[len(per_process)]
+      wait = wait + np.maximum(inner - ref, 0.0)
+      inner = np.minimum(inner, ref)
+    busy = inner + slept
+    total = busy + wait
+    per_process.append({"idle_fraction": float(wait.sum() / total.sum()), "busy_s": float(busy.sum()),
+                        "wait_s": float(wait.sum()), "median_inner_s": float(np.median(inner))})
+    ends = np.asarray([s["end"] for s in trace])
+    round_ends = ends[inner_steps - 1::inner_steps]
+    round_walls.append(np.diff(round_ends))
+  walls = np.max(np.stack([w[:min(map(len, round_walls))] for w in round_walls]), axis=0)
+  steps_done = len(run["traces"][0]) - 1
+  slowest_s = max(sum(s["inner_s"] + s["round_s"] + s["slept_s"] for s in t[1:]) for t in run["traces"])
+  return {"method": method, "wall_s_per_round": float(np.median(walls)) if len(walls) else float("nan"),
+          "tokens_per_s": steps_done * tokens_per_step / slowest_s,
+          "bytes_sent_per_replica": run["last_row"].get("comm/bytes_per_replica"),
+          "idle_fraction": [p["idle_fraction"] for p in per_process], "processes": per_process}
+
+
+def model_idle(method: str, processes: int, factor: float, straggler_rounds_fraction: float) -> list[float]:
+  """Idle fractions of the straggler model: a round costs the slowest participant's compute."""
+  slow = 1.0 - 1.0 / factor  # a fast worker waiting for a `factor`× slower one
+  if method in ("diloco", "ddp"):
+    return [0.0] + [slow] * (processes - 1)
+  # NoLoCo, pairs: a fast worker waits only in the rounds it is paired with the straggler, whose share
+  # is straggler_rounds_fraction (1 / (P − 1) for uniform random pairs); ignores the lag that a
+  # partner of the straggler carries into its next round.
+  return [0.0] + [slow * straggler_rounds_fraction] * (processes - 1)
+
+
+def _in_namespace(args) -> None:
+  """Re-runs this script in a new network namespace whose loopback has a tbf bandwidth limit."""
+  if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("tc"):
+    raise SystemExit("--rate needs root, unshare and tc (iproute2)")
+  inner = [a for a in sys.argv[1:] if not a.startswith("--_in_namespace")] + ["--_in_namespace"]
+  setup = (f"ip link set lo up && tc qdisc add dev lo root tbf rate {args.rate} burst {args.burst} "
+           f"latency 100ms && exec {sys.executable} {os.path.abspath(__file__)} " + " ".join(inner))
+  raise SystemExit(subprocess.call(["unshare", "-n", "sh", "-c", setup]))
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--processes", type=int, nargs="+", default=[4, 8])
+  parser.add_argument("--methods", nargs="+", default=["noloco", "diloco", "ddp"])
+  parser.add_argument("--steps", type=int, default=12)
+  parser.add_argument("--inner_steps", type=int, default=3)
+  parser.add_argument("--straggler_factor", type=float, default=2.0, help="process 0 this many times slower")
+  parser.add_argument("--lognormal", default="", help="MEDIAN,SIGMA: a seeded log-normal delay per step instead")
+  parser.add_argument("--rate", default="", help="tbf rate on loopback, e.g. 20mbit (a new network namespace)")
+  parser.add_argument("--burst", default="128kb", help="tbf burst: above the 64 KiB loopback MTU")
+  parser.add_argument("--quick", action="store_true", help="seconds-long: P=2, 4 steps, H=2, NoLoCo and DiLoCo")
+  parser.add_argument("--_in_namespace", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--out", default="", help="also write the JSON here")
+  args = parser.parse_args(argv)
+  if args.rate and not args._in_namespace:
+    _in_namespace(args)
+  if args.quick:
+    args.processes, args.steps, args.inner_steps, args.methods = [2], 4, 2, ["noloco", "diloco"]
+  if args.lognormal:
+    median, sigma = args.lognormal.split(",")
+    faults = f"lognormal:median={median},sigma={sigma},seed=0"
+  else:
+    faults = f"slowdown:process=0,factor={args.straggler_factor}"
+  tokens_per_step = 2 * 32  # smoke: batch_size 2 × seq_len 32 per replica
+  results = {"setting": {"faults": faults, "rate": args.rate or None, "steps": args.steps,
+                         "inner_steps": args.inner_steps, "devices_per_process": 1}, "runs": []}
+  root = tempfile.mkdtemp(prefix="bench_network_")
+  try:
+    for p in args.processes:
+      reference = None
+      for method in sorted(args.methods, key=lambda m: m != "noloco"):  # NoLoCo first: DDP's reference
+        run = run_one(method, p, args.steps, args.inner_steps, faults, root)
+        out = summarise(method, run, args.inner_steps, p * tokens_per_step, reference)
+        if method == "noloco":
+          reference = [q["median_inner_s"] for q in out["processes"]]
+        if not args.lognormal:
+          out["model_idle_fraction"] = model_idle(method, p, args.straggler_factor, 1.0 / (p - 1))
+        out["processes_count"] = p
+        results["runs"].append(out)
+        print(json.dumps({k: v for k, v in out.items() if k != "processes"}), flush=True)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  print(json.dumps(results))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=2)
+  return results
+
+
+if __name__ == "__main__":
+  main()
