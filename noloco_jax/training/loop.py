@@ -25,7 +25,7 @@ from noloco_jax.io import checkpoint as checkpoint_lib
 from noloco_jax import config as config_lib
 from noloco_jax.io import data as data_lib
 from noloco_jax.parallel import distributed
-from noloco_jax.training import inner
+from noloco_jax.training import dispatch, inner
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.models import llama as model_lib
@@ -198,7 +198,11 @@ def build(config: ml_collections.ConfigDict, mesh=None, vocab_size: int | None =
 
 def evaluate(setup: Setup, state: TrainState, eval_batches: jax.Array) -> dict[str, float]:
   """eval/loss = mean over replicas of each replica's mean validation loss; eval/ppl = exp of it."""
-  losses = [setup.eval_step(state.params, eval_batches[i]) for i in range(eval_batches.shape[0])]
+  losses = []
+  for i in range(eval_batches.shape[0]):
+    losses.append(setup.eval_step(state.params, eval_batches[i]))
+    if (i + 1) % dispatch.EVAL_CHUNK == 0:  # bounded run-ahead: see training/dispatch.py
+      jax.block_until_ready(losses[-1])
   losses = mesh_lib.fetch(losses)  # per-replica losses live on every process: one all-gather
   per_replica = np.mean(np.stack([np.asarray(x) for x in losses]), axis=0)
   loss = float(np.mean(per_replica))
@@ -272,6 +276,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     pending_steps, pending_metrics, pending_round = resume.pending
   last_log_time, last_log_step = time.time(), first_step - 1
   guard = checkpoint_lib.RoundGuard(config, mesh)  # active only with nan_policy="skip_round"
+  # The host stays at most a few steps ahead of the devices: queuing more deadlocks XLA:CPU's
+  # collectives (training/dispatch.py explains how).
+  window = dispatch.DispatchWindow()
 
   if resume is None:
     scalars = evaluate(setup, state, eval_batches)  # step 0: the untrained baseline
@@ -298,6 +305,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                         "groups": [list(g) for g in setup.schedule.groups(round_)]}) + "\n")
         round_ += 1
       state = guard.end(step, state, history)
+      window.push(step_metrics["loss"])
       report(step)
 
       if step % max(config.log_every, 1) == 0 or step == config.num_steps:
