@@ -250,8 +250,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # ---- State, built sharded. ----
   state = setup.init_state()
-  # All processes agree on config/seed/layout and every replica starts bit-identical (before any restore).
-  distributed.check_consistency(config, mesh, state)
+  # All processes agree on config/seed/layout, share the workdir, and every replica starts bit-identical
+  # (before any restore).
+  distributed.check_consistency(config, mesh, state, workdir=workdir)
   # Then the latest checkpoint of this workdir, else the warm start, else this fresh state (checkpoint.py).
   checkpointer = checkpoint_lib.Checkpointer(setup, workdir)
   state, resume = checkpointer.restore(state, train_iter)
