@@ -56,7 +56,8 @@ def main(argv):
   if not FLAGS.workdir:
     raise app.UsageError("--workdir is required (except with --dry_run).")
   # Before anything starts JAX's backends: jax.distributed must come first.
-  multi_process = distributed.initialize(distributed.options_from_flags(FLAGS))
+  options = distributed.options_from_flags(FLAGS)
+  multi_process = distributed.initialize(options)
   # One fake CPU device per device of the mesh: replicas × stages × fsdp.
   _fake_cpu_devices(config.num_replicas * config.get("num_stages", 1) * config.fsdp, multi_process)
 
@@ -66,7 +67,14 @@ def main(argv):
   # jax.distributed, so that this handler, not the runtime's, receives the signal.
   checkpoint.install_preemption_handler()
   with distributed.fail_fast():
+    watch = None
+    if multi_process:  # a dead peer ends this process within a second, with one line (peer_watch.py)
+      from noloco_jax.parallel import peer_watch
+      host = options.coordinator_address.rsplit(":", 1)[0] if options.coordinator_address else None
+      watch = peer_watch.start(host)
     train.train_and_evaluate(config, FLAGS.workdir)
+  if watch is not None:
+    watch.leave()  # finished (or preempted and saved): this process's exit ends nobody
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ server); `off` never does. Timeouts (seconds): --heartbeat_timeout_s (NOLOCO_HEA
 --initialization_timeout_s (NOLOCO_INITIALIZATION_TIMEOUT_S), --shutdown_timeout_s
 (NOLOCO_SHUTDOWN_TIMEOUT_S).
 
-Failure behaviour: when a process dies, its peers' next collective fails at once (the TCP link
-closes) and `fail_fast` ends them with exit code 1; a peer that is not in a collective is ended by
-the distributed runtime once the dead process has missed heartbeats for heartbeat_timeout_s. A job
-therefore never hangs on a dead process for longer than about heartbeat_timeout_s.
+Failure behaviour: when a process dies, peer_watch.py ends its peers within about a second (exit
+code 1, one `Process i of P failed` line); a collective that fails first ends them through
+`fail_fast`, with the same line. A host that vanishes without closing its connections is ended by the
+distributed runtime once it has missed heartbeats for heartbeat_timeout_s. A job therefore never
+hangs on a dead process for longer than about heartbeat_timeout_s.
 """
 
 from __future__ import annotations
