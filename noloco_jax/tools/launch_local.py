@@ -79,7 +79,7 @@ class Job:
         out = open(log_path, "w")
       else:
         out = subprocess.PIPE
-      # process_group=0: a new group, out of the terminal's reach (see forward()).
+      # process_group=0: a group of their own, out of the terminal's reach (module docstring).
       proc = subprocess.Popen(cmd, env=process_env(i, num_processes, devices_per_process, self.port, env),
                               stdout=out, stderr=subprocess.STDOUT, cwd=cwd, text=True, process_group=0)
       if log_path:
