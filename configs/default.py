@@ -77,7 +77,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.data.batch_size = 4  # Sequences per replica per inner step.
   config.data.eval_batches = 4  # Validation batches per evaluation (the same for every replica).
   config.data.data_dir = ""  # TFDS data dir and token caches; "" = ~/.cache/noloco_jax/tensorflow_datasets.
-  config.data.prefetch = 2  # Batches prepared ahead in a background thread; 0 = in the caller.
+  config.data.prefetch = 2  # Batches prepared ahead in Grain's background thread; 0 = in the caller.
+  config.data.workers = 0  # Grain worker processes per replica (tokenisation off the trainer); stream mode: 0 or 1.
   # "" = the source's default: "array" (tokenize the split once into a cached array, shuffle whole
   # sequences; stdlib, text) or "stream" (tokenize while reading, for corpora too big for that).
   config.data.mode = ""

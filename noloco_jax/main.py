@@ -40,9 +40,6 @@ def _fake_cpu_devices(num_replicas: int, multi_process: bool) -> None:
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  # TensorFlow (imported by clu and TFDS) must never take accelerator memory from JAX.
-  import tensorflow as tf
-  tf.config.set_visible_devices([], "GPU")
   config = FLAGS.config
   if FLAGS.dry_run:
     from noloco_jax.tools import dryrun

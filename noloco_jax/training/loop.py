@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from clu import periodic_actions
 from jax.sharding import PartitionSpec as P
 
 from noloco_jax.io import checkpoint as checkpoint_lib
@@ -261,7 +260,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if resume is None:
     writer.write_scalars(0, {"model/num_params": num_params})
   pairing_log = open(os.path.join(workdir, "pairings.jsonl"), "a") if is_main and setup.schedule else None
-  report = periodic_actions.ReportProgress(num_train_steps=config.num_steps, every_secs=30)
+  report = metrics_lib.writers.ProgressLog(num_train_steps=config.num_steps, every_secs=30)
   tokens_per_step = n * config.data.batch_size * config.data.seq_len
 
   history: dict[str, Any] = {"eval": []}

@@ -25,6 +25,7 @@ class DataSpec:
   eval_batches: int = 4
   data_dir: str = ""
   prefetch: int = 2
+  workers: int = 0
   mode: str = ""
   shard_by: str = "auto"
   shuffle_buffer: int = 256
@@ -95,7 +96,7 @@ def validate_with_tokenizer(config_data, model_max_seq_len: int = 0, vocab_size:
   for name in ("seq_len", "batch_size", "shuffle_buffer"):
     if spec[name] < 1:
       _fail(name, spec[name], "an integer >= 1")
-  for name in ("eval_batches", "prefetch"):
+  for name in ("eval_batches", "prefetch", "workers"):
     if spec[name] < 0:
       _fail(name, spec[name], "an integer >= 0")
   if spec.source not in sources.SOURCES:
@@ -118,6 +119,13 @@ def validate_with_tokenizer(config_data, model_max_seq_len: int = 0, vocab_size:
                      f"more than the model's vocab_size {vocab_size}; valid: a model vocab_size >= "
                      f"{tok.vocab_size} (config.model.vocab_size = 0 takes the tokenizer's).")
   return spec, tok
+
+
+def validate_workers(spec: DataSpec, mode: str) -> None:
+  """A packed stream is sequential: one worker process per replica at most (see iterator.py)."""
+  if mode == "stream" and spec.workers > 1:
+    _fail("workers", spec.workers, "0 or 1 in stream mode (a replica's packed stream is read by "
+          "one process); any count >= 0 in array mode")
 
 
 def _check_paths(spec: DataSpec) -> None:
