@@ -11,6 +11,7 @@ iterators' own state after the last batch the caller *received*, not after what 
 import functools
 from collections.abc import Sequence
 
+from absl import flags
 from absl import logging
 import grain
 import numpy as np
@@ -152,6 +153,10 @@ def _in_workers(ds: grain.IterDataset, spec: spec_lib.DataSpec) -> grain.IterDat
   """
   if spec.workers == 0:
     return ds
+  if not flags.FLAGS.is_parsed():
+    # Grain reads its absl flags when it starts workers. Outside an absl app (tests, notebooks)
+    # nobody parsed them: take the defaults rather than fail.
+    flags.FLAGS.mark_as_parsed()
   return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=spec.workers,
                                                      per_worker_buffer_size=max(spec.prefetch, 1)))
 

@@ -55,6 +55,19 @@ class ArraySequences(grain.MapDataset):
     self._count = len(range(replica, total, num_replicas))  # Sequences r, r+R, r+2R, ...
     self._perms = {}  # epoch -> permutation; at most two are alive (see _permutation).
 
+  def __getstate__(self):
+    # A Grain worker process gets this dataset pickled: send the memory map's file, not its bytes.
+    state = dict(self.__dict__)
+    if isinstance(self._tokens, np.memmap):
+      state["_tokens"] = (self._tokens.filename, self._tokens.dtype.str)
+    return state
+
+  def __setstate__(self, state):
+    if isinstance(state["_tokens"], tuple):
+      filename, dtype = state["_tokens"]
+      state["_tokens"] = np.memmap(filename, dtype=np.dtype(dtype), mode="r")
+    self.__dict__.update(state)
+
   def __len__(self) -> int:
     # Endless (the next epoch follows seamlessly), below sys.maxsize so that Grain's length
     # arithmetic for batches (a float ceil) still fits an index.
