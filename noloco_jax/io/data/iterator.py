@@ -2,8 +2,8 @@
 
 `make_train_iterator` returns batches [len(replica_ids), B, L+1] for the replicas this process holds;
 each replica's rows come from its own Grain pipeline (see streams.py), so any subset of replicas
-reproduces the rows of the full set. Per replica: the Grain dataset of its rows, batched by Grain,
-optionally run in Grain worker processes (`config.data.workers`); the replicas' batches are stacked
+reproduces the rows of the full set. Per replica: the Grain dataset of its batches (rows batched by
+Grain in array mode, packed batches in stream mode), optionally run in Grain worker processes (`config.data.workers`); the replicas' batches are stacked
 and Grain's prefetch thread keeps `prefetch` stacked batches ready. `get_state` is the Grain
 iterators' own state after the last batch the caller *received*, not after what was prefetched.
 """
@@ -190,7 +190,7 @@ def make_train_iterator(config_data, *, seed: int, replica_ids: Sequence[int], n
     shard_by = streams.resolve_shard_by(spec.shard_by, source.num_units, num_replicas)
     fingerprint["shard_by"] = shard_by
     datasets = [streams.PackedSequences(functools.partial(_doc_stream, spec, vocab_size, seed, r,
-                                                          num_replicas)).batch(spec.batch_size)
+                                                          num_replicas), spec.batch_size)
                 for r in replica_ids]
     logging.info("data: streaming %s (%d units) to %d replicas, shard_by=%s; this process holds "
                  "replicas %s.", source.name, source.num_units, num_replicas, shard_by, replica_ids)
