@@ -8,13 +8,16 @@ Steps, all timed from this script with wall clocks:
      package is downloaded and unpacked (no pip cache, no wheel reuse); install_s is the pip step.
   2. venv_bytes: the size of the virtualenv on disk (`du -sb`), pip itself included.
   3. import_s: `import noloco_jax.main` in a fresh interpreter of that venv (median of --imports runs,
-     after one untimed run that writes the .pyc files); also whether TensorFlow is installed at all.
+     after one untimed run that writes the .pyc files); import_loop_s: the same for
+     `noloco_jax.training.loop` (the trainer: writers, data, checkpoints); whether TensorFlow is
+     installed at all.
   4. first_step_s: the default job (configs/default.py) cut to one step, from the command's start to
      its exit, with an empty data dir, so it includes building the corpus and its token cache,
      compiling, the step-0 evaluation, the step, the final evaluation and the checkpoint: an upper
      bound on the time to the first training step. first_step_warm_s: the same again with the data
      dir now built (the compile cache is off in both).
-Optionally (--baseline_python) steps 3-4 for another interpreter and checkout, for before/after.
+Optionally (--baseline_python) the size of its venv and steps 3-4 for another interpreter and
+checkout, for before/after in the same run.
 """
 
 import json
@@ -36,8 +39,7 @@ _IMPORTS = flags.DEFINE_integer("imports", 5, "Timed import runs.")
 _BASE_PY = flags.DEFINE_string("baseline_python", "", "A venv's python to compare with (e.g. the old one).")
 _BASE_REPO = flags.DEFINE_string("baseline_repo", "", "The checkout that --baseline_python runs.")
 
-_IMPORT_CODE = ("import time; t = time.perf_counter(); import noloco_jax.main; "
-                "print(time.perf_counter() - t)")
+_IMPORT_CODE = "import time; t = time.perf_counter(); import {}; print(time.perf_counter() - t)"
 
 
 def _run(cmd, cwd=REPO, env=None) -> float:
@@ -46,10 +48,10 @@ def _run(cmd, cwd=REPO, env=None) -> float:
   return time.perf_counter() - t
 
 
-def _import_s(python: str, repo: str) -> float:
-  env = {**os.environ, "PYTHONPATH": repo}
-  subprocess.run([python, "-c", "import noloco_jax.main"], cwd=repo, env=env, check=True)
-  runs = [float(subprocess.run([python, "-c", _IMPORT_CODE], cwd=repo, env=env, check=True,
+def _import_s(python: str, repo: str, module: str) -> float:
+  env = {**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
+  subprocess.run([python, "-c", f"import {module}"], cwd=repo, env=env, check=True)
+  runs = [float(subprocess.run([python, "-c", _IMPORT_CODE.format(module)], cwd=repo, env=env, check=True,
                                capture_output=True, text=True).stdout.strip().splitlines()[-1])
           for _ in range(_IMPORTS.value)]
   return statistics.median(runs)
@@ -68,7 +70,9 @@ def _first_step_s(python: str, repo: str, scratch: str) -> tuple[float, float]:
 
 def _measure(python: str, repo: str, scratch: str) -> dict:
   cold, warm = _first_step_s(python, repo, scratch)
-  return {"import_s": round(_import_s(python, repo), 3), "first_step_s": round(cold, 1),
+  return {"import_s": round(_import_s(python, repo, "noloco_jax.main"), 3),
+          "import_loop_s": round(_import_s(python, repo, "noloco_jax.training.loop"), 3),
+          "first_step_s": round(cold, 1),
           "first_step_warm_s": round(warm, 1)}
 
 
@@ -92,6 +96,9 @@ def main(argv):
               "tensorflow_installed": has_tf, **_measure(python, REPO, os.path.join(tmp, "new"))}
     if _BASE_PY.value:
       base = _measure(_BASE_PY.value, _BASE_REPO.value or REPO, os.path.join(tmp, "base"))
+      base_venv = os.path.dirname(os.path.dirname(_BASE_PY.value))
+      base["venv_bytes"] = int(subprocess.run(["du", "-sb", base_venv], check=True, capture_output=True,
+                                              text=True).stdout.split()[0])
       result.update({f"baseline_{k}": v for k, v in base.items()})
   if _JSON.value:
     print(json.dumps(result))
