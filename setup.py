@@ -11,7 +11,7 @@ setuptools.setup(
     version="0.1.0",
     description="NoLoCo (no-all-reduce low-communication training) in JAX/Flax, with DiLoCo and DDP baselines.",
     packages=setuptools.find_packages(include=["noloco_jax", "noloco_jax.*"]),
-    python_requires=">=3.11,<3.13",
+    python_requires=">=3.11",  # Tested: 3.11 (CI) and 3.12.
     install_requires=[
         "jax>=0.10,<0.12",
         "flax>=0.12,<0.13",
