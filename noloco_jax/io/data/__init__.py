@@ -11,7 +11,8 @@ The trainer's interface:
 
 Modules, one job each: spec (config record + validation), tokenizer, sources / tfds_sources /
 file_sources (documents), stdlib_builder (the embedded TFDS corpus), packing (tokens and caches),
-streams (one replica's resumable sequence stream), iterator (batches + prefetch), train_spm (CLI).
+streams (one replica's sequences as a Grain dataset), iterator (Grain pipelines per replica,
+stacked and prefetched), train_spm (CLI).
 """
 
 from noloco_jax.io.data.iterator import make_eval_batches
