@@ -3,9 +3,10 @@
 `make_train_iterator` returns batches [len(replica_ids), B, L+1] for the replicas this process holds;
 each replica's rows come from its own Grain pipeline (see streams.py), so any subset of replicas
 reproduces the rows of the full set. Per replica: the Grain dataset of its batches (rows batched by
-Grain in array mode, packed batches in stream mode), optionally run in Grain worker processes (`config.data.workers`); the replicas' batches are stacked
-and Grain's prefetch thread keeps `prefetch` stacked batches ready. `get_state` is the Grain
-iterators' own state after the last batch the caller *received*, not after what was prefetched.
+Grain in array mode, packed batches in stream mode), optionally read in Grain worker processes
+(`config.data.workers`). The replicas' batches are stacked, and Grain's prefetch thread keeps
+`prefetch` stacked batches ready. `get_state` holds the Grain iterators' own states after the last
+batch the caller *received*, not after what was prefetched.
 """
 
 import functools
@@ -89,11 +90,13 @@ class TrainIterator:
     if self._closed:
       raise RuntimeError("the data iterator is closed.")
     return {"format": STATE_FORMAT, "config": dict(self._fingerprint),
-            "replicas": {k: v for k, v in self._it.get_state().items()}}
+            "replicas": dict(self._it.get_state())}
 
   def set_state(self, state: dict) -> None:
     """Continues exactly where `state` was taken. It may hold more replicas than this process
     (a checkpoint of the whole job); those are ignored, but every held replica must be there."""
+    if self._closed:
+      raise RuntimeError("the data iterator is closed.")
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
       raise ValueError(f"not a data iterator state of format {STATE_FORMAT!r}: {str(state)[:200]}")
     saved = state.get("config", {})
@@ -101,8 +104,6 @@ class TrainIterator:
     if diff:
       raise ValueError("the data iterator state was saved under a different data setup; "
                        f"field: (saved, now) = {diff}.")
-    if self._closed:
-      raise RuntimeError("the data iterator is closed.")
     missing = [r for r in self._ids if str(r) not in state["replicas"]]
     if missing:
       raise ValueError(f"the data iterator state has no position for replica(s) {missing}.")
