@@ -95,5 +95,5 @@ def test_grain_workers_give_the_same_batches_and_resume(tmp_path, mode, workers)
 
 def test_stream_mode_takes_at_most_one_worker(tmp_path):
   c = text_config(tmp_path, {"a.txt": "text " * 40}, seq_len=7, mode="stream", workers=2)
-  with pytest.raises(ValueError, match=r"config.data.workers=2 is invalid; valid: 0 or 1 in stream mode"):
+  with pytest.raises(ValueError, match=r"config.data.workers=2 is not valid: 0 or 1 in stream mode"):
     data.make_train_iterator(c, seed=0, replica_ids=[0], num_replicas=1, vocab_size=257)
