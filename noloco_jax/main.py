@@ -51,9 +51,6 @@ def main(argv):
     cli.exit_usage(str(e))
   if not FLAGS.workdir and not FLAGS.dry_run:
     cli.exit_usage("--workdir is required (except with --dry_run).")
-  # TensorFlow (imported by clu and TFDS) must never take accelerator memory from JAX.
-  import tensorflow as tf
-  tf.config.set_visible_devices([], "GPU")
   if FLAGS.dry_run:
     topology = dryrun.parse_topology(FLAGS.topology)
     dryrun.fake_devices(topology)  # before anything starts JAX's backends

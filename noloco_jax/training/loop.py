@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from clu import periodic_actions
 
 from noloco_jax.io import checkpoint as checkpoint_lib
 from noloco_jax.io import data as data_lib
@@ -62,7 +61,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if not loop.resumed:
     writer.write_scalars(0, {"model/num_params": setup.model.num_params()})
   pairing_log = open(os.path.join(workdir, "pairings.jsonl"), "a") if is_main and setup.schedule else None
-  report = periodic_actions.ReportProgress(num_train_steps=config.num_steps, every_secs=30)
+  report = metrics_lib.writers.ProgressLog(num_train_steps=config.num_steps, every_secs=30)
   rate = _StepRate(loop.step, n * config.data.batch_size * config.data.seq_len)
   guard = checkpoint_lib.RoundGuard(config, mesh)  # active only with nan_policy="skip_round"
   # The host stays at most a few steps ahead of the devices: queuing more deadlocks XLA:CPU's
