@@ -63,6 +63,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Recompute each layer's activations in the backward pass instead of storing them: activation
   # memory falls from O(layers) to O(1) layers, for about one extra forward pass of compute.
   config.model.remat = False
+  # With remat, what a layer keeps for its backward pass: "nothing" (its input only) or "dots" (also its
+  # weight matmuls' outputs: less recomputation, more memory).
+  config.model.remat_policy = "nothing"
+  # Attention kernel: auto (cuDNN flash attention on NVIDIA GPUs with bf16 compute, XLA elsewhere) | xla
+  # | cudnn | einsum (the original einsum/softmax; the reference). See noloco_jax/models/attention.py.
+  config.model.attention = "auto"
+  # Loss over the vocabulary in chunks of this many sequence positions, never holding the [B, L, V]
+  # float32 logits (noloco_jax/models/losses.py); 0 = the plain loss. For large vocabularies.
+  config.model.loss_chunk = 0
 
   # ---- Data (see noloco_jax/io/data/) ----
   config.data = ml_collections.ConfigDict()

@@ -13,6 +13,7 @@ import os
 
 import ml_collections
 
+from noloco_jax.models import attention as attention_lib
 from noloco_jax.models import llama as model_lib
 from noloco_jax.outer.methods import KINDS, MESSAGE_DTYPES
 from noloco_jax.outer.pairing import MODES
@@ -22,7 +23,7 @@ from noloco_jax.parallel.routing import ROUTINGS
 _TOP = {"seed", "num_steps", "num_replicas", "num_devices", "fsdp", "eval_every", "log_every", "checkpoint_every",
         "nan_policy", "model", "data", "inner", "outer", "checkpoint", "num_stages", "pipeline"}
 _MODEL = {"preset", "d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size", "max_seq_len",
-          "rope_theta", "norm_eps", "param_dtype", "dtype", "remat"}
+          "rope_theta", "norm_eps", "param_dtype", "dtype", "remat", "remat_policy", "attention", "loss_chunk"}
 _INNER = {"optimizer", "lr", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps", "weight_decay", "grad_clip",
           "microbatches"}
 _OUTER = {"kind", "inner_steps", "group_size", "momentum", "lr", "gamma", "nesterov", "message_dtype",
@@ -174,6 +175,11 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
     _fail("outer.offload", o.offload, "True or False")
   if not isinstance(m.remat, bool):
     _fail("model.remat", m.remat, "True or False")
+  if m.remat_policy not in model_lib.REMAT_POLICIES:
+    _fail("model.remat_policy", m.remat_policy, f"one of {sorted(model_lib.REMAT_POLICIES)}")
+  if m.attention not in attention_lib.IMPLEMENTATIONS:
+    _fail("model.attention", m.attention, f"one of {attention_lib.IMPLEMENTATIONS}")
+  _positive(config, "model.loss_chunk", allow_zero=True)
   if not isinstance(o.nesterov, bool):
     _fail("outer.nesterov", o.nesterov, "True or False")
   if config.nan_policy == "skip_round" and config.checkpoint_every % o.inner_steps:

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from noloco_jax.models import llama as model_lib
 from noloco_jax.training.state import TrainState
 
 
@@ -41,8 +40,8 @@ def make_optimizer(inner_cfg: ml_collections.ConfigDict, num_steps: int) -> opta
 
 def loss_fn(params, batch_BxL1, apply_fn):
   """Next-token loss of one replica on a packed batch of L+1 tokens (inputs and shifted targets)."""
-  logits_BxLxV = apply_fn({"params": params}, batch_BxL1[:, :-1])
-  return model_lib.cross_entropy(logits_BxLxV, batch_BxL1[:, 1:])
+  # The model computes its own loss: with model.loss_chunk it never materialises the logits.
+  return apply_fn({"params": params}, batch_BxL1[:, :-1], batch_BxL1[:, 1:], method="next_token_loss")
 
 
 def compute_grads(params, batch_BxL1, apply_fn):
