@@ -107,11 +107,13 @@ def _scan_chunks(x_BxLxD, w_DxV, targets_BxL, chunk: int, with_grads: bool):
     dw_DxV = carry[1] + jnp.einsum("bcd,bcv->dv", x_BxCxD, dlogits_BxCxV, preferred_element_type=jnp.float32)
     return (loss_sum, dw_DxV), dx_BxCxD
 
-  zero = jnp.zeros((), jnp.float32)
+  # Inside shard_map a scan's carry must vary over the mesh axes exactly as its updates do, i.e. as
+  # x and w together: a zero built from both inherits that.
+  zero = jnp.zeros_like(x_BxLxD[0, 0, 0], jnp.float32) + jnp.zeros_like(w_DxV[0, 0], jnp.float32)
   if not with_grads:
     (loss_sum,), _ = jax.lax.scan(body, (zero,), (x_nxBxCxD, t_nxBxC, valid_nxC))
     return loss_sum * weight, None
   (loss_sum, dw_DxV), dx_nxBxCxD = jax.lax.scan(
-      body, (zero, jnp.zeros((D, V), jnp.float32)), (x_nxBxCxD, t_nxBxC, valid_nxC))
+      body, (zero, jnp.zeros((D, V), jnp.float32) + zero), (x_nxBxCxD, t_nxBxC, valid_nxC))
   dx_BxLxD = dx_nxBxCxD.swapaxes(0, 1).reshape(B, n * chunk, D)[:, :L]
   return loss_sum * weight, (dx_BxLxD, dw_DxV.astype(w_DxV.dtype))
