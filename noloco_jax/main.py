@@ -20,6 +20,9 @@ flags.DEFINE_bool("dry_run", False, "Compile the run's steps from shapes on --to
                   "does not fit.")
 flags.DEFINE_string("topology", "8x80GB", "With --dry_run: DEVICESxMEMORY, e.g. 64x80GB (faked with CPU devices "
                     "when this machine has fewer).")
+flags.DEFINE_string("compile_cache", None, "Directory of JAX's persistent compilation cache (on by default: "
+                    "$NOLOCO_COMPILE_CACHE, else ~/.cache/noloco_jax/jax_compile_cache); '' or 'off' disables. "
+                    "See noloco_jax/tools/compile_cache.py.")
 flags.mark_flags_as_required(["config"])
 distributed.define_flags()
 
@@ -44,6 +47,10 @@ def main(argv):
   import tensorflow as tf
   tf.config.set_visible_devices([], "GPU")
   config = FLAGS.config
+  from noloco_jax.tools import compile_cache
+  # A restarted job loads its compiled programs instead of compiling them again.
+  cache_dir = compile_cache.enable(FLAGS.compile_cache)
+  logging.info("Persistent compilation cache: %s", cache_dir or "off")
   if FLAGS.dry_run:
     from noloco_jax.tools import dryrun
     topology = dryrun.parse_topology(FLAGS.topology)
