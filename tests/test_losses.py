@@ -86,3 +86,23 @@ def test_model_loss_and_all_parameter_gradients_match_with_chunks(dtype, tol):
   for path, a in jax.tree_util.tree_leaves_with_path(gc):
     b = dict(jax.tree_util.tree_leaves_with_path(gp))[path]
     np.testing.assert_allclose(a, b, atol=tol * float(np.abs(b).max()), err_msg=jax.tree_util.keystr(path))
+
+
+def test_head_matmul_accounting_in_the_lowered_programs():
+  """experiments/bench_loss.py on tiny shapes: the gradient program of the chunked loss holds the head's
+  three matmuls (logits, dx, dW) like the plain loss; the naive scan + checkpoint holds four (its
+  backward pass recomputes the logits). All three agree in value and gradients."""
+  import importlib.util
+  import os
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "bench_loss.py")
+  spec = importlib.util.spec_from_file_location("bench_loss", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  r = bench.main(["--batch=2", "--seq_len=16", "--d_model=8", "--vocab=97", "--chunk=4", "--steps=1",
+                  "--repeats=1", "--json"])
+  assert (r["plain"]["vocab_matmuls"], r["chunked"]["vocab_matmuls"], r["naive"]["vocab_matmuls"]) == (3, 3, 4)
+  for name in ("chunked", "naive"):
+    diff = r[name]["max_abs_diff_vs_plain"]
+    assert diff["loss"] < 1e-5 and diff["dx"] < 1e-6 and diff["dw"] < 1e-6, (name, diff)
+  # The chunk's [B, 4, V] logits instead of [B, 16, V]: less scratch memory than the plain loss.
+  assert r["chunked"]["temp_bytes"] < r["plain"]["temp_bytes"]
