@@ -66,8 +66,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # With remat, what a layer keeps for its backward pass: "nothing" (its input only) or "dots" (also its
   # weight matmuls' outputs: less recomputation, more memory).
   config.model.remat_policy = "nothing"
-  # Attention kernel: auto (cuDNN flash attention on NVIDIA GPUs with bf16 compute, XLA elsewhere) | xla
-  # | cudnn | einsum (the original einsum/softmax; the reference). See noloco_jax/models/attention.py.
+  # Attention kernel: auto (cuDNN flash attention on NVIDIA GPUs with bf16 compute, einsum on CPU, XLA
+  # elsewhere) | xla | cudnn | einsum (the original einsum/softmax; the reference). See
+  # noloco_jax/models/attention.py.
   config.model.attention = "auto"
   # Loss over the vocabulary in chunks of this many sequence positions, never holding the [B, L, V]
   # float32 logits (noloco_jax/models/losses.py); 0 = the plain loss. For large vocabularies.

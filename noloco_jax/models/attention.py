@@ -1,7 +1,8 @@
 """Causal self-attention kernels, chosen per backend (config `model.attention`).
 
     auto    cuDNN's fused flash attention on an NVIDIA GPU when the compute dtype is bfloat16 or float16
-            and the head dimension is one cuDNN takes; XLA's attention everywhere else.
+            and the head dimension is one cuDNN takes; `einsum` on CPU (measured faster there, see
+            experiments/RESULTS.md); XLA's attention everywhere else (TPU, other GPUs).
     xla     `jax.nn.dot_product_attention(implementation="xla")`: scores in float32, softmax, values.
     cudnn   `jax.nn.dot_product_attention(implementation="cudnn")`: fails to compile off NVIDIA GPUs
             and for float32 compute (cuDNN's fused kernel takes bf16/fp16 only).
@@ -32,13 +33,20 @@ _CUDNN_MAX_HEAD_DIM = 128
 
 
 def resolve(implementation: str, dtype: Any, head_dim: int, platform: str | None = None) -> str:
-  """The implementation `auto` stands for on `platform` (default: JAX's default backend)."""
+  """The implementation `auto` stands for on `platform` (default: JAX's default backend).
+
+  CPU gets `einsum`: at the default job's shapes XLA:CPU runs the reference's program 2.4-3.5× faster
+  than jax.nn.dot_product_attention's (forward + backward; equal at L = 1024), and both hold the same
+  [B, N, L, L] scores, so the fused entry point buys nothing there.
+  """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"model.attention={implementation!r} is not valid: one of {IMPLEMENTATIONS}.")
   if implementation != "auto":
     return implementation
   platform = platform or jax.default_backend()
   fits = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= _CUDNN_MAX_HEAD_DIM
+  if platform == "cpu":
+    return "einsum"
   return "cudnn" if platform == "gpu" and fits and _is_cuda() else "xla"
 
 
