@@ -179,6 +179,9 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
     _fail("model.remat_policy", m.remat_policy, f"one of {sorted(model_lib.REMAT_POLICIES)}")
   if m.attention not in attention_lib.IMPLEMENTATIONS:
     _fail("model.attention", m.attention, f"one of {attention_lib.IMPLEMENTATIONS}")
+  if m.attention == "cudnn" and m.dtype != "bfloat16":
+    _fail("model.attention", m.attention, "'cudnn' only with model.dtype='bfloat16' (cuDNN's fused attention "
+          "takes bf16/fp16); use 'auto', 'xla' or 'einsum' for float32 compute")
   _positive(config, "model.loss_chunk", allow_zero=True)
   if not isinstance(o.nesterov, bool):
     _fail("outer.nesterov", o.nesterov, "True or False")

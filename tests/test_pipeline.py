@@ -116,6 +116,20 @@ def test_fixed_routing_equals_the_unpipelined_model(grads_setup):
     np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
+def test_a_chunked_loss_on_the_last_stage_equals_the_unpipelined_plain_loss(grads_setup):
+  """model.loss_chunk reaches the pipeline's last stage (Llama.head_loss): same loss and gradients."""
+  setup, params, tokens = grads_setup
+  cfg = _config(routing_mode="random", microbatches=2)
+  cfg.model.loss_chunk = 12  # does not divide L = 32: the padded last chunk is exercised too
+  chunked = train.build(cfg, vocab_size=VOCAB)
+  loss, grads = _pipelined_grads(chunked, pipeline.route_schedule(chunked.config, "fixed"), params, tokens, step=5)
+  plain_loss, plain_grads = jax.jit(jax.vmap(lambda p, b: inner.compute_grads(p, b, setup.model.apply)))(params, tokens)
+  np.testing.assert_allclose(loss, plain_loss, rtol=2e-5, atol=2e-6)
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    ref = functools.reduce(lambda t, k: t[k.key], path, plain_grads)
+    np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
 def test_random_routing_equals_the_routed_reference(grads_setup):
   """Loss per last-stage replica and every gradient shard, against the paths of routing.py."""
   setup, params, tokens = grads_setup

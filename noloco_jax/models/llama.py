@@ -215,8 +215,12 @@ class Llama(nn.Module):
     return constrain_batch(self.head(self.final_norm(x_BxLxD)).astype(jnp.float32), self.cfg.batch_axis)
 
   def next_token_loss(self, tokens_BxL, targets_BxL):
-    """Mean next-token cross-entropy; with cfg.loss_chunk, never holding [B, L, V] logits (losses.py)."""
-    x_BxLxD = self.layers(self.embed_tokens(tokens_BxL))
+    """Mean next-token cross-entropy of the whole model."""
+    return self.head_loss(self.layers(self.embed_tokens(tokens_BxL)), targets_BxL)
+
+  def head_loss(self, x_BxLxD, targets_BxL):
+    """The last layer's output to the mean loss; with cfg.loss_chunk never holding [B, L, V] logits
+    (losses.py). Needs params["final_norm"] and params["head"] only (a pipeline's last stage)."""
     if not self.cfg.loss_chunk:
       return cross_entropy(self.logits(x_BxLxD), targets_BxL)
     x_BxLxD = constrain_batch(self.final_norm(x_BxLxD), self.cfg.batch_axis)

@@ -220,8 +220,7 @@ def make_forward(model_cfg: model_lib.LlamaConfig, num_stages: int, router: Call
 
   def loss_k(params, y_kxbxLxD, targets_kxbxL):
     def one(norm, head, y, t):
-      logits = llama.apply({"params": {"final_norm": norm, "head": head}}, y, method=model_lib.Llama.logits)
-      return model_lib.cross_entropy(logits, t)
+      return llama.apply({"params": {"final_norm": norm, "head": head}}, y, t, method=model_lib.Llama.head_loss)
     return jax.vmap(one)(params["final_norm"], params["head"], y_kxbxLxD, targets_kxbxL)
 
   def forward(params, tokens_kxMxbxL1, offset):
