@@ -46,7 +46,10 @@ def enable(path: str | None = None) -> str | None:
   directory = resolve(path)
   if directory is None:
     return None
+  if path is None and os.environ.get(ENV) is None and jax.config.jax_compilation_cache_dir:
+    return directory  # JAX's own setting (rule 3), with its own thresholds: left as it is
   os.makedirs(directory, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", directory)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # a user's threshold wins
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
   return directory
