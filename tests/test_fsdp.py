@@ -62,8 +62,14 @@ def _train(fsdp: int, microbatches: int = 1, offload: bool = False, loss_chunk: 
   return setup, state, np.stack(losses), compiled.as_text()
 
 
-def test_fsdp_training_equals_unsharded_training():
-  base_setup, base, base_losses, base_hlo = _train(fsdp=1)
+@pytest.fixture(scope="module")
+def unsharded():
+  """The fsdp=1 reference run, shared by the tests below (one compile and run for all)."""
+  return _train(fsdp=1)
+
+
+def test_fsdp_training_equals_unsharded_training(unsharded):
+  base_setup, base, base_losses, base_hlo = unsharded
   # fsdp 2, with gradient accumulation over 2 micro-batches and φ, δ offloaded to host memory on top:
   # none of them may change the numbers.
   setup, sharded, losses, hlo = _train(fsdp=2, microbatches=2, offload=True)
@@ -84,9 +90,9 @@ def test_fsdp_training_equals_unsharded_training():
   assert 2 * hlo_lib.collective_bytes(hlo, "collective-permute") == per_replica
 
 
-def test_a_chunked_loss_split_over_fsdp_equals_the_plain_unsharded_loss():
+def test_a_chunked_loss_split_over_fsdp_equals_the_plain_unsharded_loss(unsharded):
   """model.loss_chunk with the batch split over fsdp: the chunks cut the sequence, never the batch."""
-  _, base, base_losses, _ = _train(fsdp=1)
+  _, base, base_losses, _ = unsharded
   _, chunked, losses, _ = _train(fsdp=2, loss_chunk=12)  # 12 does not divide seq_len 32: padded chunk
   np.testing.assert_allclose(losses, base_losses, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5),
