@@ -40,9 +40,9 @@ def main(argv=None) -> dict:
   import jax
   import numpy as np
   from configs import default
-  from noloco_jax.parallel import mesh as mesh_lib
+  from noloco_jax.parallel import sharding as sharding_lib
   from noloco_jax.tools import dryrun, experiment
-  from noloco_jax.training import loop as train
+  from noloco_jax.training import build as build_lib
 
   sides = {}
   for name, overrides in (("a", args.a), ("b", args.b)):
@@ -51,10 +51,10 @@ def main(argv=None) -> dict:
     cfg.outer.kind = "none"  # the inner step only
     experiment.apply_overrides(cfg, args.set + overrides)
     vocab = cfg.model.vocab_size or 257
-    setup = train.build(cfg, vocab_size=vocab, check_data=False)
+    setup = build_lib.build(cfg, vocab_size=vocab, check_data=False)
     batches = np.random.default_rng(0).integers(
         0, vocab, size=(args.replicas, cfg.data.batch_size, cfg.data.seq_len + 1)).astype(np.int32)
-    batch = mesh_lib.global_array(setup.mesh, batches, args.replicas)
+    batch = sharding_lib.global_array(setup.mesh, batches, args.replicas)
     state = setup.init_state()
     start = time.perf_counter()
     compiled = setup.inner_step.lower(state, batch).compile()

@@ -6,7 +6,7 @@ Two programs on the same model and per-replica batch, timed alternately in one p
   plain:  one replica's value_and_grad + optimizer update under a bare jax.jit on one device (no mesh,
           no vmap): what the model and loss cost by themselves.
 
-FLOPs per token follow noloco_jax/tools/mfu.py (printed as `flops_convention`); MFU divides by the
+FLOPs per token are the model's (`Model.flops_per_token`; printed as `flops_convention`); MFU divides by the
 device's dense bf16 peak (null on CPU or an unknown device). Memory, per program:
   peak_bytes_in_use   measured: jax.Device.memory_stats()["peak_bytes_in_use"] of the first device
                       (null where the backend keeps no statistics, e.g. CPU). A process-wide high-water
@@ -58,10 +58,10 @@ def main(argv=None) -> dict:
   import numpy as np
   from noloco_jax.tools import config_files, dryrun, experiment
   from noloco_jax.tools import mfu as mfu_lib
-  from noloco_jax.training import inner
-  from noloco_jax.training import loop as train
+  from noloco_jax.inner import step as inner
   from noloco_jax.parallel import mesh as mesh_lib
-  from noloco_jax.models import llama as model_lib
+  from noloco_jax.parallel import sharding as sharding_lib
+  from noloco_jax.training import build as build_lib
 
   config_path = args.config or os.path.join(root, "configs", "default.py")
   cfg = config_files.load_sibling(config_path, os.path.splitext(os.path.basename(config_path))[0]).get_config(
@@ -81,17 +81,17 @@ def main(argv=None) -> dict:
 
   devices = jax.devices()[:args.devices]
   mesh = mesh_lib.make_mesh(cfg.num_replicas, cfg.num_devices, devices=devices)
-  setup = train.build(cfg, mesh=mesh, vocab_size=vocab, check_data=False)
+  setup = build_lib.build(cfg, mesh=mesh, vocab_size=vocab, check_data=False)
   n, B, L = cfg.num_replicas, cfg.data.batch_size, cfg.data.seq_len
   rng = np.random.default_rng(0)
   batches = rng.integers(0, vocab, size=(n, B, L + 1)).astype(np.int32)
-  global_batch = mesh_lib.global_array(setup.mesh, batches, n)
+  global_batch = sharding_lib.global_array(setup.mesh, batches, n)
   state = setup.init_state()
 
   optimizer = inner.make_optimizer(cfg.inner, cfg.num_steps)
 
   def plain_step(s, b):
-    loss, grads = inner.compute_grads(s.params, b, setup.model.apply)
+    loss, grads = inner.compute_grads(s.params, b, setup.model.loss)
     return inner.apply_grads(s, grads, optimizer), loss
 
   plain_jit = jax.jit(plain_step, donate_argnums=0)
@@ -134,7 +134,7 @@ def main(argv=None) -> dict:
     times["plain"].append((t1 - t0) / args.steps)
     times["mapped"].append((t2 - t1) / args.steps)
 
-  flops_tok = mfu_lib.flops_per_token(setup.model_config, L)
+  flops_tok = setup.model.flops_per_token(L)
   peak = mfu_lib.peak_flops(device.device_kind, device.platform)
 
   def side(name, tokens, num_devices):
@@ -152,14 +152,12 @@ def main(argv=None) -> dict:
       "replicas": n,
       "replicas_per_device": args.replicas_per_device,
       "model": cfg.model.preset,
-      "d_model": setup.model_config.d_model,
-      "num_layers": setup.model_config.num_layers,
-      "vocab_size": setup.model_config.vocab_size,
+      "vocab_size": setup.model.vocab_size,
       "dtype": cfg.model.dtype,
       "attention": cfg.model.attention,
       "loss_chunk": cfg.model.loss_chunk,
       "remat": cfg.model.remat,
-      "num_params": model_lib.num_params(setup.model_config),
+      "num_params": setup.model.num_params(),
       "batch_per_replica": B,
       "seq_len": L,
       "flops_per_token": flops_tok,

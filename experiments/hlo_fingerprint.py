@@ -39,20 +39,20 @@ def main(argv=None) -> dict:
   import jax
   import numpy as np
   from configs import default
-  from noloco_jax.parallel import mesh as mesh_lib
+  from noloco_jax.parallel import sharding as sharding_lib
   from noloco_jax.tools import experiment
-  from noloco_jax.training import loop as train
+  from noloco_jax.training import build as build_lib
 
   cfg = default.get_config()
   cfg.outer.kind = "none"
   experiment.apply_overrides(cfg, args.set)
-  setup = train.build(cfg, vocab_size=257, check_data=False)
+  setup = build_lib.build(cfg, vocab_size=257, check_data=False)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        jax.eval_shape(setup.init_state), setup.state_shardings)
   n = cfg.num_replicas
-  batch = mesh_lib.global_array(setup.mesh, np.zeros((n, cfg.data.batch_size, cfg.data.seq_len + 1), np.int32), n)
+  batch = sharding_lib.global_array(setup.mesh, np.zeros((n, cfg.data.batch_size, cfg.data.seq_len + 1), np.int32), n)
   lines = normalise(setup.inner_step.lower(state, batch).compile().as_text())
-  result = {"benchmark": "hlo_fingerprint", "tree": os.path.dirname(os.path.dirname(train.__file__)),
+  result = {"benchmark": "hlo_fingerprint", "tree": os.path.dirname(os.path.dirname(os.path.dirname(build_lib.__file__))),
             "overrides": args.set, "instructions": len(lines),
             "sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest()}
   print(json.dumps(result))

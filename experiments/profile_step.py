@@ -68,34 +68,33 @@ def main(argv=None) -> dict:
   import numpy as np
   import optax
   from configs import default
-  from noloco_jax.models import llama as model_lib
+  from noloco_jax import models
+  from noloco_jax.inner import step as inner
+  from noloco_jax.inner.state import TrainState
   from noloco_jax.tools import experiment
-  from noloco_jax.training import inner
-  from noloco_jax.training.state import TrainState
 
   cfg = default.get_config(args.config_arg or None)
   experiment.apply_overrides(cfg, args.set)
   vocab = cfg.model.vocab_size or 257
-  model_cfg = model_lib.resolve_config(cfg.model, vocab_size=vocab, seq_len=cfg.data.seq_len)
-  model = model_lib.Llama(model_cfg)
+  model = models.get(cfg.model.arch).resolve(cfg.model, vocab_size=vocab, seq_len=cfg.data.seq_len)
   batch = np.random.default_rng(0).integers(0, vocab, (cfg.data.batch_size, cfg.data.seq_len + 1)).astype(np.int32)
-  params = model.init(jax.random.key(0), batch[:1, :-1])["params"]
+  params = model.init(jax.random.key(0), batch[:1, :-1])
   optimizer = inner.make_optimizer(cfg.inner, cfg.num_steps)
   state = TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=optimizer.init(params),
                      outer=())
   grads0 = jax.tree.map(lambda p: p * 1e-3, params)
 
   def full(s, b):
-    loss, grads = inner.compute_grads(s.params, b, model.apply)
+    loss, grads = inner.compute_grads(s.params, b, model.loss)
     return inner.apply_grads(s, grads, optimizer), loss
 
   parts = {
       "step": (jax.jit(full), (state, batch)),
-      "grads": (jax.jit(lambda p, b: inner.compute_grads(p, b, model.apply)), (params, batch)),
+      "grads": (jax.jit(lambda p, b: inner.compute_grads(p, b, model.loss)), (params, batch)),
       "optimizer": (jax.jit(lambda s, g: inner.apply_grads(s, g, optimizer)), (state, grads0)),
   }
   result = {"benchmark": "profile_step", "platform": jax.devices()[0].platform, "overrides": args.set,
-            "num_params": model_lib.num_params(model_cfg), "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len}
+            "num_params": model.num_params(), "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len}
   compiled = {}
   for name, (fn, fn_args) in parts.items():
     c = fn.lower(*fn_args).compile()

@@ -1,5 +1,6 @@
-"""experiments/bench_mfu.py in its seconds-on-CPU mode: the JSON fields, and its FLOP count against an
-independent count (matmul by matmul, and XLA's own cost analysis of the compiled forward pass)."""
+"""experiments/bench_mfu.py in its seconds-on-CPU mode: the JSON fields, and the model's FLOP count it
+uses (Model.flops_per_token) against independent counts: matmul by matmul, and XLA's own cost analysis
+of the compiled forward pass."""
 
 import importlib.util
 import os
@@ -35,7 +36,7 @@ def test_bench_prints_the_fields_on_a_tiny_model(capsys):
   # Two replicas hold twice the state: the mapped program's predicted peak must exceed the plain one's.
   assert result["predicted_peak_bytes"] > result["plain"]["predicted_peak_bytes"]
   cfg = model_lib.LlamaConfig(vocab_size=257, d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_seq_len=32)
-  assert result["flops_per_token"] == mfu.flops_per_token(cfg, 32)
+  assert result["flops_per_token"] == model_lib.LlamaModel(cfg).flops_per_token(32)
 
 
 def _small(**kw):
@@ -48,8 +49,7 @@ def test_flops_per_token_matches_a_count_by_matmul():
   D, F, V = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
   forward_per_layer = 2 * (4 * D * D + 3 * D * F) + 2 * 2 * L * D  # projections, MLP; q·kᵀ and p·v
   forward = cfg.num_layers * forward_per_layer + 2 * D * V  # + the head
-  norms = 6 * (2 * D * cfg.num_layers + D)  # the convention's 6·N counts the norm scales too
-  assert mfu.flops_per_token(cfg, L) == 3 * forward + norms
+  assert model_lib.LlamaModel(cfg).flops_per_token(L) == 3 * forward
 
 
 def test_flops_per_token_is_close_to_xla_cost_analysis():
@@ -61,7 +61,7 @@ def test_flops_per_token_is_close_to_xla_cost_analysis():
   cost = jax.jit(lambda p, t: model.apply({"params": p}, t)).lower(params, tokens).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   xla_per_token = 3 * cost["flops"] / (B * L)
-  assert mfu.flops_per_token(cfg, L) == pytest.approx(xla_per_token, rel=0.05)
+  assert model_lib.LlamaModel(cfg).flops_per_token(L) == pytest.approx(xla_per_token, rel=0.05)
 
 
 def test_peak_table():

@@ -81,7 +81,7 @@ def test_model_loss_and_all_parameter_gradients_match_with_chunks(dtype, tol):
   lc, gc = jax.value_and_grad(lambda p: loss(chunked, p))(params)
   np.testing.assert_allclose(lc, lp, rtol=tol)
   # The plain path is exactly the old __call__ + cross_entropy.
-  np.testing.assert_array_equal(lp, model_lib.cross_entropy(plain.apply({"params": params}, tokens[:, :-1]),
+  np.testing.assert_array_equal(lp, losses.cross_entropy(plain.apply({"params": params}, tokens[:, :-1]),
                                                             tokens[:, 1:]))
   for path, a in jax.tree_util.tree_leaves_with_path(gc):
     b = dict(jax.tree_util.tree_leaves_with_path(gp))[path]

@@ -26,7 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "einsum")
+from noloco_jax.config import model as config_model
+
+IMPLEMENTATIONS = config_model.ATTENTIONS  # ("auto", "xla", "cudnn", "einsum")
 # Head dimensions cuDNN's fused attention accepts (multiples of 8, at most 128; 256 on newer releases
 # only, so not chosen automatically).
 _CUDNN_MAX_HEAD_DIM = 128

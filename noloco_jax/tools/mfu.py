@@ -1,24 +1,17 @@
-"""Model FLOPs utilisation: the model's FLOPs per token, and the devices' peak rates to divide by.
+"""Model FLOPs utilisation: the devices' peak rates, and achieved model FLOP/s over them.
 
-Convention (PaLM, Chowdhery et al. 2022, appendix B), training FLOPs per token:
-
-    6 · N  +  12 · n_layers · d_model · seq_len
-
-N counts every parameter except the input embedding table (a lookup, not a matmul): the layers, the
-final norm and the output head. 6 = 2 FLOPs per multiply-add × (1 forward + 2 backward matmuls). The
-second term is attention's two matmuls (q·kᵀ and probabilities·v: 2 · 2 · seq_len · d_model per layer
-forward, × 3 for training), counted over the full L × L square: the causal mask's saving is NOT
-subtracted, and neither are recomputation (remat) nor elementwise work counted. MFU is then
-achieved model FLOPs per second / (devices × the device's dense bf16 peak).
+FLOPs per token come from the model (`Model.flops_per_token`, convention in noloco_jax/models/base.py):
+6·N_matmul + 12·n_layers·d_model·seq_len, PaLM's convention (appendix B): N_matmul = the weights used
+in matrix products (not the input embedding table, a lookup, nor the norm scales); attention over
+the full L × L square (the causal mask's saving is not subtracted); no remat, no elementwise work.
+MFU = achieved model FLOPs per second / (devices × the device's dense bf16 peak).
 """
 
 from __future__ import annotations
 
-from noloco_jax.models import llama as model_lib
-
-FLOPS_CONVENTION = ("6*N + 12*n_layers*d_model*seq_len per token (PaLM appendix B); N = parameters without the "
-                    "input embedding; attention over the full LxL square (no causal halving); no remat, no "
-                    "elementwise work")
+FLOPS_CONVENTION = ("6*N_matmul + 12*n_layers*d_model*seq_len per token (PaLM appendix B); N_matmul = weights in "
+                    "matmuls (no input embedding, no norm scales); attention over the full LxL square (no causal "
+                    "halving); no remat, no elementwise work")
 
 # Dense bfloat16 peak FLOP/s per device, by a substring of jax.Device.device_kind (first match wins:
 # more specific names first). H100 is the SXM part (the PCIe card's peak is lower, 756 TFLOP/s).
@@ -42,12 +35,6 @@ def peak_flops(device_kind: str, platform: str) -> float | None:
     if name.lower() in device_kind.lower():
       return flops
   return None
-
-
-def flops_per_token(cfg: model_lib.LlamaConfig, seq_len: int) -> int:
-  """Training FLOPs per token under FLOPS_CONVENTION."""
-  n = model_lib.num_params(cfg) - cfg.vocab_size * cfg.d_model  # without the input embedding
-  return 6 * n + 12 * cfg.num_layers * cfg.d_model * seq_len
 
 
 def mfu(tokens_per_s: float, flops_per_tok: int, peak: float | None, num_devices: int) -> float | None:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from noloco_jax.training.state import TrainState
+from noloco_jax.inner.state import TrainState
 
 
 def learning_rate_schedule(inner_cfg: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
@@ -26,27 +26,37 @@ def learning_rate_schedule(inner_cfg: ml_collections.ConfigDict, num_steps: int)
       decay_steps=max(num_steps, warmup + 1), end_value=inner_cfg.lr * inner_cfg.min_lr_ratio)
 
 
-def make_optimizer(inner_cfg: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:
+def make_optimizer(inner_cfg: ml_collections.ConfigDict, num_steps: int, *,
+                   clip: bool = True) -> optax.GradientTransformation:
+  """Adam or AdamW on the schedule above, after clipping the gradient's global norm to inner.grad_clip.
+
+  `clip=False` (the pipeline, which clips per stage or across stages itself) puts an `identity` in
+  the clipping slot: its state is the same EmptyState, so the optimizer state keeps one tree and
+  checkpoints stay interchangeable across num_stages.
+  """
   schedule = learning_rate_schedule(inner_cfg, num_steps)
   if inner_cfg.optimizer == "adam":
     opt = optax.adam(schedule, b1=inner_cfg.b1, b2=inner_cfg.b2, eps=inner_cfg.eps)
-  else:  # "adamw" (validated in config.py)
+  else:  # "adamw" (validated by noloco_jax/config/inner.py)
     opt = optax.adamw(schedule, b1=inner_cfg.b1, b2=inner_cfg.b2, eps=inner_cfg.eps,
                       weight_decay=inner_cfg.weight_decay)
   if inner_cfg.grad_clip > 0:
-    opt = optax.chain(optax.clip_by_global_norm(inner_cfg.grad_clip), opt)
+    opt = optax.chain(optax.clip_by_global_norm(inner_cfg.grad_clip) if clip else optax.identity(), opt)
   return opt
 
 
-def loss_fn(params, batch_BxL1, apply_fn):
-  """Next-token loss of one replica on a packed batch of L+1 tokens (inputs and shifted targets)."""
-  # The model computes its own loss: with model.loss_chunk it never materialises the logits.
-  return apply_fn({"params": params}, batch_BxL1[:, :-1], batch_BxL1[:, 1:], method="next_token_loss")
+def loss_fn(params, batch_BxL1, loss_of):
+  """Next-token loss of one replica on a packed batch of L+1 tokens (inputs and shifted targets).
+
+  `loss_of(params, tokens_BxL, targets_BxL) -> mean loss` is a model's `loss` (models/base.py): the
+  model computes its own loss, so that with model.loss_chunk it never materialises the logits.
+  """
+  return loss_of(params, batch_BxL1[:, :-1], batch_BxL1[:, 1:])
 
 
-def compute_grads(params, batch_BxL1, apply_fn):
+def compute_grads(params, batch_BxL1, loss_of):
   """One replica: (loss, grads)."""
-  return jax.value_and_grad(loss_fn)(params, batch_BxL1, apply_fn)
+  return jax.value_and_grad(loss_fn)(params, batch_BxL1, loss_of)
 
 
 def microbatch_slices(batch_BxL1, microbatches: int):
@@ -59,7 +69,7 @@ def microbatch_slices(batch_BxL1, microbatches: int):
   return jnp.swapaxes(batch_BxL1.reshape(-1, microbatches, batch_BxL1.shape[-1]), 0, 1)
 
 
-def accumulate_grads(params, batch_BxL1, apply_fn, microbatches: int = 1):
+def accumulate_grads(params, batch_BxL1, loss_of, microbatches: int = 1):
   """One replica: (loss, grads) of the whole batch, computed `microbatches` slices at a time.
 
   The slices are equal, so the mean of their mean losses (and gradients) is the full batch's: the
@@ -67,10 +77,10 @@ def accumulate_grads(params, batch_BxL1, apply_fn, microbatches: int = 1):
   run in float32 whatever the parameter dtype.
   """
   if microbatches <= 1:
-    return compute_grads(params, batch_BxL1, apply_fn)
+    return compute_grads(params, batch_BxL1, loss_of)
 
   def add_slice(total, batch_bxL1):
-    loss, grads = compute_grads(params, batch_bxL1, apply_fn)
+    loss, grads = compute_grads(params, batch_bxL1, loss_of)
     return jax.tree.map(lambda t, x: t + x.astype(jnp.float32), total, (loss, grads)), None
 
   # zeros_like (not zeros): the carry must vary over the mesh axes exactly as what is added to it
@@ -88,7 +98,7 @@ def apply_grads(state: TrainState, grads, optimizer: optax.GradientTransformatio
                        opt_state=opt_state)
 
 
-def make_inner_step(apply_fn, optimizer: optax.GradientTransformation,
+def make_inner_step(loss_of, optimizer: optax.GradientTransformation,
                     reduce_grads: Callable | None = None, microbatches: int = 1):
   """Returns step(states_k, batches_k) -> (states_k, metrics) over the k replicas of one device.
 
@@ -97,7 +107,7 @@ def make_inner_step(apply_fn, optimizer: optax.GradientTransformation,
 
   def step(states: TrainState, batches_kxBxL1):
     loss_k, grads = jax.vmap(accumulate_grads, in_axes=(0, 0, None, None))(
-        states.params, batches_kxBxL1, apply_fn, microbatches)
+        states.params, batches_kxBxL1, loss_of, microbatches)
     grad_norm_k = jax.vmap(optax.tree.norm)(grads)
     if reduce_grads is not None:
       grads = reduce_grads(grads)
@@ -107,7 +117,7 @@ def make_inner_step(apply_fn, optimizer: optax.GradientTransformation,
   return step
 
 
-def make_eval_step(apply_fn, microbatches: int = 1):
+def make_eval_step(loss_of, microbatches: int = 1):
   """Returns eval(params_k, batch_BxL1) -> loss_k: every local replica evaluates its own weights.
 
   With `microbatches` > 1 the batch is scored that many equal slices at a time (same mean loss).
@@ -115,8 +125,8 @@ def make_eval_step(apply_fn, microbatches: int = 1):
 
   def one_replica(params, batch_BxL1):
     if microbatches <= 1:
-      return loss_fn(params, batch_BxL1, apply_fn)
-    losses = jax.lax.map(lambda b: loss_fn(params, b, apply_fn), microbatch_slices(batch_BxL1, microbatches))
+      return loss_fn(params, batch_BxL1, loss_of)
+    losses = jax.lax.map(lambda b: loss_fn(params, b, loss_of), microbatch_slices(batch_BxL1, microbatches))
     return jnp.mean(losses.astype(jnp.float32))
 
   def evaluate(params, batch_BxL1):
