@@ -14,7 +14,7 @@ from noloco_jax.io import checkpoint
 from noloco_jax import config as config_lib
 from noloco_jax.config import cli
 from noloco_jax.parallel import distributed, peer_watch
-from noloco_jax.tools import dryrun
+from noloco_jax.tools import compile_cache, dryrun
 from noloco_jax import training
 
 FLAGS = flags.FLAGS
@@ -25,6 +25,9 @@ flags.DEFINE_bool("dry_run", False, "Compile the run's steps from shapes on --to
                   "does not fit.")
 flags.DEFINE_string("topology", "8x80GB", "With --dry_run: DEVICESxMEMORY, e.g. 64x80GB (faked with CPU devices "
                     "when this machine has fewer).")
+flags.DEFINE_string("compile_cache", None, "Directory of JAX's persistent compilation cache (on by default: "
+                    "$NOLOCO_COMPILE_CACHE, else ~/.cache/noloco_jax/jax_compile_cache); '' or 'off' disables. "
+                    "See noloco_jax/tools/compile_cache.py.")
 flags.mark_flags_as_required(["config"])
 distributed.define_flags()
 
@@ -51,6 +54,9 @@ def main(argv):
     cli.exit_usage(str(e))
   if not FLAGS.workdir and not FLAGS.dry_run:
     cli.exit_usage("--workdir is required (except with --dry_run).")
+  # A restarted job loads its compiled programs instead of compiling them again.
+  cache_dir = compile_cache.enable(FLAGS.compile_cache)
+  logging.info("Persistent compilation cache: %s", cache_dir or "off")
   if FLAGS.dry_run:
     topology = dryrun.parse_topology(FLAGS.topology)
     dryrun.fake_devices(topology)  # before anything starts JAX's backends

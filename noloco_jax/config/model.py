@@ -15,6 +15,9 @@ PRESETS: dict[str, dict[str, int]] = {
     "large": dict(d_model=4096, num_layers=32, num_heads=32, mlp_dim=16384),
 }
 SIZE_FIELDS = ("d_model", "num_layers", "num_heads", "mlp_dim")
+# Attention kernels (noloco_jax/models/attention.py) and remat policies (models/llama.py: REMAT_POLICIES).
+ATTENTIONS = ("auto", "xla", "cudnn", "einsum")
+REMAT_POLICIES = ("nothing", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,17 @@ class ModelConfig(Section):
   # Recompute each layer's activations in the backward pass instead of storing them: activation
   # memory falls from O(layers) to O(1) layers, for about one extra forward pass of compute.
   remat: bool = False
+  # With remat, what a layer keeps for its backward pass: "nothing" (its input only) or "dots" (also its
+  # weight matmuls' outputs, jax.checkpoint_policies.dots_with_no_batch_dims_saveable: less
+  # recomputation, more memory).
+  remat_policy: str = "nothing"
+  # Attention kernel: auto (cuDNN flash attention on NVIDIA GPUs with bf16 compute, einsum on CPU, XLA
+  # elsewhere) | xla | cudnn (bf16 only) | einsum (the original einsum/softmax, the reference).
+  attention: str = "auto"
+  # The loss over the vocabulary in chunks of this many sequence positions (each chunk: batch × this
+  # many tokens), never holding the [B, L, V] float32 logits (noloco_jax/models/losses.py); 0 = the
+  # plain loss. For large vocabularies.
+  loss_chunk: int = 0
 
   def size(self, name: str) -> int:
     """d_model / num_layers / num_heads / mlp_dim after the preset: the field, or the preset's if 0."""
@@ -55,3 +69,9 @@ class ModelConfig(Section):
     for name in ("rope_theta", "norm_eps"):
       if not getattr(self, name) > 0:
         fail(f"model.{name}", getattr(self, name), "a number > 0")
+    one_of("model.remat_policy", self.remat_policy, REMAT_POLICIES)
+    one_of("model.attention", self.attention, ATTENTIONS)
+    if self.attention == "cudnn" and self.dtype != "bfloat16":
+      fail("model.attention", self.attention, "'cudnn' only with model.dtype='bfloat16' (cuDNN's fused attention "
+           "takes bf16/fp16); use 'auto', 'xla' or 'einsum' for float32 compute")
+    at_least("model.loss_chunk", self.loss_chunk, 0)
