@@ -4,7 +4,9 @@ import dataclasses
 
 from noloco_jax.config.fields import Section, at_least, fail, one_of
 
-ARCHS = ("llama",)  # registry keys of the models (noloco_jax/models/)
+# Registry keys of the models (noloco_jax/models/). The schema sits below the models in the import graph,
+# so a model registered at run time (models.register) adds its key here through `register_arch`.
+ARCHS: list[str] = ["llama"]
 DTYPES = ("float32", "bfloat16")
 # Llama sizes: hidden / layers / heads / MLP (the NoLoCo paper's 125M / 1.3B / 6.8B models and a tiny
 # one for CPUs). `small` uses 12 heads as the reference code does (the paper says 16).
@@ -18,6 +20,12 @@ SIZE_FIELDS = ("d_model", "num_layers", "num_heads", "mlp_dim")
 # Attention kernels (noloco_jax/models/attention.py) and remat policies (models/llama.py: REMAT_POLICIES).
 ATTENTIONS = ("auto", "xla", "cudnn", "einsum")
 REMAT_POLICIES = ("nothing", "dots")
+
+
+def register_arch(arch: str) -> None:
+  """Makes `arch` a valid config.model.arch (called by noloco_jax.models.register)."""
+  if arch not in ARCHS:
+    ARCHS.append(arch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +65,7 @@ class ModelConfig(Section):
     return getattr(self, name) or PRESETS[self.preset][name]
 
   def check(self) -> None:
-    one_of("model.arch", self.arch, ARCHS)
+    one_of("model.arch", self.arch, tuple(ARCHS))
     one_of("model.preset", self.preset, tuple(PRESETS))
     for name in SIZE_FIELDS + ("vocab_size", "max_seq_len"):
       at_least(f"model.{name}", getattr(self, name), 0)
