@@ -13,7 +13,7 @@ from ml_collections import config_flags
 from noloco_jax.io import checkpoint
 from noloco_jax import config as config_lib
 from noloco_jax.config import cli
-from noloco_jax.parallel import distributed
+from noloco_jax.parallel import distributed, peer_watch
 from noloco_jax.tools import dryrun
 from noloco_jax import training
 
@@ -60,7 +60,8 @@ def main(argv):
       raise SystemExit(f"noloco_jax dry run: {e}") from None
     return
   # Before anything starts JAX's backends: jax.distributed must come first.
-  multi_process = distributed.initialize(distributed.options_from_flags(FLAGS))
+  options = distributed.options_from_flags(FLAGS)
+  multi_process = distributed.initialize(options)
   # One fake CPU device per device of the mesh: replicas × stages × fsdp.
   _fake_cpu_devices(config.num_replicas * config.num_stages * config.fsdp, multi_process)
 
@@ -68,10 +69,16 @@ def main(argv):
   # jax.distributed, so that this handler, not the runtime's, receives the signal.
   checkpoint.install_preemption_handler()
   with distributed.fail_fast():
+    watch = None
+    if multi_process:  # a dead peer ends this process within a second, with one line (peer_watch.py)
+      host = options.coordinator_address.rsplit(":", 1)[0] if options.coordinator_address else None
+      watch = peer_watch.start(host)
     try:
       training.train_and_evaluate(config, FLAGS.workdir)
     except config_lib.ConfigError as e:  # found by the checks that need files or devices (data, mesh)
       cli.exit_usage(str(e))
+  if watch is not None:
+    watch.leave()  # finished (or preempted and saved): this process's exit ends nobody
 
 
 if __name__ == "__main__":
