@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from clu import periodic_actions
 
 from noloco_jax.io import checkpoint as checkpoint_lib
 from noloco_jax.io import data as data_lib
@@ -29,6 +28,7 @@ from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.training import faults
 from noloco_jax.training import build as build_lib
+from noloco_jax.training import dispatch
 from noloco_jax.training.loop_state import LoopState
 
 NonFiniteLossError = checkpoint_lib.NonFiniteLossError
@@ -49,8 +49,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # ---- State, built sharded. ----
   state = setup.init_state()
-  # All processes agree on config/seed/layout and every replica starts bit-identical (before any restore).
-  distributed.check_consistency(config, mesh, state)
+  # All processes agree on config/seed/layout, share the workdir, and every replica starts bit-identical
+  # (before any restore).
+  distributed.check_consistency(config, mesh, state, workdir=workdir)
   # Then the latest checkpoint of this workdir, else the warm start, else this fresh state (io/checkpoint).
   checkpointer = checkpoint_lib.Checkpointer(setup, workdir)
   state, loop = checkpointer.restore(state, train_iter, LoopState())
@@ -71,9 +72,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if not loop.resumed:
     writer.write_scalars(0, {"model/num_params": setup.model.num_params()})
   pairing_log = open(os.path.join(workdir, "pairings.jsonl"), "a") if is_main and setup.schedule else None
-  report = periodic_actions.ReportProgress(num_train_steps=config.num_steps, every_secs=30)
+  report = metrics_lib.writers.ProgressLog(num_train_steps=config.num_steps, every_secs=30)
   rate = _StepRate(loop.step, n * config.data.batch_size * config.data.seq_len)
   guard = checkpoint_lib.RoundGuard(config, mesh)  # active only with nan_policy="skip_round"
+  # The host stays at most a few steps ahead of the devices: queuing more deadlocks XLA:CPU's
+  # collectives (training/dispatch.py explains how).
+  window = dispatch.DispatchWindow()
   if not loop.resumed:
     _evaluate_and_log(setup, state, eval_batches, writer, loop, 0)  # step 0: the untrained baseline
 
@@ -94,6 +98,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                         "groups": [list(g) for g in setup.schedule.groups(loop.round)]}) + "\n")
         loop.add_round(round_metrics, setup.weight_std(state.params) if job_wide else None, bytes_per_round)
       state = guard.end(step, state, loop.history)
+      window.push(step_metrics["loss"])
       report(step)
       fault.after_step(step, state)
 
@@ -179,7 +184,11 @@ class _StepRate:
 
 def evaluate(setup: build_lib.Setup, state, eval_batches: jax.Array) -> dict[str, float]:
   """eval/loss = mean over replicas of each replica's mean validation loss; eval/ppl = exp of it."""
-  losses = [setup.eval_step(state.params, eval_batches[i]) for i in range(eval_batches.shape[0])]
+  losses = []
+  for i in range(eval_batches.shape[0]):
+    losses.append(setup.eval_step(state.params, eval_batches[i]))
+    if (i + 1) % dispatch.EVAL_CHUNK == 0:  # bounded run-ahead: see training/dispatch.py
+      jax.block_until_ready(losses[-1])
   losses = mesh_lib.fetch(losses)  # per-replica losses live on every process: one all-gather
   per_replica = np.mean(np.stack([np.asarray(x) for x in losses]), axis=0)
   loss = float(np.mean(per_replica))
