@@ -1,8 +1,9 @@
 """Stragglers and slow links on real processes: NoLoCo vs DiLoCo vs DDP over loopback (issue 17).
 
-Runs P processes (1 CPU device, 1 replica each) with noloco_jax.tools.launch_local, one process made
-slow (NOLOCO_FAULTS slowdown: it sleeps (factor − 1) × its own step time after every step) or every
-process given a seeded log-normal per-step delay, optionally with a bandwidth limit: the script then
+Runs P processes (1 CPU device, 1 replica each) with noloco_jax.tools.launch_local. The smoke model's
+real step takes a few ms, so a step's compute is simulated by a sleep of --step_s after it (NOLOCO_FAULTS
+delay) on top of the real step; process 0, the straggler, sleeps --straggler_factor × as long. Or every
+process gets a seeded log-normal per-step delay instead (--lognormal); optionally with a bandwidth limit: the script then
 re-runs itself inside a new network namespace (`unshare -n`, root only) whose loopback gets a `tbf`
 qdisc (burst above the 64 KiB loopback MTU, else every packet is dropped and the job hangs). No
 traffic leaves 127.0.0.1 of that namespace.
@@ -71,7 +72,7 @@ def summarise(method: str, run: dict, inner_steps: int, tokens_per_step: int, re
   """The reported quantities of one job (see the module docstring)."""
   per_process, round_walls = [], []
   for trace in run["traces"]:
-    steps = trace[1:]  # the first step compiles
+    steps = trace[inner_steps:]  # the first round compiles (and its wait is compile skew): left out
     inner = np.asarray([s["inner_s"] for s in steps])
     wait = np.asarray([s["round_s"] for s in steps])
     slept = np.asarray([s["slept_s"] for s in steps])
@@ -87,8 +88,8 @@ def summarise(method: str, run: dict, inner_steps: int, tokens_per_step: int, re
     round_ends = ends[inner_steps - 1::inner_steps]
     round_walls.append(np.diff(round_ends))
   walls = np.max(np.stack([w[:min(map(len, round_walls))] for w in round_walls]), axis=0)
-  steps_done = len(run["traces"][0]) - 1
-  slowest_s = max(sum(s["inner_s"] + s["round_s"] + s["slept_s"] for s in t[1:]) for t in run["traces"])
+  steps_done = len(run["traces"][0]) - inner_steps
+  slowest_s = max(sum(s["inner_s"] + s["round_s"] + s["slept_s"] for s in t[inner_steps:]) for t in run["traces"])
   return {"method": method, "wall_s_per_round": float(np.median(walls)) if len(walls) else float("nan"),
           "tokens_per_s": steps_done * tokens_per_step / slowest_s,
           "bytes_sent_per_replica": run["last_row"].get("comm/bytes_per_replica"),
@@ -122,6 +123,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--methods", nargs="+", default=["noloco", "diloco", "ddp"])
   parser.add_argument("--steps", type=int, default=12)
   parser.add_argument("--inner_steps", type=int, default=3)
+  parser.add_argument("--step_s", type=float, default=0.1, help="simulated compute per step (a sleep)")
   parser.add_argument("--straggler_factor", type=float, default=2.0, help="process 0 this many times slower")
   parser.add_argument("--lognormal", default="", help="MEDIAN,SIGMA: a seeded log-normal delay per step instead")
   parser.add_argument("--rate", default="", help="tbf rate on loopback, e.g. 20mbit (a new network namespace)")
@@ -133,12 +135,13 @@ def main(argv=None) -> dict:
   if args.rate and not args._in_namespace:
     _in_namespace(args)
   if args.quick:
-    args.processes, args.steps, args.inner_steps, args.methods = [2], 4, 2, ["noloco", "diloco"]
+    args.processes, args.steps, args.inner_steps, args.methods = [2], 6, 2, ["noloco", "diloco"]
   if args.lognormal:
     median, sigma = args.lognormal.split(",")
     faults = f"lognormal:median={median},sigma={sigma},seed=0"
   else:
-    faults = f"slowdown:process=0,factor={args.straggler_factor}"
+    extra = args.step_s * (args.straggler_factor - 1)
+    faults = f"delay:seconds={args.step_s};delay:process=0,seconds={extra}"
   tokens_per_step = 2 * 32  # smoke: batch_size 2 × seq_len 32 per replica
   results = {"setting": {"faults": faults, "rate": args.rate or None, "steps": args.steps,
                          "inner_steps": args.inner_steps, "devices_per_process": 1}, "runs": []}
