@@ -65,7 +65,9 @@ def run_one(method: str, processes: int, steps: int, inner_steps: int, faults: s
     raise RuntimeError(f"{method} P={processes} failed {codes}:\n{tail}")
   traces = [metrics_lib.read_jsonl(os.path.join(trace_dir, f"trace_{p}.jsonl")) for p in range(processes)]
   rows = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/loss" in r]
-  return {"traces": traces, "last_row": rows[-1]}
+  pairings = os.path.join(workdir, "pairings.jsonl")
+  groups = [r["groups"] for r in metrics_lib.read_jsonl(pairings)] if os.path.exists(pairings) else None
+  return {"traces": traces, "last_row": rows[-1], "groups": groups}
 
 
 def summarise(method: str, run: dict, inner_steps: int, tokens_per_step: int, reference_inner_s=None) -> dict:
@@ -96,15 +98,29 @@ def summarise(method: str, run: dict, inner_steps: int, tokens_per_step: int, re
           "idle_fraction": [p["idle_fraction"] for p in per_process], "processes": per_process}
 
 
-def model_idle(method: str, processes: int, factor: float, straggler_rounds_fraction: float) -> list[float]:
-  """Idle fractions of the straggler model: a round costs the slowest participant's compute."""
+def model_idle(method: str, processes: int, factor: float, paired_share: list[float]) -> list[float]:
+  """Idle fractions of the straggler model (process 0 is `factor`× slower): a barrier costs the slowest
+  participant's compute. DiLoCo and DDP: every fast process waits at every barrier. NoLoCo: a fast
+  process waits only in the rounds it shares a group with the straggler (`paired_share[p]` of them;
+  1 / (P − 1) on average for random pairs); the lag a partner of the straggler carries into its next
+  round is ignored."""
   slow = 1.0 - 1.0 / factor  # a fast worker waiting for a `factor`× slower one
   if method in ("diloco", "ddp"):
     return [0.0] + [slow] * (processes - 1)
-  # NoLoCo, pairs: a fast worker waits only in the rounds it is paired with the straggler, whose share
-  # is straggler_rounds_fraction (1 / (P − 1) for uniform random pairs); ignores the lag that a
-  # partner of the straggler carries into its next round.
-  return [0.0] + [slow * straggler_rounds_fraction] * (processes - 1)
+  return [0.0] + [slow * paired_share[p] for p in range(1, processes)]
+
+
+def paired_share(groups_by_round: list, processes: int, first_round: int = 1) -> list[float]:
+  """Per process, the share of the measured rounds (from `first_round`) in which it is grouped with
+  process 0 (with one replica per process, replica p is process p)."""
+  rounds = groups_by_round[first_round:]
+  share = [0.0] * processes
+  for groups in rounds:
+    for group in groups:
+      if 0 in group:
+        for p in group:
+          share[p] += 1 / len(rounds)
+  return share
 
 
 def _in_namespace(args) -> None:
@@ -121,7 +137,7 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--processes", type=int, nargs="+", default=[4, 8])
   parser.add_argument("--methods", nargs="+", default=["noloco", "diloco", "ddp"])
-  parser.add_argument("--steps", type=int, default=12)
+  parser.add_argument("--steps", type=int, default=18)
   parser.add_argument("--inner_steps", type=int, default=3)
   parser.add_argument("--step_s", type=float, default=0.1, help="simulated compute per step (a sleep)")
   parser.add_argument("--straggler_factor", type=float, default=2.0, help="process 0 this many times slower")
@@ -155,7 +171,8 @@ def main(argv=None) -> dict:
         if method == "noloco":
           reference = [q["median_inner_s"] for q in out["processes"]]
         if not args.lognormal:
-          out["model_idle_fraction"] = model_idle(method, p, args.straggler_factor, 1.0 / (p - 1))
+          share = paired_share(run["groups"], p) if run["groups"] else [1.0 / (p - 1)] * p
+          out["model_idle_fraction"] = model_idle(method, p, args.straggler_factor, share)
         out["processes_count"] = p
         results["runs"].append(out)
         print(json.dumps({k: v for k, v in out.items() if k != "processes"}), flush=True)

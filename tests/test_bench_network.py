@@ -43,5 +43,8 @@ def test_ddp_wait_is_the_inner_time_beyond_the_collective_free_reference():
 
 
 def test_straggler_model():
-  assert bench_network.model_idle("diloco", 4, 2.0, 1 / 3) == [0.0, 0.5, 0.5, 0.5]
-  np.testing.assert_allclose(bench_network.model_idle("noloco", 4, 2.0, 1 / 3), [0.0, 1 / 6, 1 / 6, 1 / 6])
+  assert bench_network.model_idle("diloco", 4, 2.0, [1.0] * 4) == [0.0, 0.5, 0.5, 0.5]
+  groups = [[[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 2], [1, 3]], [[3, 0], [1, 2]]]  # round 0 left out
+  share = bench_network.paired_share(groups, 4)
+  np.testing.assert_allclose(share, [1.0, 0.0, 2 / 3, 1 / 3])
+  np.testing.assert_allclose(bench_network.model_idle("noloco", 4, 2.0, share), [0.0, 0.0, 1 / 3, 1 / 6])
