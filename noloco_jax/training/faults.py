@@ -5,6 +5,8 @@ come from the environment variable NOLOCO_FAULTS, a `;`-separated list of `kind:
 
     delay:process=1,seconds=0.2                  sleep 0.2 s after every step on process 1
     slowdown:process=1,factor=2                  sleep (factor − 1) × the step's own time: 2× slower
+                                                 (the step's time as the host sees it: only with
+                                                 NOLOCO_TRACE is that its compute, see below)
     lognormal:process=*,median=0.05,sigma=0.5,seed=0
                                                  sleep a log-normal time after every step; the draws of
                                                  process p come from seed + p, so they are reproducible
