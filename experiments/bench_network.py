@@ -110,6 +110,28 @@ def model_idle(method: str, processes: int, factor: float, paired_share: list[fl
   return [0.0] + [slow * paired_share[p] for p in range(1, processes)]
 
 
+def pair_barrier_idle(groups_by_round: list, compute_per_round: list[float], first_round: int = 1) -> list[float]:
+  """Idle fractions when every round is a barrier within its groups only, lag carried over.
+
+  Process p finishes round r at max over its group g of (finish_q(r − 1) + compute_q): a process
+  paired with the straggler leaves that round late and makes its next partner wait in turn. With one
+  group of everyone (DiLoCo, DDP) this is the global barrier. Rounds before `first_round` set the
+  clocks but are not counted (the measurement leaves the compile round out too).
+  """
+  c = np.asarray(compute_per_round, np.float64)
+  finish, wait, busy = np.zeros_like(c), np.zeros_like(c), np.zeros_like(c)
+  for r, groups in enumerate(groups_by_round):
+    ready = finish + c
+    for group in groups:
+      end = max(ready[q] for q in group)
+      for q in group:
+        if r >= first_round:
+          wait[q] += end - ready[q]
+          busy[q] += c[q]
+        finish[q] = end
+  return [float(x) for x in wait / (wait + busy)]
+
+
 def paired_share(groups_by_round: list, processes: int, first_round: int = 1) -> list[float]:
   """Per process, the share of the measured rounds (from `first_round`) in which it is grouped with
   process 0 (with one replica per process, replica p is process p)."""
@@ -173,6 +195,10 @@ def main(argv=None) -> dict:
         if not args.lognormal:
           share = paired_share(run["groups"], p) if run["groups"] else [1.0 / (p - 1)] * p
           out["model_idle_fraction"] = model_idle(method, p, args.straggler_factor, share)
+          groups = run["groups"] if method == "noloco" else [[list(range(p))]] * (args.steps // args.inner_steps)
+          compute = [args.straggler_factor] + [1.0] * (p - 1)
+          out["model_idle_fraction_lag_carried"] = pair_barrier_idle(groups, compute)
+          out["groups"] = run["groups"] if method == "noloco" else None
         out["processes_count"] = p
         results["runs"].append(out)
         print(json.dumps({k: v for k, v in out.items() if k != "processes"}), flush=True)
