@@ -55,6 +55,7 @@ def test_pair_barrier_model_carries_the_lag_to_the_next_partner():
   # Round 0 (clocks only): finish = [2, 2, 1, 1]. Round 1: ready [4, 3, 2, 2]; 0+2 end at 4 (2 waits 2),
   # 1+3 at 3 (3 waits 1). Round 2: ready [6, 4, 5, 4]; 0+3 end at 6 (3 waits 2), 1+2 at 5 (1 waits 1).
   # Waits 1, 2, 3 over 2 units of compute each.
+  idle = bench_network.pair_barrier_idle(groups, [2.0, 1.0, 1.0, 1.0])
   np.testing.assert_allclose(idle, [0.0, 1 / 3, 2 / 4, 3 / 5])
   everyone = [[[0, 1, 2, 3]]] * 3  # the global barrier: every fast process idles half the time
   np.testing.assert_allclose(bench_network.pair_barrier_idle(everyone, [2.0, 1.0, 1.0, 1.0]), [0, .5, .5, .5])
