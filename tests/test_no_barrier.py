@@ -150,6 +150,15 @@ def test_process_zero_merges_what_has_arrived_in_step_order(tmp_path):
   assert [r["step"] for r in w0.rows] == [3, 6] and np.isnan(w0.rows[1]["train/loss"])
   on_disk = metrics_lib.read_jsonl(p1.path(1))
   assert [r["step"] for r in on_disk] == [3, 6] and on_disk[0]["replicas/local"] == 2
+  # Resumed from step 3: new files, so the old attempt's rows (3 and 6) are not merged again.
+  w0 = _Recorder()
+  r0 = process_metrics.ProcessLog(str(tmp_path), w0, 2, process_index=0, process_count=2, start_step=3)
+  r1 = process_metrics.ProcessLog(str(tmp_path), _Recorder(), 2, process_index=1, process_count=2, start_step=3)
+  assert r0.path(1).endswith("process_1.resumed_at_3.jsonl")
+  r1.write_train(6, row(5.0, 1.0))
+  r0.write_train(6, row(7.0, 1.0))
+  r0.close(), r1.close()
+  assert [(r["step"], r["train/loss"]) for r in w0.rows] == [(6, 6.0)]
 
 
 def test_merge_weights_processes_by_their_replica_counts():

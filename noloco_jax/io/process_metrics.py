@@ -6,7 +6,8 @@ steps puts a global barrier into a NoLoCo run, whose whole point is that a repli
 its partner. Here instead (config `log_barrier=False`, the default):
 
   * `local_fetch` reads only the shards this process's devices hold (no collective);
-  * `ProcessLog.write_train` appends this process's row to workdir/metrics/process_<i>.jsonl;
+  * `ProcessLog.write_train` appends this process's row to workdir/metrics/process_<i>.jsonl
+    (process_<i>.resumed_at_<step>.jsonl after a resume from `step`);
   * process 0, at its own log steps, merges the rows that have arrived from every process into
     metrics.jsonl (and TensorBoard), oldest step first, a step only once every process has it.
     It never waits: a slow process's rows are merged at a later log step. After a barrier (an
@@ -78,8 +79,11 @@ class ProcessLog:
   """This process's training rows, and (process 0) the merge of every process's rows into `writer`."""
 
   def __init__(self, workdir: str, writer, num_local: int, process_index: int | None = None,
-               process_count: int | None = None):
+               process_count: int | None = None, start_step: int = 0):
     self._writer, self._num_local = writer, num_local
+    # A resumed run writes new files: rows of the failed attempt after its checkpoint (already in
+    # the old files) must not be merged again, and no process may have to wait for another to clean up.
+    self._suffix = f".resumed_at_{start_step}" if start_step else ""
     self._index = jax.process_index() if process_index is None else process_index
     self._count = jax.process_count() if process_count is None else process_count
     self._dir = os.path.join(workdir, "metrics")
@@ -92,7 +96,7 @@ class ProcessLog:
     self._arrived: dict[int, dict[int, dict]] = {}  # step -> {process: row}
 
   def path(self, process: int) -> str:
-    return os.path.join(self._dir, f"process_{process}.jsonl")
+    return os.path.join(self._dir, f"process_{process}{self._suffix}.jsonl")
 
   def write_train(self, step: int, scalars: dict[str, Any]) -> None:
     """Logs one training row: directly with one process; else this process's row, then the merge."""

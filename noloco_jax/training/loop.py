@@ -66,7 +66,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # agreed at evaluation steps. One process has no such collective, so it always logs everything.
   local_ids = mesh_lib.local_replica_ids(mesh, n)
   job_wide = config.log_barrier or jax.process_count() == 1
-  plog = process_metrics.ProcessLog(workdir, writer, len(local_ids))
+  plog = process_metrics.ProcessLog(workdir, writer, len(local_ids), start_step=loop.step)
   stop_every = config.log_every if config.log_barrier else (config.eval_every or config.num_steps)
   fault = faults.from_env()  # NOLOCO_FAULTS (tests, experiments/bench_network.py); else nothing
   if not loop.resumed:
