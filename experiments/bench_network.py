@@ -14,8 +14,7 @@ rounds (the exchange and the wait for partners). DDP's all-reduce is inside its 
 wait is the inner time beyond the same process's median NoLoCo inner step (a step with no
 collective), when NoLoCo ran too.
 
-Reported per (P, method): wall time per round (median over rounds after the first, the slowest
-process), each process's idle fraction (wait / (busy + wait)), tokens/s (the job's, from the slowest
+Reported per (P, method): wall time per round (the slowest process's measured time / measured rounds), each process's idle fraction (wait / (busy + wait)), tokens/s (the job's, from the slowest
 process), bytes sent per replica (the method's accounting, comm/bytes_per_replica), and the model's
 figure beside it (the straggler's round time bound: DiLoCo/DDP idle = 1 − 1/factor for every fast
 process; NoLoCo idle only in rounds paired with the straggler, 1 − 1/factor in those).
@@ -92,7 +91,10 @@ def summarise(method: str, run: dict, inner_steps: int, tokens_per_step: int, re
   walls = np.max(np.stack([w[:min(map(len, round_walls))] for w in round_walls]), axis=0)
   steps_done = len(run["traces"][0]) - inner_steps
   slowest_s = max(sum(s["inner_s"] + s["round_s"] + s["slept_s"] for s in t[inner_steps:]) for t in run["traces"])
-  return {"method": method, "wall_s_per_round": float(np.median(walls)) if len(walls) else float("nan"),
+  return {"method": method, "wall_s_per_round": slowest_s / (steps_done / inner_steps),
+          # The median over rounds of the longest round of any process: under NoLoCo a process that
+          # catches up on a lagging partner has one long round, so this exceeds the mean above.
+          "longest_round_s_median": float(np.median(walls)) if len(walls) else float("nan"),
           "tokens_per_s": steps_done * tokens_per_step / slowest_s,
           "bytes_sent_per_replica": run["last_row"].get("comm/bytes_per_replica"),
           "idle_fraction": [p["idle_fraction"] for p in per_process], "processes": per_process}
@@ -145,6 +147,31 @@ def paired_share(groups_by_round: list, processes: int, first_round: int = 1) ->
   return share
 
 
+def plot(results: dict, path: str) -> None:
+  """Idle fraction per process, measured (bars) and the lag-carried model (dots), one panel per P."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  counts = sorted({run["processes_count"] for run in results["runs"]})
+  fig, axes = plt.subplots(1, len(counts), figsize=(5 * len(counts), 3.2), squeeze=False)
+  for ax, p in zip(axes[0], counts):
+    runs = [run for run in results["runs"] if run["processes_count"] == p]
+    width = 0.8 / len(runs)
+    for i, run in enumerate(runs):
+      x = np.arange(p) + i * width
+      ax.bar(x, run["idle_fraction"], width, label=f"{run['method']} measured")
+      if "model_idle_fraction_lag_carried" in run:
+        ax.plot(x, run["model_idle_fraction_lag_carried"], "k.", markersize=8)
+    ax.set_title(f"{p} processes, process 0 a 2× straggler (dots: model)")
+    ax.set_xticks(np.arange(p) + 0.4 - width / 2, [str(q) for q in range(p)])
+    ax.set_xlabel("process")
+    ax.set_ylabel("idle fraction")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
 def _in_namespace(args) -> None:
   """Re-runs this script in a new network namespace whose loopback has a tbf bandwidth limit."""
   if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("tc"):
@@ -169,7 +196,13 @@ def main(argv=None) -> dict:
   parser.add_argument("--quick", action="store_true", help="seconds-long: P=2, 4 steps, H=2, NoLoCo and DiLoCo")
   parser.add_argument("--_in_namespace", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--out", default="", help="also write the JSON here")
+  parser.add_argument("--plot", default="", help="also plot the idle fractions to this PNG")
+  parser.add_argument("--plot_from", nargs="*", default=[], help="only plot these saved JSON results")
   args = parser.parse_args(argv)
+  if args.plot_from:
+    merged = {"runs": [run for f in args.plot_from for run in json.load(open(f))["runs"]]}
+    plot(merged, args.plot)
+    return merged
   if args.rate and not args._in_namespace:
     _in_namespace(args)
   if args.quick:
@@ -208,6 +241,8 @@ def main(argv=None) -> dict:
   if args.out:
     with open(args.out, "w") as f:
       json.dump(results, f, indent=2)
+  if args.plot:
+    plot(results, args.plot)
   return results
 
 
