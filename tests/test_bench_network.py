@@ -30,7 +30,7 @@ def test_summary_of_a_straggler_and_a_waiting_peer():
          "last_row": {"comm/bytes_per_replica": 1234.0}}
   out = bench_network.summarise("diloco", run, h, tokens_per_step=64)
   assert out["idle_fraction"] == pytest.approx([0.0, 0.5])  # 0.3 / (0.3 + 3 × 0.1)
-  assert out["wall_s_per_round"] == pytest.approx(0.6)
+  assert out["wall_s_per_round"] == pytest.approx(0.6) and out["longest_round_s_median"] == pytest.approx(0.6)
   assert out["tokens_per_s"] == pytest.approx(6 * 64 / 1.2)  # steps 4..9 over the slowest process's time
   assert out["bytes_sent_per_replica"] == 1234.0
 
