@@ -125,6 +125,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.outer.gamma = 0.7  # gamma: pull towards the group's mean slow weights (NoLoCo only).
   config.outer.nesterov = False  # DiLoCo only: Nesterov (original DiLoCo) instead of heavy-ball (reference).
   config.outer.message_dtype = "float32"  # float32 | bfloat16: dtype of the exchanged tensor.
+  # Compressed messages (noloco, gossip; docs/compression.md): none | int8 | int4 | topk. topk sparsifies
+  # the fresh part β(θ−φ) of the message (top-k per chunk, topk_bits-bit values, uint16 offsets) and sends
+  # the γφ part with slow_codec. feedback_decay: error-feedback residual decay (0 = no feedback).
+  config.outer.compression = "none"
+  config.outer.compression_chunk = 4096  # values per chunk (one float32 scale each); at most 65536
+  config.outer.topk_density = 0.01  # fraction kept per chunk, in (0, 1]
+  config.outer.topk_bits = 2  # bits per kept value, 2..8
+  config.outer.slow_codec = "int8"  # float32 | bfloat16 | int8 | int4: the γφ part of a topk message
+  config.outer.feedback_decay = 1.0
   # Storage dtype of the outer state (φ, δ; DiLoCo's φ and momentum): "" = the parameters' dtype,
   # or float32 | bfloat16. The update itself always computes in float32.
   config.outer.state_dtype = ""

@@ -14,6 +14,7 @@ import os
 import ml_collections
 
 from noloco_jax.models import llama as model_lib
+from noloco_jax.outer import compression
 from noloco_jax.outer.methods import KINDS, MESSAGE_DTYPES
 from noloco_jax.outer.pairing import MODES
 from noloco_jax.parallel.pipeline import CLIPS
@@ -26,7 +27,8 @@ _MODEL = {"preset", "d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size
 _INNER = {"optimizer", "lr", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps", "weight_decay", "grad_clip",
           "microbatches"}
 _OUTER = {"kind", "inner_steps", "group_size", "momentum", "lr", "gamma", "nesterov", "message_dtype",
-          "pairing", "pairing_pool", "state_dtype", "offload"}
+          "pairing", "pairing_pool", "state_dtype", "offload", "compression", "compression_chunk",
+          "topk_density", "topk_bits", "slow_codec", "feedback_decay"}
 _CHECKPOINT = {"keep", "warm_start", "async_save"}
 _PIPELINE = {"routing", "microbatches", "route_pool", "clip"}
 NAN_POLICIES = ("error", "skip_round")
@@ -190,6 +192,10 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
     if config.num_replicas % o.group_size:
       _fail("outer.group_size", o.group_size,
             f"a divisor of num_replicas={config.num_replicas} (the replicas are cut into equal groups)")
+  try:
+    compression.check(o)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   if o.kind == "noloco":
     if o.gamma <= 0:
       _fail("outer.gamma", o.gamma, "a number > 0")

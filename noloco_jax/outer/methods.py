@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from noloco_jax.parallel.mesh import REPLICA
-from noloco_jax.outer import exchange, rules
+from noloco_jax.outer import coded as coded_lib, compression, exchange, rules
 from noloco_jax.outer.pairing import Groups, PairingSchedule
 from noloco_jax.training.state import TrainState
 
@@ -58,7 +58,20 @@ def _slow_and_momentum(params):
   return {"slow": params, "momentum": jax.tree.map(jnp.zeros_like, params)}
 
 
-def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dtype, kind: str) -> OuterMethod:
+def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dtype, kind: str,
+            coded: coded_lib.CodedMessage | None = None) -> OuterMethod:
+  if coded is not None:  # outer.compression != none: see coded.py and docs/compression.md
+    def init(params):
+      residual = coded.init_residual(params)
+      return {**_slow_and_momentum(params), **({"residual": residual} if residual is not None else {})}
+
+    return OuterMethod(
+        kind=kind, has_rounds=True, uses_pairing=True, init=init, reduce_grads=None,
+        make_round=lambda pool, num_devices: coded_lib.make_round(
+            coded, alpha=alpha, beta=beta, gamma=gamma, pool=pool, num_devices=num_devices),
+        bytes_per_round=lambda params: (group_size - 1) * coded.payload_bytes(params),
+        bytes_per_step=lambda params: 0)
+
   def make_round(pool, num_devices):
     def round_fn(states: TrainState, pool_index):
       theta, phi, delta = states.params, states.outer["slow"], states.outer["momentum"]
@@ -122,14 +135,25 @@ def _none() -> OuterMethod:
       make_round=None, bytes_per_round=lambda params: 0, bytes_per_step=lambda params: 0)
 
 
+def _coded(outer_cfg) -> coded_lib.CodedMessage | None:
+  """The compressed-message codec of `outer.compression`, or None for plain `message_dtype` messages."""
+  if outer_cfg.get("compression", "none") == "none":
+    return None
+  compression.check(outer_cfg)
+  return coded_lib.CodedMessage(
+      compression_kind=outer_cfg.compression, chunk=outer_cfg.compression_chunk, density=outer_cfg.topk_density,
+      bits=outer_cfg.topk_bits, slow_codec=outer_cfg.slow_codec, feedback_decay=outer_cfg.feedback_decay)
+
+
 def make_method(outer_cfg: ml_collections.ConfigDict) -> OuterMethod:
   kind = outer_cfg.kind
   if kind == "noloco":
     return _noloco(outer_cfg.momentum, outer_cfg.lr, outer_cfg.gamma, outer_cfg.group_size,
-                   MESSAGE_DTYPES[outer_cfg.message_dtype], kind)
+                   MESSAGE_DTYPES[outer_cfg.message_dtype], kind, _coded(outer_cfg))
   if kind == "gossip":
     # The momentum ablation: pure pairwise averaging of the fast weights, φ ← mean_G θ.
-    return _noloco(0.0, 1.0, 1.0, outer_cfg.group_size, MESSAGE_DTYPES[outer_cfg.message_dtype], kind)
+    return _noloco(0.0, 1.0, 1.0, outer_cfg.group_size, MESSAGE_DTYPES[outer_cfg.message_dtype], kind,
+                   _coded(outer_cfg))
   if kind == "diloco":
     return _diloco(outer_cfg.lr, outer_cfg.momentum, outer_cfg.nesterov)
   if kind == "ddp":
