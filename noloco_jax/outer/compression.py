@@ -62,7 +62,11 @@ def quantize(x_CxW, bits: int):
 
 def dequantize(u, scale_C, bits: int):
   levels = 2 ** bits - 1
-  return (u.astype(jnp.float32) * (2.0 / levels) - 1.0) * scale_C[:, None]
+  # (2u − (L−1)) is an exact small integer, so the result is one rounding of one product, and an
+  # optimization barrier keeps XLA from contracting it into a fused multiply-add with later sums: the
+  # compiled programs of the mesh and the simulator then decode to the same bits.
+  odd = 2.0 * u.astype(jnp.float32) - levels
+  return jax.lax.optimization_barrier(odd * (scale_C / levels)[:, None])
 
 
 def pack_bits(u, bits: int):
