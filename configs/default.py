@@ -117,7 +117,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # ---- Outer step (every H inner steps; see noloco_jax/outer/) ----
   config.outer = ml_collections.ConfigDict()
-  config.outer.kind = "noloco"  # noloco | diloco | gossip | ddp | none
+  config.outer.kind = "noloco"  # noloco | diloco | gossip | epidemic | ddp | none
   config.outer.inner_steps = 50  # H: inner steps per outer round.
   config.outer.group_size = 2  # n: replicas per averaging group (noloco, gossip).
   config.outer.momentum = 0.5  # alpha (NoLoCo reference 0.5; DiLoCo reference 0.3).
@@ -134,6 +134,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.outer.topk_bits = 2  # bits per kept value, 2..8
   config.outer.slow_codec = "int8"  # float32 | bfloat16 | int8 | int4: the γφ part of a topk message
   config.outer.feedback_decay = 1.0
+  config.outer.fanout = 1  # epidemic: s, the peers each replica sends its model to per round (< num_replicas)
   # Storage dtype of the outer state (φ, δ; DiLoCo's φ and momentum): "" = the parameters' dtype,
   # or float32 | bfloat16. The update itself always computes in float32.
   config.outer.state_dtype = ""

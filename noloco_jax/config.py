@@ -28,7 +28,7 @@ _INNER = {"optimizer", "lr", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps", 
           "microbatches"}
 _OUTER = {"kind", "inner_steps", "group_size", "momentum", "lr", "gamma", "nesterov", "message_dtype",
           "pairing", "pairing_pool", "state_dtype", "offload", "compression", "compression_chunk",
-          "topk_density", "topk_bits", "slow_codec", "feedback_decay"}
+          "topk_density", "topk_bits", "slow_codec", "feedback_decay", "fanout"}
 _CHECKPOINT = {"keep", "warm_start", "async_save"}
 _PIPELINE = {"routing", "microbatches", "route_pool", "clip"}
 NAN_POLICIES = ("error", "skip_round")
@@ -196,6 +196,10 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
     compression.check(o)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  if o.compression != "none" and o.kind not in ("noloco", "gossip"):
+    _fail("outer.compression", o.compression, f"'none' with outer.kind={o.kind!r} (compressed messages exist for noloco and gossip)")
+  if o.kind == "epidemic" and not (isinstance(o.fanout, int) and 1 <= o.fanout < config.num_replicas):
+    _fail("outer.fanout", o.fanout, f"an integer in [1, num_replicas−1] = [1, {config.num_replicas - 1}]")
   if o.kind == "noloco":
     if o.gamma <= 0:
       _fail("outer.gamma", o.gamma, "a number > 0")

@@ -4,6 +4,7 @@
 |----------|-------------------------|----------------------------------------------------------|-------------------------|
 | `noloco` | local Adam              | group mean of c = βθ + (γ−β)φ over a random group of n   | (n−1) × model, ppermute |
 | `gossip` | local Adam              | NoLoCo with α=0, β=γ=1: φ ← mean_G θ (pairwise averaging) | (n−1) × model, ppermute |
+| `epidemic` | local Adam            | θ ← mean of own θ and those from random senders (epidemic.py) | s × model, ppermute   |
 | `diloco` | local Adam              | all-reduce of φ − θ, outer SGD heavy-ball or Nesterov     | model, all-reduce       |
 | `ddp`    | Adam on averaged grads  | nothing                                                   | model every step        |
 | `none`   | local Adam              | nothing (independent replicas)                            | nothing                 |
@@ -24,11 +25,11 @@ import numpy as np
 import optax
 
 from noloco_jax.parallel.mesh import REPLICA
-from noloco_jax.outer import coded as coded_lib, compression, exchange, rules
+from noloco_jax.outer import coded as coded_lib, compression, epidemic, exchange, rules
 from noloco_jax.outer.pairing import Groups, PairingSchedule
 from noloco_jax.training.state import TrainState
 
-KINDS = ("noloco", "diloco", "gossip", "ddp", "none")
+KINDS = ("noloco", "diloco", "gossip", "epidemic", "ddp", "none")
 MESSAGE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -87,6 +88,13 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dt
       make_round=make_round,
       bytes_per_round=lambda params: (group_size - 1) * tree_bytes(params, message_dtype),
       bytes_per_step=lambda params: 0)
+
+
+def _epidemic(fanout: int, message_dtype) -> OuterMethod:
+  return OuterMethod(
+      kind="epidemic", has_rounds=True, uses_pairing=True, init=lambda params: {"slow": params},
+      reduce_grads=None, make_round=lambda pool, num_devices: epidemic.make_round(pool, num_devices, message_dtype),
+      bytes_per_round=lambda params: fanout * tree_bytes(params, message_dtype), bytes_per_step=lambda params: 0)
 
 
 def _mean_over_replicas(x_k):
@@ -154,6 +162,8 @@ def make_method(outer_cfg: ml_collections.ConfigDict) -> OuterMethod:
     # The momentum ablation: pure pairwise averaging of the fast weights, φ ← mean_G θ.
     return _noloco(0.0, 1.0, 1.0, outer_cfg.group_size, MESSAGE_DTYPES[outer_cfg.message_dtype], kind,
                    _coded(outer_cfg))
+  if kind == "epidemic":
+    return _epidemic(outer_cfg.fanout, MESSAGE_DTYPES[outer_cfg.message_dtype])
   if kind == "diloco":
     return _diloco(outer_cfg.lr, outer_cfg.momentum, outer_cfg.nesterov)
   if kind == "ddp":
@@ -163,7 +173,11 @@ def make_method(outer_cfg: ml_collections.ConfigDict) -> OuterMethod:
   raise ValueError(f"outer.kind={kind!r} is not valid; choose one of {KINDS}.")
 
 
-def make_schedule(config: ml_collections.ConfigDict) -> PairingSchedule:
+def make_schedule(config: ml_collections.ConfigDict) -> PairingSchedule | epidemic.EpidemicSchedule:
+  if config.outer.kind == "epidemic":
+    return epidemic.EpidemicSchedule(seed=config.seed, num_replicas=config.num_replicas,
+                                     fanout=config.outer.fanout, mode=config.outer.pairing,
+                                     pool_size=config.outer.pairing_pool)
   return PairingSchedule(seed=config.seed, num_replicas=config.num_replicas,
                          group_size=config.outer.group_size, mode=config.outer.pairing,
                          pool_size=config.outer.pairing_pool)

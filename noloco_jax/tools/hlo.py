@@ -88,3 +88,19 @@ def stablehlo_collective_bytes(mlir_text: str, op: str = "collective_permute") -
   for dims, dtype in re.findall(r'"stablehlo\.' + op + r'".*?: \(tensor<([\dx]*?)x?(f32|bf16|f16|i32|ui32)>', mlir_text):
     total += sizes[dtype] * int(np.prod([int(d) for d in dims.split("x") if d] or [1]))
   return total
+
+
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def permute_pair_bytes(hlo_text: str) -> int:
+  """Σ over collective-permutes of operand bytes × number of (source, target) pairs: the bytes that all
+  devices together put on the wire. A permute whose pairs cover only some devices (epidemic.py's
+  partial matchings) counts only the devices that really send."""
+  total, sizes = 0, iter(collective_ops(hlo_text, "collective-permute"))
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m and m.group(3) in ("collective-permute", "collective-permute-start"):
+      pairs = _PAIRS.search(line)
+      total += next(sizes) * (pairs.group(1).count("{") if pairs else 0)
+  return total
