@@ -11,7 +11,7 @@ A NumPy simulation of NoLoCo's outer loop on a noisy quadratic (no JAX, seconds 
           no φ part at all, so the fewest bytes.
   none    no communication.
 
-Loss = mean over replicas of f(φ_i), f(x) = ½ Σ_k h_k x_k², h log-uniform in [1e-3, 1]; each inner
+Loss = mean over replicas of f(φ_i), f(x) = ½ Σ_k h_k (x_k − x*_k)², h log-uniform in [1e-3, 1]; each inner
 step is SGD with gradient noise. Prints one JSON line per option: final loss, replica spread, bytes
 per replica per round relative to dense float32.
 
@@ -52,14 +52,17 @@ def simulate(option, *, seed, replicas, rounds, dim=4 * CHUNK, inner=20, lr=0.5,
              alpha=0.5, beta=0.7, gamma=0.7):
   rng = np.random.default_rng(seed)
   h = np.exp(rng.uniform(np.log(1e-3), 0, dim))
+  optimum = rng.normal(size=dim)  # away from 0, so that a message lost to zero is not rewarded
   phi = np.broadcast_to(rng.normal(size=dim), (replicas, dim)).copy()
   delta = np.zeros_like(phi)
   residual = np.zeros_like(phi)
-  peer_ref = np.zeros((replicas, replicas, dim))  # peer_ref[i, j]: j's message as i and j both know it
+  # peer_ref[i, j]: j's message as i and j both know it; all replicas start from the same φ, so the first
+  # reference is γ·φ₀ (the message of a replica that has not moved), known to everyone without sending.
+  peer_ref = np.broadcast_to(gamma * phi[0], (replicas, replicas, dim)).copy()
   for _ in range(rounds):
     theta = phi.copy()
     for _ in range(inner):
-      theta -= lr * (h * theta + noise * np.sqrt(h) * rng.normal(size=theta.shape))
+      theta -= lr * (h * (theta - optimum) + noise * np.sqrt(h) * rng.normal(size=theta.shape))
     c = beta * theta + (gamma - beta) * phi
     perm = rng.permutation(replicas)
     partner = np.empty(replicas, int)
@@ -82,7 +85,7 @@ def simulate(option, *, seed, replicas, rounds, dim=4 * CHUNK, inner=20, lr=0.5,
         received[i] = peer_ref[i, j]
     delta = alpha * delta + (c + received) / 2 - gamma * phi
     phi = phi + delta
-  loss = float(np.mean(0.5 * (h * phi ** 2).sum(-1)))
+  loss = float(np.mean(0.5 * (h * (phi - optimum) ** 2).sum(-1)))
   spread = float(np.sqrt(((phi - phi.mean(0)) ** 2).sum(-1).mean()))
   return loss, spread
 

@@ -1,5 +1,7 @@
 """Compressed messages (outer.compression): codecs and rounds against NumPy, mesh = simulator, bytes on the wire."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -258,3 +260,56 @@ def test_coded_bytes_match_the_compiled_collectives(compression, extra, ratio):
     want = dense_part[compression]
   assert counted == want
   assert abs(counted / dense_f32 - ratio) < 0.03
+
+
+# ---- Bad input: one line naming the field ----
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"outer.compression": "int2"}, "outer.compression"),
+    ({"outer.compression": "topk", "outer.topk_density": 0.0}, "outer.topk_density"),
+    ({"outer.compression": "topk", "outer.topk_density": 1.5}, "outer.topk_density"),
+    ({"outer.compression": "topk", "outer.topk_bits": 1}, "outer.topk_bits"),
+    ({"outer.compression": "topk", "outer.topk_bits": 16}, "outer.topk_bits"),
+    ({"outer.compression": "int8", "outer.compression_chunk": 70000}, "outer.compression_chunk"),
+    ({"outer.compression": "topk", "outer.slow_codec": "fp8"}, "outer.slow_codec"),
+    ({"outer.compression": "int8", "outer.feedback_decay": 1.5}, "outer.feedback_decay"),
+    ({"outer.compression": "int8", "outer.kind": "diloco"}, "outer.compression"),
+    ({"outer.kind": "epidemic", "outer.fanout": 8}, "outer.fanout"),
+    ({"outer.kind": "epidemic", "outer.fanout": 0}, "outer.fanout"),
+])
+def test_bad_compression_and_fanout_settings_name_the_field(overrides, field):
+  cfg = default.get_config("smoke")
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    cfg[section][name] = value
+  with pytest.raises(config_lib.ConfigError) as info:
+    config_lib.validate(cfg)
+  message = str(info.value)
+  assert message.startswith(f"config.{field}=") and "\n" not in message, message
+
+
+# ---- End to end: training with compressed messages, and exact resume of the residual ----
+
+
+def test_compressed_training_resumes_exactly_with_its_residual(tmp_path, caplog):
+  import shutil
+
+  config = default.get_config("smoke")
+  config.num_steps, config.checkpoint_every, config.checkpoint.keep = 6, 3, 3
+  config.outer.update(compression="topk", topk_density=0.03, topk_bits=2, pairing_pool=2)
+  workdir = str(tmp_path / "run")
+  first = train.train_and_evaluate(config, workdir)
+  assert 0 < first["eval/loss"] < np.log(257)  # it learned
+  residual = first["state"].outer["residual"]
+  assert all(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(residual))  # feedback is carried
+  rounds = config.num_steps // config.outer.inner_steps
+  setup = train.build(config, vocab_size=257)
+  one = jax.tree.map(lambda x: x[0], first["state"].params)
+  assert first["comm/bytes_per_replica"] == rounds * setup.method.bytes_per_round(one)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "6"))  # resume from step 3: residual from disk
+  with caplog.at_level("INFO"):
+    second = train.train_and_evaluate(config, workdir)
+  assert "resumed from step 3" in caplog.text
+  for a, b in zip(jax.tree.leaves(first["state"]), jax.tree.leaves(second["state"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
