@@ -15,8 +15,10 @@ from noloco_jax.outer import methods as outer_lib
 from noloco_jax.outer import pairing
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
+from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.training import build as build_lib
 from noloco_jax.training import loop as train
-from noloco_jax.training.state import TrainState
+from noloco_jax.inner.state import TrainState
 
 N = 8
 
@@ -182,7 +184,7 @@ def _round(method, pool, index, theta, outer, num_devices=N):
   mesh = mesh_lib.make_mesh(N, num_devices)
   state = TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer)
   state = jax.device_put(state, mesh_lib.replica_sharding(mesh))
-  new_state, _ = train.make_round_fn(method, mesh, pool)(state, jnp.int32(index))
+  new_state, _ = rounds_lib.make_round_fn(method, mesh, pool)(state, jnp.int32(index))
   return jax.tree.map(np.asarray, new_state)
 
 
@@ -195,7 +197,7 @@ def _round(method, pool, index, theta, outer, num_devices=N):
 ])
 def test_coded_round_matches_numpy(kind, compression, group_size, extra):
   theta, phi, delta, residual = _replicas(0)
-  cfg = _outer_cfg(kind=kind, group_size=group_size, momentum=0.5, lr=0.7, gamma=0.9, compression=compression,
+  cfg = _outer_cfg(kind=kind, group_size=group_size, outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.9, compression=compression,
                    compression_chunk=256, **extra)
   method = outer_lib.make_method(cfg)
   groups = pairing.groups_from_permutation(np.random.default_rng(1).permutation(N), group_size)
@@ -243,7 +245,7 @@ def test_coded_bytes_match_the_compiled_collectives(compression, extra, ratio):
   state = jax.device_put(TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer),
                          mesh_lib.replica_sharding(mesh))
   groups = pairing.groups_from_permutation(np.arange(N), 2)
-  lowered = train.make_round_fn(method, mesh, (groups,)).lower(state, jnp.int32(0))
+  lowered = rounds_lib.make_round_fn(method, mesh, (groups,)).lower(state, jnp.int32(0))
   counted = method.bytes_per_round(jax.tree.map(lambda x: x[0], theta))
   dense_f32 = 4 * (96 * 128 + 5)
   if extra.get("slow_codec") != "bfloat16":  # XLA:CPU widens bf16 collectives to f32 (see tools/hlo.py)
@@ -304,7 +306,7 @@ def test_compressed_training_resumes_exactly_with_its_residual(tmp_path, caplog)
   residual = first["state"].outer["residual"]
   assert all(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(residual))  # feedback is carried
   rounds = config.num_steps // config.outer.inner_steps
-  setup = train.build(config, vocab_size=257)
+  setup = build_lib.build(config, vocab_size=257)
   one = jax.tree.map(lambda x: x[0], first["state"].params)
   assert first["comm/bytes_per_replica"] == rounds * setup.method.bytes_per_round(one)
   shutil.rmtree(os.path.join(workdir, "checkpoints", "6"))  # resume from step 3: residual from disk

@@ -11,8 +11,8 @@ from noloco_jax.outer import epidemic
 from noloco_jax.outer import methods as outer_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
-from noloco_jax.training import loop as train
-from noloco_jax.training.state import TrainState
+from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.inner.state import TrainState
 
 N = 8
 
@@ -27,7 +27,7 @@ def _round(method, pool, index, theta, num_devices=N):
   mesh = mesh_lib.make_mesh(N, num_devices)
   state = TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer={"slow": theta})
   state = jax.device_put(state, mesh_lib.replica_sharding(mesh))
-  new, _ = train.make_round_fn(method, mesh, pool)(state, jnp.int32(index))
+  new, _ = rounds_lib.make_round_fn(method, mesh, pool)(state, jnp.int32(index))
   return jax.tree.map(np.asarray, new)
 
 
@@ -112,7 +112,7 @@ def test_epidemic_bytes_are_fanout_models_in_the_compiled_program(fanout):
   state = jax.device_put(TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer={"slow": theta}),
                          mesh_lib.replica_sharding(mesh))
   graph = epidemic.matchings(epidemic.draw_targets(0, 0, N, fanout))
-  hlo = train.make_round_fn(method, mesh, (graph,)).lower(state, jnp.int32(0)).compile().as_text()
+  hlo = rounds_lib.make_round_fn(method, mesh, (graph,)).lower(state, jnp.int32(0)).compile().as_text()
   counted = method.bytes_per_round({k: v[0] for k, v in theta.items()})
   assert counted == fanout * (30 + 3) * 4
   # Summed over devices, the (source, target) pairs of the compiled permutes carry N·s models.

@@ -28,10 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KINDS = ("none", "int8", "int4", "topk")
-TOPK_BITS = (2, 3, 4, 5, 6, 7, 8)  # value bits for top-k; the dense codecs are int8 (8) and int4 (4)
-SLOW_CODECS = ("float32", "bfloat16", "int8", "int4")  # how the γφ part of a top-k message travels
-MAX_CHUNK = 65536  # offsets within a chunk travel as uint16
 
 
 def chunk_shape(n: int, chunk: int) -> tuple[int, int]:
@@ -179,24 +175,3 @@ def payload_bytes(codec: Codec, params) -> int:
   """Bytes of one replica's payload for params of these shapes (computed from shapes, nothing runs)."""
   shapes = jax.eval_shape(codec.encode, jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params))
   return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes)))
-
-
-def check(outer_cfg) -> None:
-  """Raises one ValueError line naming the bad `outer.*` compression field."""
-  o = outer_cfg
-
-  def fail(field, value, valid):
-    raise ValueError(f"config.outer.{field}={value!r} is not valid: {valid}.")
-
-  if o.compression not in KINDS:
-    fail("compression", o.compression, f"one of {KINDS}")
-  if not (isinstance(o.compression_chunk, int) and 8 <= o.compression_chunk <= MAX_CHUNK):
-    fail("compression_chunk", o.compression_chunk, f"an integer in [8, {MAX_CHUNK}] (offsets travel as uint16)")
-  if not 0 < o.topk_density <= 1:
-    fail("topk_density", o.topk_density, "a number in (0, 1]")
-  if o.topk_bits not in TOPK_BITS:
-    fail("topk_bits", o.topk_bits, f"one of {TOPK_BITS}")
-  if o.slow_codec not in SLOW_CODECS:
-    fail("slow_codec", o.slow_codec, f"one of {SLOW_CODECS}")
-  if not 0 <= o.feedback_decay <= 1:
-    fail("feedback_decay", o.feedback_decay, "a number in [0, 1] (0 turns error feedback off)")

@@ -10,7 +10,9 @@
 | `none`   | local Adam              | nothing (independent replicas)                            | nothing                 |
 
 A method's round function runs inside `shard_map` over `replica` and sees the k replicas of one device
-stacked (see mesh.replica_map); the exchange code in exchange.py is the only place that communicates.
+stacked (see mesh.replica_map). Communication: NoLoCo and gossip through exchange.py (ppermutes within
+the groups, no all-reduce); DiLoCo's all-reduce and DDP's gradient average are the `jax.lax.pmean` over
+`replica` in this file (`_mean_over_replicas`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import ml_collections
 import numpy as np
 import optax
 
+from noloco_jax.config.outer import KINDS, OuterConfig
 from noloco_jax.parallel.mesh import REPLICA
 from noloco_jax.outer import coded as coded_lib, compression, epidemic, exchange, rules
 from noloco_jax.outer.pairing import Groups, PairingSchedule
-from noloco_jax.training.state import TrainState
+from noloco_jax.inner.state import TrainState
 
-KINDS = ("noloco", "diloco", "gossip", "epidemic", "ddp", "none")
+# The dtypes of config.outer.message_dtype (noloco_jax/config/outer.py: MESSAGE_DTYPES).
 MESSAGE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -143,20 +146,21 @@ def _none() -> OuterMethod:
       make_round=None, bytes_per_round=lambda params: 0, bytes_per_step=lambda params: 0)
 
 
-def _coded(outer_cfg) -> coded_lib.CodedMessage | None:
+def _coded(outer_cfg: OuterConfig) -> coded_lib.CodedMessage | None:
   """The compressed-message codec of `outer.compression`, or None for plain `message_dtype` messages."""
-  if outer_cfg.get("compression", "none") == "none":
+  if outer_cfg.compression == "none":
     return None
-  compression.check(outer_cfg)
   return coded_lib.CodedMessage(
       compression_kind=outer_cfg.compression, chunk=outer_cfg.compression_chunk, density=outer_cfg.topk_density,
       bits=outer_cfg.topk_bits, slow_codec=outer_cfg.slow_codec, feedback_decay=outer_cfg.feedback_decay)
 
 
-def make_method(outer_cfg: ml_collections.ConfigDict) -> OuterMethod:
+def make_method(outer_cfg: ml_collections.ConfigDict | OuterConfig) -> OuterMethod:
+  """The method of `config.outer` (read through its schema: old field names map to the new ones)."""
+  outer_cfg = OuterConfig.parse(outer_cfg)
   kind = outer_cfg.kind
   if kind == "noloco":
-    return _noloco(outer_cfg.momentum, outer_cfg.lr, outer_cfg.gamma, outer_cfg.group_size,
+    return _noloco(outer_cfg.outer_momentum, outer_cfg.outer_lr, outer_cfg.consensus_weight, outer_cfg.group_size,
                    MESSAGE_DTYPES[outer_cfg.message_dtype], kind, _coded(outer_cfg))
   if kind == "gossip":
     # The momentum ablation: pure pairwise averaging of the fast weights, φ ← mean_G θ.
@@ -165,7 +169,7 @@ def make_method(outer_cfg: ml_collections.ConfigDict) -> OuterMethod:
   if kind == "epidemic":
     return _epidemic(outer_cfg.fanout, MESSAGE_DTYPES[outer_cfg.message_dtype])
   if kind == "diloco":
-    return _diloco(outer_cfg.lr, outer_cfg.momentum, outer_cfg.nesterov)
+    return _diloco(outer_cfg.outer_lr, outer_cfg.outer_momentum, outer_cfg.nesterov)
   if kind == "ddp":
     return _ddp()
   if kind == "none":
