@@ -64,7 +64,7 @@ def _x(seed, shape=(37, 29)):
 # ---- Codecs ----
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("bits", [2, 3, 8])
 def test_pack_bits_matches_numpy_little_endian_bit_packing(bits):
   u = np.random.default_rng(bits).integers(0, 2 ** bits, size=61).astype(np.uint8)
   packed = np.asarray(C.pack_bits(jnp.asarray(u), bits))
@@ -76,12 +76,12 @@ def test_pack_bits_matches_numpy_little_endian_bit_packing(bits):
   np.testing.assert_array_equal(np.asarray(C.unpack_bits(jnp.asarray(packed), bits, u.shape)), u)
 
 
-@pytest.mark.parametrize("kind,bits,chunk", [("int8", 8, 64), ("int4", 4, 64), ("int8", 8, 4096), ("int4", 4, 100)])
+@pytest.mark.parametrize("kind,bits,chunk", [("int8", 8, 4096), ("int4", 4, 100)])
 def test_dense_quantisation_matches_numpy(kind, bits, chunk):
   x = _x(0)
   codec = C.Codec(kind, chunk=chunk)
-  payload = codec.encode({"w": jnp.asarray(x)})
-  got = np.asarray(codec.decode(payload, {"w": x})["w"])
+  payload = jax.jit(codec.encode)({"w": jnp.asarray(x)})
+  got = np.asarray(jax.jit(codec.decode)(payload, {"w": x})["w"])
   want = np_dense_roundtrip(x, bits, chunk)
   np.testing.assert_allclose(got, want, atol=1e-6)
   x_CxW = np_chunks(x, chunk)
@@ -90,13 +90,12 @@ def test_dense_quantisation_matches_numpy(kind, bits, chunk):
   assert payload["w"]["codes"].dtype == np.uint8 and payload["w"]["codes"].size == -(-x_CxW.size // 8) * bits
 
 
-@pytest.mark.parametrize("density,bits,chunk", [(0.01, 2, 4096), (0.03, 2, 256), (0.1, 4, 64), (0.2, 8, 128),
-                                                (1.0, 3, 64)])
+@pytest.mark.parametrize("density,bits,chunk", [(0.01, 2, 4096), (0.1, 4, 64), (1.0, 3, 64)])
 def test_topk_matches_numpy(density, bits, chunk):
   x = _x(1, (300, 41))
   codec = C.Codec("topk", chunk=chunk, density=density, bits=bits)
-  payload = codec.encode({"w": jnp.asarray(x)})["w"]
-  got = np.asarray(codec.decode({"w": payload}, {"w": x})["w"])
+  payload = jax.jit(codec.encode)({"w": jnp.asarray(x)})["w"]
+  got = np.asarray(jax.jit(codec.decode)({"w": payload}, {"w": x})["w"])
   np.testing.assert_allclose(got, np_topk_roundtrip(x, density, bits, chunk), atol=1e-6)
   assert payload["index"].dtype == np.uint16
   num, width = C.chunk_shape(x.size, chunk)
@@ -107,14 +106,16 @@ def test_topk_matches_numpy(density, bits, chunk):
 def test_error_feedback_sends_everything_in_the_long_run():
   """decay=1: Σ_t sent_t = Σ_t message_t − e_T exactly (the residual telescopes), and e_T stays bounded."""
   codec = C.Codec("topk", chunk=64, density=0.05, bits=2)
+  send = jax.jit(lambda msg, residual: C.with_feedback(codec, msg, residual, 1.0))
+  decode = jax.jit(codec.decode)
   rng = np.random.default_rng(2)
   residual = {"w": jnp.zeros((40, 16), jnp.float32)}
   total_sent, total_msg = np.zeros((40, 16)), np.zeros((40, 16))
   for _ in range(30):
     msg = {"w": jnp.asarray(rng.normal(size=(40, 16)).astype(np.float32))}
     m = jax.tree.map(jnp.add, msg, residual)
-    payload, residual = C.with_feedback(codec, msg, residual, 1.0)
-    sent = np.asarray(codec.decode(payload, msg)["w"])
+    payload, residual = send(msg, residual)
+    sent = np.asarray(decode(payload, msg)["w"])
     np.testing.assert_allclose(sent, np_topk_roundtrip(np.asarray(m["w"]), 0.05, 2, 64), atol=1e-5)
     total_sent += sent
     total_msg += np.asarray(msg["w"])
@@ -223,9 +224,9 @@ def test_feedback_off_keeps_no_residual_in_the_state():
 def test_coded_mesh_and_simulator_paths_agree_bitwise(compression, num_devices):
   theta, phi, delta, residual = _replicas(5)
   method = outer_lib.make_method(_outer_cfg(compression=compression, compression_chunk=128, topk_density=0.05))
-  schedule = pairing.PairingSchedule(seed=3, num_replicas=N, group_size=2, mode="pool", pool_size=5)
+  schedule = pairing.PairingSchedule(seed=3, num_replicas=N, group_size=2, mode="pool", pool_size=3)
   outer = {"slow": phi, "momentum": delta, "residual": residual}
-  results = {d: _round(method, schedule.pool, schedule.index(4), theta, outer, num_devices=d)
+  results = {d: _round(method, schedule.pool, schedule.index(5), theta, outer, num_devices=d)
              for d in (N, num_devices, 1)}
   for d in (num_devices, 1):
     for a, b in zip(jax.tree.leaves(results[d]), jax.tree.leaves(results[N])):
@@ -234,8 +235,7 @@ def test_coded_mesh_and_simulator_paths_agree_bitwise(compression, num_devices):
 
 @pytest.mark.parametrize("compression,extra,ratio", [
     ("int8", {}, 0.25), ("int4", {}, 0.125),
-    ("topk", {"topk_density": 0.01, "topk_bits": 2, "slow_codec": "int8"}, 0.25),
-    ("topk", {"topk_density": 0.03, "topk_bits": 2, "slow_codec": "bfloat16"}, 0.5)])
+    ("topk", {"topk_density": 0.01, "topk_bits": 2, "slow_codec": "int8"}, 0.25)])
 def test_coded_bytes_match_the_compiled_collectives(compression, extra, ratio):
   theta, phi, delta, residual = _replicas(8)
   theta = {"w": np.zeros((N, 96, 128), np.float32), "b": np.zeros((N, 5), np.float32)}
@@ -248,16 +248,16 @@ def test_coded_bytes_match_the_compiled_collectives(compression, extra, ratio):
   lowered = rounds_lib.make_round_fn(method, mesh, (groups,)).lower(state, jnp.int32(0))
   counted = method.bytes_per_round(jax.tree.map(lambda x: x[0], theta))
   dense_f32 = 4 * (96 * 128 + 5)
-  if extra.get("slow_codec") != "bfloat16":  # XLA:CPU widens bf16 collectives to f32 (see tools/hlo.py)
-    assert hlo_lib.collective_bytes(lowered.compile().as_text(), "collective-permute") == counted
-  assert hlo_lib.all_collective_bytes(lowered.compile().as_text()).keys() == {"collective-permute"}
+  hlo = lowered.compile().as_text()
+  assert hlo_lib.collective_bytes(hlo, "collective-permute") == counted
+  assert hlo_lib.all_collective_bytes(hlo).keys() == {"collective-permute"}
   # Above the dense part: chunk scales (4 bytes per 4096 values) and, for topk, offsets and 2-bit values.
   k = C.topk_count(4096, extra.get("topk_density", 1.0))  # per chunk of w; the bias keeps 1 of its 8
   # w: 3 chunks of k uint16 offsets, 3k 2-bit codes padded to a multiple of 8, 3 scales; the bias: 2 + 2 + 4.
   sparse = 3 * k * 2 + -(-3 * k // 8) * 2 + 3 * 4 + (2 + 2 + 4)
   dense_part = {"int8": 12288 + 3 * 4 + 8 + 4, "int4": 6144 + 3 * 4 + 4 + 4}
   if compression == "topk":
-    want = sparse + (dense_part["int8"] if extra["slow_codec"] == "int8" else 2 * (96 * 128 + 5))
+    want = sparse + dense_part["int8"]
   else:
     want = dense_part[compression]
   assert counted == want
@@ -295,12 +295,26 @@ def test_bad_compression_and_fanout_settings_name_the_field(overrides, field):
 
 
 def test_compressed_training_resumes_exactly_with_its_residual(tmp_path, caplog):
-  import shutil
-
   config = default.get_config("smoke")
   config.num_steps, config.checkpoint_every, config.checkpoint.keep = 6, 3, 3
   config.outer.update(compression="topk", topk_density=0.03, topk_bits=2, pairing_pool=2)
   workdir = str(tmp_path / "run")
+  # A persistent compilation cache for the two runs: the resumed run reuses the first one's programs.
+  options = {"jax_compilation_cache_dir": str(tmp_path / "jax_cache"), "jax_persistent_cache_min_compile_time_secs": 0,
+             "jax_persistent_cache_min_entry_size_bytes": -1}
+  saved = {k: getattr(jax.config, k) for k in options}
+  for k, v in options.items():
+    jax.config.update(k, v)
+  try:
+    _train_twice(config, workdir, caplog)
+  finally:
+    for k, v in saved.items():
+      jax.config.update(k, v)
+
+
+def _train_twice(config, workdir, caplog):
+  import shutil
+
   first = train.train_and_evaluate(config, workdir)
   assert 0 < first["eval/loss"] < np.log(257)  # it learned
   residual = first["state"].outer["residual"]
