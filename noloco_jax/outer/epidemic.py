@@ -20,8 +20,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from noloco_jax.outer import exchange
+from noloco_jax.outer import exchange, rules
 from noloco_jax.outer.pairing import MODES
 from noloco_jax.parallel.mesh import REPLICA
 
@@ -107,8 +108,7 @@ def graph_mean(tree, graph: Graph, num_devices: int, message_dtype):
 def make_round(pool, num_devices: int, message_dtype):
   def round_fn(states, pool_index):
     theta = states.params
-    metrics = {"pseudo_grad_norm": jax.vmap(_norm)(jax.tree.map(
-        lambda p, t: p.astype(jnp.float32) - t.astype(jnp.float32), states.outer["slow"], theta))}
+    metrics = {"pseudo_grad_norm": jax.vmap(optax.tree.norm)(rules.pseudo_gradient(theta, states.outer["slow"]))}
     if len(pool) == 1:
       mean = graph_mean(theta, pool[0], num_devices, message_dtype)
     else:  # one branch of static routes per graph; only the chosen one sends
@@ -119,6 +119,3 @@ def make_round(pool, num_devices: int, message_dtype):
 
   return round_fn
 
-
-def _norm(tree):
-  return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
