@@ -70,7 +70,10 @@ def schedule_record(schedule, round_: int) -> dict | None:
   """The pairing schedule's parameters and the grouping of round `round_` (None without pairing)."""
   if schedule is None:
     return None
-  return {"mode": schedule.mode, "seed": int(schedule.seed), "group_size": schedule.group_size,
+  # An epidemic schedule (outer/epidemic.py) has a fan-out instead of a group size, and its "groups" are
+  # the round's matchings; pairing records keep exactly their old keys.
+  size = {"fanout": schedule.fanout} if hasattr(schedule, "fanout") else {"group_size": schedule.group_size}
+  return {"mode": schedule.mode, "seed": int(schedule.seed), **size,
           "num_replicas": schedule.num_replicas, "pool_size": len(schedule.pool), "round": int(round_),
           "groups": [list(g) for g in schedule.groups(round_)]}
 
