@@ -36,6 +36,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # replica (the last good checkpoint stays as it was); "skip_round" undoes the round it happened in
   # and goes on (see noloco_jax/io/checkpoint.py: RoundGuard).
   config.nan_policy = "error"
+  # With "skip_round": how many rounds in a row may be undone before the run stops with an error
+  # (a run whose every round diverges is not training). Skipped rounds are counted in the train rows
+  # of metrics.jsonl (outer/skipped_rounds) and in the summary.
+  config.nan_max_skipped_rounds = 3
 
   # ---- Checkpoints (orbax, in workdir/checkpoints; see noloco_jax/io/checkpoint.py) ----
   # A run resumes from the latest checkpoint of its own workdir; else it starts from warm_start; else from scratch.

@@ -20,7 +20,7 @@ from noloco_jax.parallel.pipeline import CLIPS
 from noloco_jax.parallel.routing import ROUTINGS
 
 _TOP = {"seed", "num_steps", "num_replicas", "num_devices", "fsdp", "eval_every", "log_every", "checkpoint_every",
-        "nan_policy", "model", "data", "inner", "outer", "checkpoint", "num_stages", "pipeline"}
+        "nan_policy", "nan_max_skipped_rounds", "model", "data", "inner", "outer", "checkpoint", "num_stages", "pipeline"}
 _MODEL = {"preset", "d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size", "max_seq_len",
           "rope_theta", "norm_eps", "param_dtype", "dtype", "remat"}
 _INNER = {"optimizer", "lr", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps", "weight_decay", "grad_clip",
@@ -112,6 +112,7 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
           "1 with num_stages > 1 (the pipeline cuts the batch itself: pipeline.microbatches)")
   if config.nan_policy not in NAN_POLICIES:
     _fail("nan_policy", config.nan_policy, f"one of {NAN_POLICIES}")
+  _positive(config, "nan_max_skipped_rounds")
 
   c = config.checkpoint
   _positive(config, "checkpoint.keep")

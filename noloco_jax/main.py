@@ -61,11 +61,13 @@ def main(argv):
   _fake_cpu_devices(config.num_replicas * config.get("num_stages", 1) * config.fsdp, multi_process)
 
   from noloco_jax.io import checkpoint
+  from noloco_jax.io import failures
   from noloco_jax.training import loop as train
   # SIGTERM (preemption): finish the current step, save a checkpoint, exit 0. Installed after
   # jax.distributed, so that this handler, not the runtime's, receives the signal.
   checkpoint.install_preemption_handler()
-  with distributed.fail_fast():
+  # A failure ends in its cause and one last line saying what to do, exit status 1 (io/failures.py).
+  with failures.exit_on_failure(FLAGS.workdir), distributed.fail_fast():
     train.train_and_evaluate(config, FLAGS.workdir)
 
 

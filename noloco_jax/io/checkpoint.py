@@ -7,8 +7,8 @@ What one checkpoint holds (an orbax step directory `workdir/checkpoints/<step>/`
 - `meta/`: JSON written by process 0: step, outer round, cumulative comm bytes, the pairing
   schedule's parameters (mode, seed, group size, pool size) and the grouping of the next round,
   the metric history, the host values of training metrics fetched but not yet logged (so a save
-  between two log steps still resumes to the same logged means), the shapes of every state leaf
-  and the config.
+  between two log steps still resumes to the same logged means), the shapes of every state leaf,
+  a checksum of every replica's state and the config.
 - `data/`: JSON, one file per process (`process_<i>.json`), the stream position of each replica
   that process holds. Restore reads every file and each process takes its own replicas, so a
   checkpoint restores under another process count or device layout.
@@ -25,18 +25,25 @@ Where a run starts, first match wins:
 
 Resuming:
 
-- Rows of `metrics.jsonl` and `pairings.jsonl` that the interrupted run wrote after the restored
-  step (and a last line cut by the kill) are dropped when the run resumes, with a warning saying how
-  many; the resumed run then writes those steps again, identically. TensorBoard event files are
-  append-only and keep the interrupted run's points past the checkpoint.
+- Rows of `metrics.jsonl` and `pairings.jsonl` are on disk (fsynced) before a save starts
+  (io/logs.py). Those the interrupted run wrote after the restored step (and a last line cut by the
+  kill) are dropped when the run resumes, with a warning saying how many; the resumed run then
+  writes those steps again, identically. A run that starts from scratch in a workdir whose logs
+  hold rows (it was killed before its first checkpoint completed) empties them, with a warning.
+  TensorBoard event files are append-only and keep the interrupted run's points past the checkpoint.
 - Orbax writes a step into a temporary directory and renames it only when every item is complete;
   steps beyond `config.checkpoint.keep` are deleted only after a newer step is complete. A step
-  whose files are unreadable (truncated, partly deleted) fails to restore: the run warns, moves it
-  to `workdir/checkpoints_corrupt/` and takes the previous step. When no step is readable it stops
-  with an error rather than silently training from scratch.
-- A checkpoint saved with another replica count, model, optimizer, outer method or pairing schedule
-  is an error, not a fallback. Another device count or process count is fine: arrays are resharded
-  on restore.
+  whose files are unreadable (truncated, partly deleted), or whose state does not match the
+  per-replica checksums stored at save time (a data file changed after the save), fails to
+  restore: the run warns, moves it to `workdir/checkpoints_corrupt/` and takes the previous step.
+  When no step is readable it stops with an error rather than silently training from scratch.
+- A checkpoint saved with another replica count, model, optimizer, outer method (`outer.kind`) or
+  pairing schedule is an error naming the config fields that differ, not a fallback. Another
+  device count or process count is fine: arrays are resharded on restore. Other config changes
+  (learning rates, say) resume with a warning naming them.
+- A save that fails (disk full) stops the run with one line naming the step, the cause and the
+  intact previous checkpoint. When the loop raises while an asynchronous save is in flight, the
+  save is completed before the error leaves the loop (`settle_after_error`).
 
 Preemption: SIGTERM sets a flag (`install_preemption_handler`, called by main.py). Single-process
 jobs read it after every step; multi-process jobs agree on it at every log step with one all-gather
@@ -50,6 +57,7 @@ step and the replica), leaving the last good checkpoint as it was. `"skip_round"
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -68,6 +76,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from noloco_jax.io import failures
+from noloco_jax.io import logs as logs_lib
+from noloco_jax.parallel import distributed
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.training.state import TrainState
@@ -76,14 +87,31 @@ FORMAT = "noloco_jax.io.checkpoint/1"
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "checkpoints_corrupt"
 LOG_FILES = ("metrics.jsonl", "pairings.jsonl")  # rows keyed by "step", rewritten on resume
+SETTLE_TIMEOUT_S = 60  # multi-process jobs: how long a failed run waits for its save in flight
 
 
-class IncompatibleCheckpointError(ValueError):
+class IncompatibleCheckpointError(failures.ReportedError, ValueError):
   """The checkpoint is readable but was saved by a different setup: never a reason to fall back."""
 
 
-class NonFiniteStateError(FloatingPointError):
+class NonFiniteStateError(failures.ReportedError, FloatingPointError):
   """The state holds NaN or Inf; raised instead of saving it."""
+
+
+class TooManySkippedRoundsError(failures.ReportedError, FloatingPointError):
+  """nan_policy="skip_round" undid more consecutive rounds than config.nan_max_skipped_rounds."""
+
+
+class CheckpointSaveError(failures.ReportedError, OSError):
+  """Writing a checkpoint failed (disk full, permissions, ...); the previous checkpoint is intact."""
+
+
+class NoReadableCheckpointError(failures.ReportedError, RuntimeError):
+  """The workdir holds checkpoints, none of which can be read."""
+
+
+class StateChecksumError(ValueError):
+  """The state read back differs from the state that was saved (a changed data file)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,45 +259,28 @@ def _everywhere(ok: bool) -> bool:
   return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
 
 
-def drop_rows_after(path: str, step: int) -> int:
-  """Rewrites a JSONL log keeping the rows with "step" ≤ `step`; returns how many were dropped.
-
-  A line that does not parse (the last line of a killed writer) is dropped and counted too.
-  """
-  if not os.path.exists(path):
-    return 0
-  with open(path) as f:
-    lines = f.readlines()
-  keep = []
-  for line in lines:
-    try:
-      row = json.loads(line)
-    except json.JSONDecodeError:
-      continue
-    if int(row.get("step", 0)) <= step:
-      keep.append(line if line.endswith("\n") else line + "\n")
-  dropped = len([l for l in lines if l.strip()]) - len(keep)
-  if dropped:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(keep)
-    os.replace(tmp, path)  # atomic: a crash here leaves either the old or the new file
-  return dropped
-
-
 # ---------------------------------------------------------------------------------------------------
 # The checkpointer.
 # ---------------------------------------------------------------------------------------------------
 
 
-class _QuietOrbax(py_logging.Filter):
-  """Drops orbax's INFO lines (some thirty per save) from absl's log; its warnings and errors stay."""
-
-  def filter(self, record: py_logging.LogRecord) -> bool:
-    return record.levelno >= py_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+_QUIET_ORBAX = failures.QuietOrbaxLog()  # orbax's INFO lines dropped, its errors cut to one line
 
 
-_QUIET_ORBAX = _QuietOrbax()
+def state_checksums(state: TrainState, mesh) -> list[str]:
+  """One hex checksum per replica of the whole state (every leaf, counters included)."""
+  return [row.tobytes().hex() for row in distributed.replica_checksums(mesh, state)]
+
+
+def _verify_checksums(meta: dict, state: TrainState, mesh) -> None:
+  saved = meta.get("state_checksums")
+  if saved is None:  # written before checksums were stored: nothing to compare
+    return
+  now = state_checksums(state, mesh)
+  bad = [r for r, (a, b) in enumerate(zip(saved, now)) if a != b]
+  if bad or len(saved) != len(now):
+    raise StateChecksumError(f"the state read back does not match the checksum stored at save time on "
+                             f"replica(s) {bad}: a data file was changed after the save")
 
 
 @dataclasses.dataclass
@@ -291,6 +302,8 @@ class Checkpointer:
     self.directory = os.path.join(self._workdir, CHECKPOINT_DIR)
     ck = self._config.checkpoint
     py_logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # a no-op when already added
+    failures.quiet_orbax_noise()  # the closed-event-loop tracebacks of a failed read (failures.py)
+    self._in_flight: int | None = None  # the step of an asynchronous save not yet known complete
     self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=ck.keep, enable_async_checkpointing=ck.async_save, create=True,
         cleanup_tmp_directories=True))  # leftovers of an interrupted write are never restored
@@ -320,24 +333,82 @@ class Checkpointer:
         "pairing": _schedule_record(self._setup.schedule, round_),
         "state_shapes": _shapes(state), "history": history, "pending": pending,
         "config": json.loads(self._config.to_json_best_effort()),
+        # Verified on restore: a data file changed after the save is caught, not trained on.
+        "state_checksums": state_checksums(state, self._setup.mesh),
     }
     data = {"process_index": jax.process_index(), "process_count": jax.process_count(),
             "iterator": train_iter.get_state()}
     start = time.time()
-    self._manager.save(step, force=True, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta), data=_PerProcessJsonSave(data)))
+    # orbax first waits for the previous (asynchronous) save, and raises its error if it failed.
+    with self._save_errors(step):
+      self._manager.save(step, force=True, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta), data=_PerProcessJsonSave(data)))
+    self._in_flight = step if self._config.checkpoint.async_save else None
     logging.info("checkpoint: step %d %s in %.2f s -> %s", step,
                  "started (async)" if self._config.checkpoint.async_save else "saved",
                  time.time() - start, self.directory)
 
+  @contextlib.contextmanager
+  def _save_errors(self, step: int):
+    """Turns a failed write (this save's or the previous asynchronous one's) into one clear error."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      failed = self._in_flight if self._in_flight is not None else step
+      self._in_flight = None
+      raise CheckpointSaveError(
+          f"writing checkpoint step {failed} to {self.directory} failed: {failures.first_line(e)}. The "
+          f"previous checkpoint (step {self._complete_step(failed)}) is intact; fix the cause (e.g. free disk "
+          "space) and run the same command to resume from it.") from None
+
+  def _complete_step(self, failed: int) -> int | None:
+    steps = [s for s in self._manager.all_steps() if s != failed]
+    return max(steps) if steps else None
+
   def wait_until_finished(self) -> None:
     """Blocks until every save started so far is complete on disk."""
-    self._manager.wait_until_finished()
+    with self._save_errors(-1):
+      self._manager.wait_until_finished()
+    self._in_flight = None
 
   def close(self) -> None:
     """Waits for the last asynchronous save to be complete."""
-    self._manager.wait_until_finished()
+    self.wait_until_finished()
     self._manager.close()
+
+  def settle_after_error(self, timeout_s: float | None = None) -> None:
+    """After the loop raised: completes the save in flight, or abandons it saying so; never raises.
+
+    Without this, the exception unwinds to interpreter exit while orbax's background thread is still
+    writing, and the step is left as a temporary directory (and a rerun goes back one checkpoint
+    further). Single-process jobs wait for it (`timeout_s=None`). In a multi-process job the write's
+    commit waits for the other processes, which may be the ones that failed: a bounded wait.
+    """
+    step, self._in_flight = self._in_flight, None
+    if step is None:
+      return
+    if timeout_s is None and jax.process_count() > 1:
+      timeout_s = SETTLE_TIMEOUT_S
+    errors: list[BaseException] = []
+
+    def wait():
+      try:
+        self._manager.wait_until_finished()
+      except BaseException as e:  # pylint: disable=broad-except
+        errors.append(e)
+
+    waiter = threading.Thread(target=wait, name="noloco-checkpoint-settle", daemon=True)
+    waiter.start()
+    waiter.join(timeout_s)
+    if waiter.is_alive() or errors:
+      why = f"did not complete within {timeout_s} s" if waiter.is_alive() else f"failed ({failures.first_line(errors[0])})"
+      logging.warning("checkpoint: the save of step %d, in flight when the run failed, %s and is abandoned; "
+                      "the previous checkpoint (step %s) is intact.", step, why, self._complete_step(step))
+      return
+    logging.warning("checkpoint: the save of step %d, in flight when the run failed, was completed: "
+                    "rerunning the same command resumes from it.", step)
+    with contextlib.suppress(Exception):
+      self._manager.close()
 
   # ---- restore ----
 
@@ -363,21 +434,33 @@ class Checkpointer:
         continue
       self._quarantine(bad)
       train_iter.set_state(data)
-      for name in LOG_FILES:
-        path = os.path.join(self._workdir, name)
-        if jax.process_index() == 0 and (dropped := drop_rows_after(path, step)):
+      for path in self._log_paths():
+        late, repeats = logs_lib.rewrite_for_resume(path, step)
+        if late:
           logging.warning("resume: dropped %d row(s) of %s written after step %d by the interrupted run; "
-                          "they are written again from here.", dropped, path, step)
+                          "they are written again from here.", late, path, step)
+        if repeats:
+          logging.warning("resume: dropped %d repeated row(s) of %s (steps logged twice by an earlier run).",
+                          repeats, path)
       logging.info("checkpoint: resumed from step %d (round %d) in %s.", step, meta["round"], self.directory)
       resume = Resume(step=step, round=meta["round"], comm_bytes=meta["comm_bytes"],
                       history=meta["history"], pending=pending_from_host(meta["pending"]))
       return state, resume
     if bad:
-      raise RuntimeError(f"no readable checkpoint in {self.directory} (steps {bad} all failed, see the "
-                         "warnings above); move the directory away to start this workdir from scratch.")
+      raise NoReadableCheckpointError(
+          f"no readable checkpoint in {self.directory} (steps {bad} all failed, see the warnings above); "
+          "move the directory away to start this workdir from scratch.")
+    for path in self._log_paths():  # a run killed before its first checkpoint completed left these
+      if count := logs_lib.start_afresh(path):
+        logging.warning("start: %s held %d row(s) of an earlier run that completed no checkpoint; this run "
+                        "starts from scratch, so they were dropped.", path, count)
     if self._config.checkpoint.warm_start:
       return self._warm_start(state, abstract), None
     return state, None
+
+  def _log_paths(self) -> list[str]:
+    """The JSONL logs to rewrite (process 0 writes them; the others leave them alone)."""
+    return [os.path.join(self._workdir, name) for name in LOG_FILES] if jax.process_index() == 0 else []
 
   def _read(self, step: int, abstract) -> tuple[dict | None, Any, dict | None, Exception | None]:
     """(meta, state, data state, None) or (..., the error) when a file of the step is unreadable."""
@@ -391,26 +474,33 @@ class Checkpointer:
     try:
       items = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract), data=_PerProcessJsonRestore()))
+      _verify_checksums(meta, items["state"], self._setup.mesh)
       return meta, items["state"], _merge_data_states(items["data"]), None
     except Exception as e:  # pylint: disable=broad-except
       return meta, None, None, e
 
   def _check_compatible(self, meta: dict, abstract, step: int) -> None:
     where = f"checkpoint step {step} in {self.directory}"
+    changed = _config_changes(meta.get("config", {}), json.loads(self._config.to_json_best_effort()))
+    fields = f"config fields that differ: {_listed(changed)}" if changed else "no config field differs"
+    remedy = ("Resume with the checkpoint's values (WORKDIR/config.json), use a new workdir, or start from its "
+              "weights with config.checkpoint.warm_start.")
+    kind = [c for c in changed if c.startswith("outer.kind:")]
+    if kind:  # the outer state of another method means something else, even where its shapes agree
+      raise IncompatibleCheckpointError(
+          f"{where} was saved by another outer method ({kind[0]}); {fields}. {remedy}")
     saved, now = meta["state_shapes"], _shapes(abstract)
     if saved != now:
       diff = [f"{k}: saved {saved.get(k)}, now {now.get(k)}" for k in sorted(set(saved) | set(now))
               if saved.get(k) != now.get(k)]
       raise IncompatibleCheckpointError(
           f"{where} holds a state of another shape (num_replicas, model, optimizer or outer method "
-          f"changed): {diff[:5]}{' ...' if len(diff) > 5 else ''}. Use a new workdir, or start from its "
-          "weights with config.checkpoint.warm_start.")
+          f"changed); {fields}; state leaves: {diff[:3]}{' ...' if len(diff) > 3 else ''}. {remedy}")
     expected = _schedule_record(self._setup.schedule, meta["round"])
     if meta["pairing"] != expected:
       raise IncompatibleCheckpointError(
-          f"{where} was saved under another pairing schedule: saved {meta['pairing']}, now {expected}. "
-          "Resume with the same seed and outer.pairing / pairing_pool / group_size.")
-    changed = _config_changes(meta.get("config", {}), json.loads(self._config.to_json_best_effort()))
+          f"{where} was saved under another pairing schedule; {fields}. Resume with the same seed and "
+          "outer.pairing / pairing_pool / group_size.")
     if changed:
       logging.warning("resume: the config differs from the checkpoint's in %s; the resumed run is exact "
                       "only for changes of layout (num_devices) or checkpointing.", changed)
@@ -467,6 +557,10 @@ def _resolve_warm_start(path: str) -> tuple[str, int]:
   return path, max(steps)
 
 
+def _listed(changes: list[str], shown: int = 6) -> str:
+  return "; ".join(changes[:shown]) + (f"; and {len(changes) - shown} more" if len(changes) > shown else "")
+
+
 def _config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
   """Dotted names of the fields that differ, ignoring those that cannot change the numbers."""
   ignore = {"checkpoint", "num_devices", "checkpoint_every", "log_every", "data.prefetch"}
@@ -500,17 +594,29 @@ class RoundGuard:
     schedule does not advance), φ and δ return to their values at the round's start;
   - the round's batches stay consumed (the data moves on), the loop step and round counters
     advance, and the bytes the outer step sent stay counted: they were sent;
-  - the round's metrics are logged as they were (possibly "nan"), a warning names the round, and
-    `history["skipped_rounds"]` records [first step, last step] of every skipped round.
+  - the round's metrics are logged as they were (possibly "nan"), a warning names the round,
+    `history["skipped_rounds"]` records [first step, last step] of every skipped round, and the
+    train rows of metrics.jsonl carry their running count, `outer/skipped_rounds`;
+  - more than `config.nan_max_skipped_rounds` skipped rounds in a row stop the run
+    (TooManySkippedRoundsError): a run whose every round diverges is not training, and must not
+    end with status 0 as if it were. The last checkpoint (saved before those rounds) is left as is.
 
   With any other policy the guard does nothing. After resuming in the middle of a round (from a
   preemption save), a skip returns to the resumed state rather than the round's start.
   """
 
-  def __init__(self, config, mesh):
+  def __init__(self, config, mesh, history: dict | None = None):
     self.enabled = config.nan_policy == "skip_round"
     self._H, self._mesh = config.outer.inner_steps, mesh
+    self._max_in_a_row = config.get("nan_max_skipped_rounds", 3)
     self._snapshot, self._losses, self._first = None, [], 0
+    # Skips in a row carry over a resume: count the trailing skipped rounds that end one after another.
+    self._in_a_row = 0
+    skipped = (history or {}).get("skipped_rounds", [])
+    for (_, last), nxt in zip(reversed(skipped), [None] + list(reversed(skipped))[:-1]):
+      if nxt is not None and nxt[0] != last + 1:
+        break
+      self._in_a_row += 1
 
   def begin(self, step: int, state: TrainState) -> None:
     if self.enabled and (self._snapshot is None or (step - 1) % self._H == 0):
@@ -530,9 +636,17 @@ class RoundGuard:
     bad_loss, bad_state = np.argwhere(~np.isfinite(losses)), nonfinite_replicas(state, self._mesh)
     snapshot, self._snapshot = self._snapshot, None
     if not len(bad_loss) and not bad_state:
+      self._in_a_row = 0
       return state
     why = (f"loss {losses[tuple(bad_loss[0])]} at step {self._first + bad_loss[0][0]} on replica {bad_loss[0][1]}"
            if len(bad_loss) else f"non-finite state on replica(s) {bad_state}")
+    self._in_a_row += 1
+    if self._in_a_row > self._max_in_a_row:
+      raise TooManySkippedRoundsError(
+          f"nan_policy=skip_round: {self._in_a_row} rounds in a row diverged (the last: steps {self._first}-{step}, "
+          f"{why}), more than nan_max_skipped_rounds={self._max_in_a_row}; the run is not training. Lower "
+          "inner.lr or outer.lr (or raise nan_max_skipped_rounds), and start again from the last checkpoint "
+          "or a new workdir.")
     logging.warning("nan_policy=skip_round: undoing the round of steps %d-%d (%s); training goes on from the "
                     "state at step %d with the next round's batches.", self._first, step, why, self._first - 1)
     history.setdefault("skipped_rounds", []).append([self._first, step])

@@ -2,7 +2,8 @@
 
 Names: train/loss, train/grad_norm, inner/lr, eval/loss, eval/ppl, replicas/weight_std,
 outer/pseudo_grad_norm, outer/round, comm/bytes_per_replica (cumulative), perf/steps_per_s,
-perf/tokens_per_s, model/num_params (logged once, per replica).
+perf/tokens_per_s, model/num_params (logged once, per replica), outer/skipped_rounds (cumulative;
+only with nan_policy="skip_round").
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ class JsonlWriter(metric_writers.interface.MetricWriter):
     pass
 
   def flush(self):
+    # Durable, not only handed to the OS: the loop flushes before every checkpoint (io/logs.py).
     self._file.flush()
+    os.fsync(self._file.fileno())
 
   def close(self):
     self._file.close()

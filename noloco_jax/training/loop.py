@@ -24,6 +24,8 @@ from jax.sharding import PartitionSpec as P
 from noloco_jax.io import checkpoint as checkpoint_lib
 from noloco_jax import config as config_lib
 from noloco_jax.io import data as data_lib
+from noloco_jax.io import logs as logs_lib
+from noloco_jax.io import workdir_lock
 from noloco_jax.parallel import distributed
 from noloco_jax.training import inner
 from noloco_jax.parallel import mesh as mesh_lib
@@ -220,15 +222,20 @@ def check_finite(losses_SxN: np.ndarray, steps: list[int]) -> None:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains `config.num_replicas` replicas for `config.num_steps` steps; returns the final metrics."""
-  start_time = time.time()
+  """Trains `config.num_replicas` replicas for `config.num_steps` steps; returns the final metrics.
+
+  One run per workdir: the workdir is locked for the whole run (io/workdir_lock.py).
+  """
   os.makedirs(workdir, exist_ok=True)
+  with workdir_lock.hold(workdir):
+    return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  start_time = time.time()
   setup = build(config)
   mesh, n = setup.mesh, config.num_replicas
   is_main = jax.process_index() == 0
-  if is_main:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
 
   # ---- Data: each process reads only the replicas its devices hold. ----
   local_ids = mesh_lib.local_replica_ids(mesh, n)
@@ -251,6 +258,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # Then the latest checkpoint of this workdir, else the warm start, else this fresh state (checkpoint.py).
   checkpointer = checkpoint_lib.Checkpointer(setup, workdir)
   state, resume = checkpointer.restore(state, train_iter)
+  if is_main:  # only now: a refused resume leaves the config that describes the checkpoints
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
   one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
   num_params = model_lib.num_params(setup.model_config)
   bytes_per_round = setup.method.bytes_per_round(one_replica)
@@ -260,7 +270,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   writer = metrics_lib.make_writer(workdir)
   if resume is None:
     writer.write_scalars(0, {"model/num_params": num_params})
-  pairing_log = open(os.path.join(workdir, "pairings.jsonl"), "a") if is_main and setup.schedule else None
+  pairing_log = logs_lib.JsonlLog(os.path.join(workdir, "pairings.jsonl")) if is_main and setup.schedule else None
   report = periodic_actions.ReportProgress(num_train_steps=config.num_steps, every_secs=30)
   tokens_per_step = n * config.data.batch_size * config.data.seq_len
 
@@ -271,7 +281,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     history, comm_bytes, round_, first_step = resume.history, resume.comm_bytes, resume.round, resume.step + 1
     pending_steps, pending_metrics, pending_round = resume.pending
   last_log_time, last_log_step = time.time(), first_step - 1
-  guard = checkpoint_lib.RoundGuard(config, mesh)  # active only with nan_policy="skip_round"
+  guard = checkpoint_lib.RoundGuard(config, mesh, history)  # active only with nan_policy="skip_round"
 
   if resume is None:
     scalars = evaluate(setup, state, eval_batches)  # step 0: the untrained baseline
@@ -294,8 +304,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         comm_bytes += bytes_per_round
         pending_round.append((round_metrics, setup.weight_std(state.params)))
         if pairing_log is not None:
-          pairing_log.write(json.dumps({"round": round_, "step": step, "pool_index": pool_index,
-                                        "groups": [list(g) for g in setup.schedule.groups(round_)]}) + "\n")
+          pairing_log.append({"round": round_, "step": step, "pool_index": pool_index,
+                              "groups": [list(g) for g in setup.schedule.groups(round_)]})
         round_ += 1
       state = guard.end(step, state, history)
       report(step)
@@ -316,6 +326,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             "perf/steps_per_s": steps_per_s,
             "perf/tokens_per_s": steps_per_s * tokens_per_step,
         }
+        if guard.enabled:
+          scalars["outer/skipped_rounds"] = len(history.get("skipped_rounds", []))
         if pending_round:
           scalars["outer/pseudo_grad_norm"] = float(np.mean([np.asarray(m["pseudo_grad_norm"]) for m, _ in pending_round]))
           scalars["replicas/weight_std"] = float(pending_round[-1][1])
@@ -336,6 +348,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         pending = checkpoint_lib.pending_to_host(pending_steps, pending_metrics, pending_round)
         if config.nan_policy == "error":  # never save a state whose losses were not checked
           check_finite(checkpoint_lib.pending_losses(pending), pending_steps)
+        # Every log row up to this step on disk before the checkpoint that covers it (io/logs.py).
+        writer.flush()
+        if pairing_log is not None:
+          pairing_log.sync()
         checkpointer.save(step, state, train_iter, round_=round_, comm_bytes=comm_bytes, history=history,
                           pending=pending)
       if preempted:
@@ -343,11 +359,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         break
   except BaseException:
     # Leave no prefetch thread or open writer behind an error (e.g. a NaN stop in a notebook), and
-    # flush the metrics written so far. The checkpointer is not closed here: in a multi-process job
-    # its close waits for the other processes, which may be the ones that failed.
-    with contextlib.suppress(Exception):
-      train_iter.close()
-      writer.close()
+    # flush the metrics written so far. A save in flight is completed (or, in a multi-process job whose
+    # peers may be the ones that failed, abandoned after a bounded wait, saying so): never lost silently.
+    checkpointer.settle_after_error()
+    for closable in (train_iter, writer, pairing_log):
+      with contextlib.suppress(Exception):
+        if closable is not None:
+          closable.close()
     raise
 
   checkpointer.close()  # the last (asynchronous) save is complete before the run reports
@@ -381,8 +399,14 @@ def _summary(config, history, num_params, comm_bytes, seconds) -> dict[str, Any]
       f"replicas/weight_std  {last['replicas/weight_std']:.3e}",
       f"comm/bytes_per_replica  {comm_bytes:,} ({comm_bytes / 2**20:.1f} MiB)",
       f"wall time   {seconds:.1f} s  ({train.get('perf/steps_per_s', float('nan')):.2f} steps/s at the last log)",
-      "=" * 72,
   ]
+  skipped = history.get("skipped_rounds", [])
+  if config.nan_policy == "skip_round":
+    lines.append(f"skipped rounds  {len(skipped)} (nan_policy=skip_round)"
+                 + (f": steps {', '.join(f'{a}-{b}' for a, b in skipped[:8])}{' ...' if len(skipped) > 8 else ''}"
+                    if skipped else ""))
+  lines.append("=" * 72)
   return {"text": "\n".join(lines), "eval/loss": last["eval/loss"], "eval/ppl": last["eval/ppl"],
           "eval/loss_first": first["eval/loss"], "replicas/weight_std": last["replicas/weight_std"],
-          "comm/bytes_per_replica": comm_bytes, "wall_time_s": seconds, "model/num_params": num_params}
+          "comm/bytes_per_replica": comm_bytes, "wall_time_s": seconds, "model/num_params": num_params,
+          "outer/skipped_rounds": len(skipped)}
