@@ -357,13 +357,17 @@ class Checkpointer:
       failed = self._in_flight if self._in_flight is not None else step
       self._in_flight = None
       raise CheckpointSaveError(
-          f"writing checkpoint step {failed} to {self.directory} failed: {failures.first_line(e)}. The "
-          f"previous checkpoint (step {self._complete_step(failed)}) is intact; fix the cause (e.g. free disk "
-          "space) and run the same command to resume from it.") from None
+          f"writing checkpoint step {failed} to {self.directory} failed: {failures.first_line(e)}. "
+          f"{self._intact(failed)}; fix the cause (e.g. free disk space) and run the same command to "
+          f"{'resume' if self._intact_step(failed) is not None else 'start again'}.") from None
 
-  def _complete_step(self, failed: int) -> int | None:
+  def _intact_step(self, failed: int) -> int | None:
     steps = [s for s in self._manager.all_steps() if s != failed]
     return max(steps) if steps else None
+
+  def _intact(self, failed: int) -> str:
+    step = self._intact_step(failed)
+    return "No earlier checkpoint exists" if step is None else f"The previous checkpoint (step {step}) is intact"
 
   def wait_until_finished(self) -> None:
     """Blocks until every save started so far is complete on disk."""
@@ -402,8 +406,8 @@ class Checkpointer:
     waiter.join(timeout_s)
     if waiter.is_alive() or errors:
       why = f"did not complete within {timeout_s} s" if waiter.is_alive() else f"failed ({failures.first_line(errors[0])})"
-      logging.warning("checkpoint: the save of step %d, in flight when the run failed, %s and is abandoned; "
-                      "the previous checkpoint (step %s) is intact.", step, why, self._complete_step(step))
+      logging.warning("checkpoint: the save of step %d, in flight when the run failed, %s and is abandoned. "
+                      "%s.", step, why, self._intact(step))
       return
     logging.warning("checkpoint: the save of step %d, in flight when the run failed, was completed: "
                     "rerunning the same command resumes from it.", step)

@@ -70,10 +70,13 @@ class QuietOrbaxLog(py_logging.Filter):
     return True
 
 
-def first_line(error: BaseException, limit: int = 300) -> str:
-  """`Type: first line of the message`, cut to `limit` characters."""
+def first_line(error: BaseException, limit: int = 400) -> str:
+  """`Type: first line of the message`, its middle cut out past `limit` characters (the operating
+  system's reason, e.g. "No space left on device", comes last in tensorstore's messages)."""
   text = str(error).strip().split("\n", 1)[0]
-  return f"{type(error).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+  if len(text) > limit:
+    text = text[:limit // 2] + " ... " + text[-limit // 2:]
+  return f"{type(error).__name__}: {text}"
 
 
 @contextlib.contextmanager
