@@ -280,6 +280,9 @@ def test_skip_round_undoes_the_round_and_goes_on(cache, monkeypatch, tmp_path, c
   np.testing.assert_array_equal(np.asarray(state.step), STEPS - 3)
   logged = {r["step"]: r for r in rows(str(tmp_path)) if "train/loss" in r}
   assert logged[6]["train/loss"] == "nan" and np.isfinite(logged[9]["train/loss"])
+  # Reported, not only in history (issue 18): the train rows' running count and the summary.
+  assert [logged[s]["outer/skipped_rounds"] for s in (3, 6, 9)] == [0, 1, 1]
+  assert "skipped rounds  1 (nan_policy=skip_round): steps 4-6" in result["text"]
 
 
 # ---------------------------------------------------------------------------------------------------

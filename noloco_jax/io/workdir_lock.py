@@ -28,8 +28,10 @@ import sys
 import time
 from collections.abc import Iterator
 
+import jax
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from noloco_jax.io import failures
 
@@ -169,7 +171,6 @@ def hold(workdir: str) -> Iterator[WorkdirLock | None]:
   the others learn its outcome through one all-gather of a flag, so that all of them refuse together
   instead of waiting in the first collective for a process that has stopped.
   """
-  import jax  # pylint: disable=g-import-not-at-top
   lock, error = None, None
   if jax.process_index() == 0:
     try:
@@ -177,7 +178,6 @@ def hold(workdir: str) -> Iterator[WorkdirLock | None]:
     except WorkdirLockedError as e:
       error = e
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     refused = bool(np.max(multihost_utils.process_allgather(np.int32(error is not None))))
     if refused and error is None:
       if lock is not None:
