@@ -267,9 +267,24 @@ def _everywhere(ok: bool) -> bool:
 _QUIET_ORBAX = failures.QuietOrbaxLog()  # orbax's INFO lines dropped, its errors cut to one line
 
 
+@functools.cache
+def _replica_checksum_fn(mesh):
+  """Jitted state → [N, 2] uint32, replicated: a checksum of every replica's whole state.
+
+  The per-leaf sums of the start-up check (distributed.py: changing any word of a replica changes
+  them), combined over leaves with odd weights. Cached per mesh: a save must not compile anything.
+  """
+  def checksum(state):
+    state = sharding_lib.device_view(state)  # φ, δ may live in host memory (outer.offload)
+    terms = [distributed._leaf_checksums(x) * jnp.uint32(2 * j + 1)  # pylint: disable=protected-access
+             for j, x in enumerate(jax.tree.leaves(state))]
+    return functools.reduce(jnp.add, terms)
+  return jax.jit(checksum, out_shardings=mesh_lib.replicated(mesh))
+
+
 def state_checksums(state: TrainState, mesh) -> list[str]:
   """One hex checksum per replica of the whole state (every leaf, counters included)."""
-  return [row.tobytes().hex() for row in distributed.replica_checksums(mesh, state)]
+  return [row.tobytes().hex() for row in np.asarray(_replica_checksum_fn(mesh)(state))]
 
 
 def _verify_checksums(meta: dict, state: TrainState, mesh) -> None:
