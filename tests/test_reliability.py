@@ -16,10 +16,10 @@ import textwrap
 
 import pytest
 
+from noloco_jax import training
 from noloco_jax.io import checkpoint
-from noloco_jax.io import logs
 from noloco_jax.io import workdir_lock
-from noloco_jax.training import loop as train
+from noloco_jax.io.checkpoint import logs
 from test_checkpoint import (FLAGS, REPO, START_TIMEOUT_S, cache, checkpoint_steps, launch, rows,  # noqa: F401
                                    smoke, stderr_of, wait_for_train_row)
 
@@ -34,16 +34,16 @@ _FAIL_AFTER_SAVE = textwrap.dedent("""
     import asyncio, sys
     from absl import app
     from noloco_jax import main
-    from noloco_jax.io import checkpoint
-    from noloco_jax.training import loop
+    from noloco_jax.io.checkpoint import data_item
+    from noloco_jax.training import build as build_lib
 
-    slow_save = checkpoint._PerProcessJsonHandler._save_fn
+    slow_save = data_item.PerProcessJsonHandler._save_fn
     async def _save_fn(self, x, directory):
       await asyncio.sleep(2)
       return await slow_save(self, x, directory)
-    checkpoint._PerProcessJsonHandler._save_fn = _save_fn
+    data_item.PerProcessJsonHandler._save_fn = _save_fn
 
-    real_build = loop.build
+    real_build = build_lib.build
     def build(config, *args, **kwargs):
       setup = real_build(config, *args, **kwargs)
       real_step, calls = setup.inner_step, [0]
@@ -54,8 +54,8 @@ _FAIL_AFTER_SAVE = textwrap.dedent("""
         return real_step(state, batch)
       setup.inner_step = inner_step
       return setup
-    loop.build = build
-    app.run(main.main)
+    build_lib.build = build
+    app.run(main.main, flags_parser=main.cli.parse_flags)
 """)
 
 
@@ -88,14 +88,14 @@ def test_a_second_run_on_a_workdir_refuses_naming_the_first(cache, tmp_path, cap
     wait_for_train_row(workdir, proc, log, min_step=3)
     proc.send_signal(signal.SIGSTOP)  # keep the first run alive, mid-run, for as long as the test needs
     with pytest.raises(workdir_lock.WorkdirLockedError) as refused:
-      train.train_and_evaluate(smoke(), workdir)
+      training.train_and_evaluate(smoke(), workdir)
     assert f"host {socket.gethostname()}, pid {proc.pid}" in str(refused.value)
   finally:
     proc.kill()  # kill -9: the first run leaves its lock behind
     proc.wait()
   assert os.path.exists(os.path.join(workdir, workdir_lock.LOCK_NAME))
   with caplog.at_level("WARNING"):
-    train.train_and_evaluate(smoke(checkpoint_every=0), workdir)  # the stale lock does not block a restart
+    training.train_and_evaluate(smoke(checkpoint_every=0), workdir)  # the stale lock does not block a restart
   assert f"pid {proc.pid}" in caplog.text and "no longer running" in caplog.text
   assert not os.path.exists(os.path.join(workdir, workdir_lock.LOCK_NAME))  # released at the end
 
@@ -129,7 +129,7 @@ def test_skip_round_stops_a_run_whose_rounds_keep_diverging(cache, tmp_path, cap
   config = smoke(nan_policy="skip_round", checkpoint_every=6)  # nan_max_skipped_rounds: the default, 3
   config.inner.lr = 1e6  # it exited 0 after undoing every round, its summary silent about them
   with caplog.at_level("WARNING"), pytest.raises(FloatingPointError, match=r"4 rounds in a row diverged"):
-    train.train_and_evaluate(config, str(tmp_path))
+    training.train_and_evaluate(config, str(tmp_path))
   assert caplog.text.count("nan_policy=skip_round: undoing the round") == 3
   assert checkpoint_steps(str(tmp_path)) == [6]  # saved after two undone rounds: the initial weights
 

@@ -1,6 +1,6 @@
 """Metric definitions and writers. One name per metric, the same in TensorBoard, metrics.jsonl and notebooks.
 
-Names: train/loss, train/grad_norm, inner/lr, eval/loss, eval/ppl, replicas/weight_std,
+Names: train/loss, train/grad_norm, eval/loss, eval/ppl, replicas/weight_std,
 outer/pseudo_grad_norm, outer/round, comm/bytes_per_replica (cumulative), perf/steps_per_s,
 perf/tokens_per_s, model/num_params (logged once, per replica), outer/skipped_rounds (cumulative;
 only with nan_policy="skip_round").
@@ -83,7 +83,7 @@ class JsonlWriter(metric_writers.interface.MetricWriter):
     pass
 
   def flush(self):
-    # Durable, not only handed to the OS: the loop flushes before every checkpoint (io/logs.py).
+    # Durable, not only handed to the OS: the loop flushes before every checkpoint (io/checkpoint/logs.py).
     self._file.flush()
     os.fsync(self._file.fileno())
 

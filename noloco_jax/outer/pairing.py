@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from noloco_jax.config.outer import PAIRINGS
+
 Groups = tuple[tuple[int, ...], ...]
-MODES = ("pool", "fresh", "fixed")
+MODES = PAIRINGS  # config.outer.pairing
 # Domain separators, so that the pairing streams never coincide with other uses of the seed.
 _PERMUTATION_STREAM = 0x9A1
 _POOL_INDEX_STREAM = 0x9A2

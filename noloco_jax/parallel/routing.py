@@ -39,9 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from noloco_jax.config.pipeline import ROUTINGS
+from noloco_jax.parallel import collectives
 from noloco_jax.parallel.mesh import REPLICA, STAGE
 
-ROUTINGS = ("fixed", "random")
 # Domain separators, so that routing never draws the same stream as the pairing schedule or init.
 _PERMUTATION_STREAM = 0x9B1
 _OFFSET_STREAM = 0x9B2
@@ -132,26 +133,19 @@ def _slot_ppermutes(x_k: jax.Array, perms: Sequence[np.ndarray], num_devices: in
 
   Inside shard_map manual over (replica, stage). x_k: this device's [k, ...] stack (k replicas of one
   stage). Device (d, s) is linear index d·S + s of the (replica, stage) axes (the mesh order), and
-  global replica g = d·k + slot, as in outer/exchange.py. For each (source slot a, destination slot b)
-  the moves of all boundaries form ONE partial permutation of devices, sent with one ppermute, so each
+  global replica g = d·k + slot, as in outer/exchange.py. The moves of all boundaries together go
+  through parallel/collectives.move_slots: one ppermute per (source slot, destination slot), so each
   replica's activation is sent exactly once. A stage never sends to itself (it always moves to s+1),
   so there is no local part; stage 0 receives nothing (zeros) and the last stage sends nothing.
   """
   k = x_k.shape[0]
-  pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+  moves = []
   for b, dest in enumerate(perms):
     for g, h in enumerate(np.asarray(dest)):
       src_dev, src_slot = divmod(g, k)
       dst_dev, dst_slot = divmod(int(h), k)
-      pairs.setdefault((src_slot, dst_slot), []).append((src_dev * num_stages + b, dst_dev * num_stages + b + 1))
-  out = []
-  for b_slot in range(k):
-    terms = [jax.lax.ppermute(x_k[a], (REPLICA, STAGE), perm=pairs[(a, b_slot)])
-             for a in range(k) if (a, b_slot) in pairs]
-    # A device that is not a destination of one of these ppermutes receives zeros from it: the sum keeps
-    # exactly one non-zero term per receiving device (adding zeros is exact).
-    out.append(sum(terms[1:], terms[0]))
-  return jnp.stack(out)
+      moves.append((src_dev * num_stages + b, src_slot, dst_dev * num_stages + b + 1, dst_slot))
+  return collectives.move_slots(x_k, moves, (REPLICA, STAGE), num_devices * num_stages)
 
 
 def make_slot_router(schedule: RouteSchedule, num_devices: int):

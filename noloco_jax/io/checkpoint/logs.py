@@ -1,4 +1,4 @@
-"""The run's JSON-lines logs (metrics.jsonl, pairings.jsonl): durable rows, each exactly once.
+"""The run's JSON-lines logs (metrics.jsonl, pairings.jsonl): durable rows, each exactly once after a resume.
 
 Two promises, kept together with the checkpointer:
 
@@ -21,6 +21,11 @@ from __future__ import annotations
 import json
 import os
 from typing import Any, Mapping
+
+from absl import logging
+import jax
+
+LOG_FILES = ("metrics.jsonl", "pairings.jsonl")  # rows keyed by "step", rewritten on resume
 
 
 class JsonlLog:
@@ -93,3 +98,28 @@ def start_afresh(path: str) -> int:
   if count:
     _rewrite(path, [])
   return count
+
+
+def _paths(workdir: str) -> list[str]:
+  """The logs to rewrite: process 0 alone writes them, the others leave them alone."""
+  return [os.path.join(workdir, name) for name in LOG_FILES] if jax.process_index() == 0 else []
+
+
+def truncate_logs(workdir: str, step: int) -> None:
+  """On resume: each log's rows up to `step`, once; warns for what was dropped."""
+  for path in _paths(workdir):
+    late, repeats = rewrite_for_resume(path, step)
+    if late:
+      logging.warning("resume: dropped %d row(s) of %s written after step %d by the interrupted run; "
+                      "they are written again from here.", late, path, step)
+    if repeats:
+      logging.warning("resume: dropped %d repeated row(s) of %s (steps logged twice by an earlier run).",
+                      repeats, path)
+
+
+def start_logs_afresh(workdir: str) -> None:
+  """On a start from scratch: empties logs left by a run that completed no checkpoint, warning."""
+  for path in _paths(workdir):
+    if count := start_afresh(path):
+      logging.warning("start: %s held %d row(s) of an earlier run that completed no checkpoint; this run "
+                      "starts from scratch, so they were dropped.", path, count)
