@@ -170,7 +170,7 @@ def test_a_failed_save_ends_in_one_line_naming_the_cause(cache, tmp_path):
   assert len(lines) < 100, (len(lines), lines[-30:])
   assert not [l for l in lines if "Traceback" in l], "\n".join(lines[-40:])
   assert lines[-1].startswith("noloco_jax: error: writing checkpoint step 2 to "), lines[-1]
-  assert "run the same command to resume" in lines[-1]
+  assert "No earlier checkpoint exists" in lines[-1] and "run the same command to start again" in lines[-1]
 
 
 # ---------------------------------------------------------------------------------------------------
