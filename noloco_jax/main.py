@@ -11,6 +11,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from noloco_jax.io import checkpoint
+from noloco_jax.io import failures
 from noloco_jax import config as config_lib
 from noloco_jax.config import cli
 from noloco_jax.parallel import distributed, peer_watch
@@ -74,7 +75,8 @@ def main(argv):
   # SIGTERM (preemption): finish the current step, save a checkpoint, exit 0. Installed after
   # jax.distributed, so that this handler, not the runtime's, receives the signal.
   checkpoint.install_preemption_handler()
-  with distributed.fail_fast():
+  # A failure ends in its cause and one last line saying what to do, exit status 1 (io/failures.py).
+  with failures.exit_on_failure(FLAGS.workdir), distributed.fail_fast():
     watch = None
     if multi_process:  # a dead peer ends this process within a second, with one line (peer_watch.py)
       host = options.coordinator_address.rsplit(":", 1)[0] if options.coordinator_address else None
