@@ -131,11 +131,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Keep φ and δ in pinned host memory between rounds (they are read once per round): the device then
   # holds three model-sized copies (θ, Adam m, v) instead of five. Costs two host<->device copies per round.
   config.outer.offload = False
-  # How a fresh random pairing is chosen every round with a static ppermute:
-  #   pool  = `pairing_pool` pairings drawn up front, one picked per round by a traced index (one compile);
-  #   fresh = a new pairing drawn on the host every round, compiled on first use and cached.
-  #   fixed = the same pairing every round (ablation).
-  config.outer.pairing = "pool"
+  # How the groups are drawn each round (noloco_jax/outer/pairing.py):
+  #   fresh       = a new uniformly random grouping every round (the method); on a mesh the next round's
+  #                 program is compiled while the current round's inner steps run (outer/ahead.py);
+  #   round_robin = one of the N-1 round-robin matchings (relabelled once), uniform per round; one program;
+  #                 every pair meets equally often, but only N-1 matchings occur (group_size 2 only);
+  #   fixed       = the same grouping every round (ablation).
+  config.outer.pairing = "fresh"
   config.outer.pairing_pool = 32
 
   # ---- Pipeline parallelism (see noloco_jax/parallel/pipeline.py and routing.py) ----

@@ -141,5 +141,4 @@ def make_method(outer_cfg: ml_collections.ConfigDict) -> OuterMethod:
 
 def make_schedule(config: ml_collections.ConfigDict) -> PairingSchedule:
   return PairingSchedule(seed=config.seed, num_replicas=config.num_replicas,
-                         group_size=config.outer.group_size, mode=config.outer.pairing,
-                         pool_size=config.outer.pairing_pool)
+                         group_size=config.outer.group_size, mode=config.outer.pairing)
