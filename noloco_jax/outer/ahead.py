@@ -1,0 +1,96 @@
+"""Compile ahead: build the program of a future outer round on a background thread, off the critical path.
+
+With `outer.pairing = "fresh"` on a mesh, every round's grouping is its own program (`ppermute` takes
+its routing at trace time). The grouping of round t+1 is a pure function of (seed, t+1), known long
+before it is needed, so the loop asks for it right after round t and it is lowered and compiled
+(`jit(...).lower(...).compile()`, JAX's ahead-of-time API) while round t+1's H inner steps run. At the
+round boundary the program is normally ready: the loop only waits if the compile took longer than
+the inner steps (the wait is recorded: `stats`, and experiments/bench_pairing.py measures it).
+
+Every process compiles the same programs from the same (seed, round), so a multi-process job stays in
+step without talking. Programs are kept in a small LRU cache (`capacity`, default 4: the current and
+the next round's, plus slack), so a long run does not accumulate thousands of executables; with a
+pooled or single-device program every round has the same key and it is compiled once.
+
+XLA compiles with the GIL released, so the main thread keeps dispatching inner steps; the tracing and
+lowering part holds the GIL for a few milliseconds per program.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Hashable
+
+
+@dataclasses.dataclass
+class Stats:
+  compiles: int = 0  # programs compiled (background or inline)
+  compile_s: list = dataclasses.field(default_factory=list)  # seconds each compile took (lower + compile)
+  waits_s: list = dataclasses.field(default_factory=list)  # seconds each `get` blocked the caller
+  hits: int = 0  # `get`s whose program was already compiled
+
+
+class AheadCompiler:
+  """key -> compiled program, compiled in the background when announced with `prefetch`."""
+
+  def __init__(self, build: Callable[[Hashable], Callable], abstract_args: tuple, capacity: int = 4):
+    """`build(key)` returns a jitted function; `abstract_args` are jax.ShapeDtypeStructs (with shardings)
+    of its arguments, the same for every key."""
+    if capacity < 2:
+      raise ValueError(f"capacity={capacity} must be ≥ 2 (the current and the next program).")
+    self._build, self._args, self._capacity = build, abstract_args, capacity
+    self._futures: collections.OrderedDict[Hashable, concurrent.futures.Future] = collections.OrderedDict()
+    self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead-compile")
+    self._lock = threading.Lock()
+    self.stats = Stats()
+
+  def _compile(self, key: Hashable) -> Any:
+    start = time.perf_counter()
+    compiled = self._build(key).lower(*self._args).compile()
+    with self._lock:
+      self.stats.compiles += 1
+      self.stats.compile_s.append(time.perf_counter() - start)
+    return compiled
+
+  def _evict(self) -> None:
+    # Least recently used first; an entry still compiling is kept (its thread would hold it anyway).
+    while len(self._futures) > self._capacity:
+      for key, future in self._futures.items():
+        if future.done():
+          del self._futures[key]
+          break
+      else:
+        return
+
+  def prefetch(self, key: Hashable) -> None:
+    """Starts compiling `key`'s program in the background, unless it is cached or under way."""
+    with self._lock:
+      if key in self._futures:
+        self._futures.move_to_end(key)
+        return
+      self._futures[key] = self._executor.submit(self._compile, key)
+      self._evict()
+
+  def get(self, key: Hashable) -> Any:
+    """The compiled program of `key`: cached, else waits for its compile (started now if never announced)."""
+    self.prefetch(key)
+    with self._lock:
+      future = self._futures[key]
+      self._futures.move_to_end(key)
+      ready = future.done()
+    start = time.perf_counter()
+    compiled = future.result()  # re-raises a compile error here, on the caller's thread
+    with self._lock:
+      self.stats.waits_s.append(0.0 if ready else time.perf_counter() - start)
+      self.stats.hits += ready
+    return compiled
+
+  def __len__(self) -> int:
+    return len(self._futures)
+
+  def close(self) -> None:
+    self._executor.shutdown(wait=True, cancel_futures=True)
