@@ -15,9 +15,14 @@ def _build(key):
   return jax.jit(lambda x, i: jnp.roll(x, shift) + i)
 
 
+def _lower(x):
+  structs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((), jnp.int32))
+  return lambda key: _build(key).lower(*structs)
+
+
 def test_prefetched_programs_are_ready_and_compute_what_jit_computes():
   x = jnp.arange(6.0)
-  compiler = ahead.AheadCompiler(_build, (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((), jnp.int32)))
+  compiler = ahead.AheadCompiler(_lower(x))
   try:
     compiler.prefetch(1)
     deadline = time.time() + 60
@@ -34,8 +39,7 @@ def test_prefetched_programs_are_ready_and_compute_what_jit_computes():
 
 def test_the_cache_is_bounded_and_keeps_recent_programs():
   x = jnp.zeros(4)
-  compiler = ahead.AheadCompiler(_build, (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((), jnp.int32)),
-                                 capacity=2)
+  compiler = ahead.AheadCompiler(_lower(x), capacity=2)
   try:
     for key in range(5):
       compiler.get(key)
@@ -43,7 +47,7 @@ def test_the_cache_is_bounded_and_keeps_recent_programs():
     compiler.get(4)
     assert compiler.stats.compiles == 5  # 4 was still cached
     with pytest.raises(ValueError, match="capacity"):
-      ahead.AheadCompiler(_build, (), capacity=1)
+      ahead.AheadCompiler(_lower(x), capacity=1)
   finally:
     compiler.close()
 
@@ -51,7 +55,7 @@ def test_the_cache_is_bounded_and_keeps_recent_programs():
 def test_a_compile_error_surfaces_on_the_callers_thread():
   def bad(key):
     return jax.jit(lambda x: x @ x)  # [3] @ [3] is fine, [3, 2] @ [3, 2] is not
-  compiler = ahead.AheadCompiler(bad, (jax.ShapeDtypeStruct((3, 2), jnp.float32),))
+  compiler = ahead.AheadCompiler(lambda key: bad(key).lower(jax.ShapeDtypeStruct((3, 2), jnp.float32)))
   try:
     with pytest.raises(TypeError):
       compiler.get("k")

@@ -5,7 +5,7 @@ What one checkpoint holds (an orbax step directory `workdir/checkpoints/<step>/`
 - `state/`: the whole replica-stacked TrainState (θ, inner optimizer state, φ, δ, step counters),
   saved sharded as it lives on the mesh: each process writes only the shards of its own replicas.
 - `meta/`: JSON written by process 0: step, outer round, cumulative comm bytes, the pairing
-  schedule's parameters (mode, seed, group size, pool size) and the grouping of the next round,
+  schedule's parameters (mode, seed, group size, replicas) and the grouping of the next round,
   the metric history, the host values of training metrics fetched but not yet logged (so a save
   between two log steps still resumes to the same logged means), the shapes of every state leaf
   and the config.
@@ -204,9 +204,7 @@ def _shapes(tree) -> dict[str, list]:
 def _schedule_record(schedule, round_: int) -> dict | None:
   if schedule is None:
     return None
-  return {"mode": schedule.mode, "seed": int(schedule.seed), "group_size": schedule.group_size,
-          "num_replicas": schedule.num_replicas, "pool_size": len(schedule.pool), "round": int(round_),
-          "groups": [list(g) for g in schedule.groups(round_)]}
+  return {**schedule.record(), "round": int(round_), "groups": [list(g) for g in schedule.groups(round_)]}
 
 
 @functools.cache
@@ -409,7 +407,7 @@ class Checkpointer:
     if meta["pairing"] != expected:
       raise IncompatibleCheckpointError(
           f"{where} was saved under another pairing schedule: saved {meta['pairing']}, now {expected}. "
-          "Resume with the same seed and outer.pairing / pairing_pool / group_size.")
+          "Resume with the same seed and outer.pairing / group_size.")
     changed = _config_changes(meta.get("config", {}), json.loads(self._config.to_json_best_effort()))
     if changed:
       logging.warning("resume: the config differs from the checkpoint's in %s; the resumed run is exact "

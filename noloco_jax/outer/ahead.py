@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any, Callable, Hashable
 
+import numpy as np
+
 
 @dataclasses.dataclass
 class Stats:
@@ -37,12 +39,11 @@ class Stats:
 class AheadCompiler:
   """key -> compiled program, compiled in the background when announced with `prefetch`."""
 
-  def __init__(self, build: Callable[[Hashable], Callable], abstract_args: tuple, capacity: int = 4):
-    """`build(key)` returns a jitted function; `abstract_args` are jax.ShapeDtypeStructs (with shardings)
-    of its arguments, the same for every key."""
+  def __init__(self, lower: Callable[[Hashable], Any], capacity: int = 4):
+    """`lower(key)` returns the program lowered for its abstract arguments (`jit(f).lower(*structs)`)."""
     if capacity < 2:
       raise ValueError(f"capacity={capacity} must be ≥ 2 (the current and the next program).")
-    self._build, self._args, self._capacity = build, abstract_args, capacity
+    self._lower, self._capacity = lower, capacity
     self._futures: collections.OrderedDict[Hashable, concurrent.futures.Future] = collections.OrderedDict()
     self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead-compile")
     self._lock = threading.Lock()
@@ -50,7 +51,7 @@ class AheadCompiler:
 
   def _compile(self, key: Hashable) -> Any:
     start = time.perf_counter()
-    compiled = self._build(key).lower(*self._args).compile()
+    compiled = self._lower(key).compile()
     with self._lock:
       self.stats.compiles += 1
       self.stats.compile_s.append(time.perf_counter() - start)
@@ -94,3 +95,44 @@ class AheadCompiler:
 
   def close(self) -> None:
     self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+class RoundPrograms:
+  """The compiled program and the route of each outer round, each compiled one round ahead.
+
+  `build(key)` is the jitted round function of a program key (pairing.PairingSchedule.plan; a method
+  without pairing has the single key ((),)); `abstract_state` the state's ShapeDtypeStructs with
+  their shardings; `route_sharding` where the route argument lives (replicated over the mesh).
+  """
+
+  def __init__(self, build: Callable[[Hashable], Callable], abstract_state: Any, schedule, num_devices: int,
+               route_sharding, capacity: int = 4):
+    import jax  # pylint: disable=g-import-not-at-top (keeps the module importable for the pure cache tests)
+    self._schedule, self._num_devices, self._route_sharding = schedule, num_devices, route_sharding
+
+    def lower(key):
+      # Mesh programs take the pool index (a scalar); the one-device program the [n−1, N] source table.
+      shape = () if key is not None else (schedule.group_size - 1, schedule.num_replicas)
+      route = jax.ShapeDtypeStruct(shape, np.int32, sharding=route_sharding)
+      return build(key).lower(abstract_state, route)
+
+    self.compiler = AheadCompiler(lower, capacity=capacity)
+
+  def _plan(self, round_: int):
+    if self._schedule is None:
+      return ((),), np.asarray(0, np.int32)
+    return self._schedule.plan(round_, self._num_devices)
+
+  def prefetch(self, round_: int) -> None:
+    """Announces round `round_`: its program compiles in the background if it is not cached."""
+    self.compiler.prefetch(self._plan(round_)[0])
+
+  def program(self, round_: int) -> tuple[Callable, np.ndarray]:
+    """(compiled round function, route) for round `round_`; announces round_ + 1 before returning."""
+    key, route = self._plan(round_)
+    compiled = self.compiler.get(key)
+    self.prefetch(round_ + 1)
+    return compiled, route
+
+  def close(self) -> None:
+    self.compiler.close()

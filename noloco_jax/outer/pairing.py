@@ -104,6 +104,19 @@ class PairingSchedule:
       return groups_from_permutation(random_permutation(self.seed, round_, self.num_replicas), self.group_size)
     return self.pool[self.index(round_)]
 
+  def plan(self, round_: int, num_devices: int) -> tuple[tuple[Groups, ...] | None, np.ndarray]:
+    """(program key, route) of round `round_`: the groupings its compiled program covers, and its data.
+
+    One device: key None, route = the [n−1, N] source table (the grouping as data, one program for
+    every round and mode). A mesh: `fresh` is one program per grouping (route 0); `round_robin` and
+    `fixed` one program for their pool, route = the pool index (a traced `lax.switch`).
+    """
+    if num_devices == 1:
+      return None, source_table(self.groups(round_))
+    if self.mode == "fresh":
+      return (self.groups(round_),), np.asarray(0, np.int32)
+    return self.pool, np.asarray(self.index(round_), np.int32)
+
   def record(self) -> dict:
     """The schedule's parameters, for logs and checkpoint metadata."""
     return {"mode": self.mode, "seed": int(self.seed), "group_size": self.group_size,

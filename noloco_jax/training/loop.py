@@ -29,6 +29,7 @@ from noloco_jax.training import inner
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.models import llama as model_lib
+from noloco_jax.outer import ahead as ahead_lib
 from noloco_jax.outer import methods as outer_lib
 from noloco_jax.parallel import pipeline
 from noloco_jax.parallel import sharding as sharding_lib
@@ -58,17 +59,24 @@ class Setup:
   state_shardings: Any = None
   _rounds: dict = dataclasses.field(default_factory=dict)
 
-  def outer_round(self, round_: int) -> tuple[Callable, int]:
-    """(jitted round function, pool index) for round `round_`. `fresh` pairings compile once each."""
+  def outer_round(self, round_: int) -> tuple[Callable, np.ndarray]:
+    """(jitted round function, route) for round `round_` (pairing.PairingSchedule.plan), compiled on first
+    use. The training loop uses `round_programs` instead, which compiles each one a round ahead."""
+    key, route = self._plan(round_)
+    if key not in self._rounds:
+      self._rounds[key] = make_round_fn(self.method, self.mesh, key, self.state_shardings)
+    return self._rounds[key], route
+
+  def _plan(self, round_: int):
     if self.schedule is None:
-      pool, index = ((),), 0
-    elif self.schedule.mode == "fresh":
-      pool, index = (self.schedule.groups(round_),), 0
-    else:
-      pool, index = self.schedule.pool, self.schedule.index(round_)
-    if pool not in self._rounds:
-      self._rounds[pool] = make_round_fn(self.method, self.mesh, pool, self.state_shardings)
-    return self._rounds[pool], index
+      return ((),), np.asarray(0, np.int32)
+    return self.schedule.plan(round_, self.mesh.shape[REPLICA])
+
+  def round_programs(self, state: TrainState) -> ahead_lib.RoundPrograms:
+    """The rounds' programs, each compiled in the background while the previous round's inner steps run."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    return ahead_lib.RoundPrograms(lambda key: make_round_fn(self.method, self.mesh, key, self.state_shardings),
+                                   abstract, self.schedule, self.mesh.shape[REPLICA], mesh_lib.replicated(self.mesh))
 
   @property
   def num_replicas(self) -> int:
@@ -77,19 +85,19 @@ class Setup:
 
 def make_round_fn(method: outer_lib.OuterMethod, mesh, pool, state_shardings=None) -> Callable:
   round_local = method.make_round(pool, mesh.shape[REPLICA])
-  # The pool index is replicated (every replica runs the same branch); states and per-replica
-  # metrics stay sharded over `replica`.
+  # The route (pool index or source table) is replicated (every replica runs the same branch and
+  # reads the same table); states and per-replica metrics stay sharded over `replica`.
   sharded = mesh_lib.replica_map(round_local, mesh, in_specs=(P(REPLICA), P()), out_specs=(P(REPLICA), P(REPLICA)))
   if state_shardings is None:
     return jax.jit(sharded, donate_argnums=0)
   home = state_shardings.outer
   device = sharding_lib.on_device(home)
 
-  def round_fn(state: TrainState, pool_index):
+  def round_fn(state: TrainState, route):
     # φ and δ may live in host memory between rounds (outer.offload): bring them to the device for the
     # round's arithmetic and send the new ones back. Without offload both puts are no-ops.
     state = state.replace(outer=jax.device_put(state.outer, device))
-    state, metrics = sharded(state, pool_index)
+    state, metrics = sharded(state, route)
     return state.replace(outer=jax.device_put(state.outer, home)), metrics
 
   # Explicit out_shardings: the state leaves the round laid out exactly as it came in (fsdp split
@@ -111,8 +119,8 @@ def with_state_dtype(method: outer_lib.OuterMethod, dtype: str) -> outer_lib.Out
   def make_round(pool, num_devices):
     round_local = method.make_round(pool, num_devices)
 
-    def round_fn(states, pool_index):
-      new, metrics = round_local(states, pool_index)
+    def round_fn(states, route):
+      new, metrics = round_local(states, route)
       return jax.tree.map(lambda x, old: x.astype(old.dtype), new, states), metrics
     return round_fn
 
@@ -272,6 +280,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     pending_steps, pending_metrics, pending_round = resume.pending
   last_log_time, last_log_step = time.time(), first_step - 1
   guard = checkpoint_lib.RoundGuard(config, mesh)  # active only with nan_policy="skip_round"
+  # Round t's program compiles in the background during round t's inner steps (outer/ahead.py).
+  round_programs = setup.round_programs(state) if setup.method.has_rounds else None
+  if round_programs is not None:
+    round_programs.prefetch(round_)
 
   if resume is None:
     scalars = evaluate(setup, state, eval_batches)  # step 0: the untrained baseline
@@ -289,13 +301,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       pending_metrics.append(step_metrics)  # device arrays: fetched only when logging
 
       if setup.method.has_rounds and step % H == 0:
-        round_fn, pool_index = setup.outer_round(round_)
-        state, round_metrics = round_fn(state, jnp.int32(pool_index))
+        round_fn, route = round_programs.program(round_)  # also starts compiling round_ + 1's
+        state, round_metrics = round_fn(state, route)
         comm_bytes += bytes_per_round
         pending_round.append((round_metrics, setup.weight_std(state.params)))
         if pairing_log is not None:
-          pairing_log.write(json.dumps({"round": round_, "step": step, "pool_index": pool_index,
-                                        "groups": [list(g) for g in setup.schedule.groups(round_)]}) + "\n")
+          row = {"round": round_, "step": step, "groups": [list(g) for g in setup.schedule.groups(round_)]}
+          if setup.schedule.mode == "round_robin":
+            row["matching"] = setup.schedule.index(round_)
+          pairing_log.write(json.dumps(row) + "\n")
         round_ += 1
       state = guard.end(step, state, history)
       report(step)
@@ -342,6 +356,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         logging.warning("Stop requested: saved a checkpoint at step %d; run the same command to resume.", step)
         break
   except BaseException:
+    if round_programs is not None:
+      round_programs.close()
     # Leave no prefetch thread or open writer behind an error (e.g. a NaN stop in a notebook), and
     # flush the metrics written so far. The checkpointer is not closed here: in a multi-process job
     # its close waits for the other processes, which may be the ones that failed.
@@ -350,6 +366,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       writer.close()
     raise
 
+  if round_programs is not None:
+    round_programs.close()
   checkpointer.close()  # the last (asynchronous) save is complete before the run reports
   writer.flush()
   train_iter.close()
