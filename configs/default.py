@@ -123,6 +123,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.outer.momentum = 0.5  # alpha (NoLoCo reference 0.5; DiLoCo reference 0.3).
   config.outer.lr = 0.7  # beta: outer learning rate.
   config.outer.gamma = 0.7  # gamma: pull towards the group's mean slow weights (NoLoCo only).
+  # Validation refuses an (alpha, gamma) whose cross-replica spread is mean-square unstable for this
+  # update (docs/stability.md); True runs it anyway, with a warning (e.g. to study the divergence).
+  config.outer.allow_unstable = False
   config.outer.nesterov = False  # DiLoCo only: Nesterov (original DiLoCo) instead of heavy-ball (reference).
   config.outer.message_dtype = "float32"  # float32 | bfloat16: dtype of the exchanged tensor.
   # Storage dtype of the outer state (φ, δ; DiLoCo's φ and momentum): "" = the parameters' dtype,
@@ -138,7 +141,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   #                 every pair meets equally often, but only N-1 matchings occur (group_size 2 only);
   #   fixed       = the same grouping every round (ablation).
   config.outer.pairing = "fresh"
-  config.outer.pairing_pool = 32
 
   # ---- Pipeline parallelism (see noloco_jax/parallel/pipeline.py and routing.py) ----
   # S: stages per replica (the `stage` mesh axis; the job uses num_devices × num_stages × fsdp devices).
@@ -149,7 +151,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # micro-batch and boundary (NoLoCo's implicit mixing); "fixed" = its own replica. Eval always uses fixed.
   config.pipeline.routing = "random"
   config.pipeline.microbatches = 0  # M micro-batches per step (must divide batch_size); 0 = one sequence each.
-  config.pipeline.route_pool = 16  # K permutations drawn from the seed, picked per crossing by a traced index.
   config.pipeline.clip = "per_stage"  # grad_clip per stage (reference) | "global" (whole replica, as without stages).
 
   if arg:

@@ -8,13 +8,13 @@ that a typo (`--config.outer.momentun=0.9`) can never be silently ignored.
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 import ml_collections
 
 from noloco_jax.models import llama as model_lib
 from noloco_jax.outer.methods import KINDS, MESSAGE_DTYPES
+from noloco_jax.outer import stability
 from noloco_jax.outer.pairing import MODES
 from noloco_jax.parallel.pipeline import CLIPS
 from noloco_jax.parallel.routing import ROUTINGS
@@ -26,9 +26,9 @@ _MODEL = {"preset", "d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size
 _INNER = {"optimizer", "lr", "warmup_steps", "min_lr_ratio", "b1", "b2", "eps", "weight_decay", "grad_clip",
           "microbatches"}
 _OUTER = {"kind", "inner_steps", "group_size", "momentum", "lr", "gamma", "nesterov", "message_dtype",
-          "pairing", "pairing_pool", "state_dtype", "offload"}
+          "pairing", "state_dtype", "offload", "allow_unstable"}
 _CHECKPOINT = {"keep", "warm_start", "async_save"}
-_PIPELINE = {"routing", "microbatches", "route_pool", "clip"}
+_PIPELINE = {"routing", "microbatches", "clip"}
 NAN_POLICIES = ("error", "skip_round")
 # Sections owned by other modules validate their own keys (data: noloco_jax.io.data.validate).
 _SECTIONS = {"": _TOP, "model": _MODEL, "inner": _INNER, "outer": _OUTER, "checkpoint": _CHECKPOINT,
@@ -64,11 +64,6 @@ def _positive(config, field: str, allow_zero: bool = False):
     _fail(field, value, f"an integer {'≥ 0' if allow_zero else '≥ 1'}")
 
 
-def stability_interval(alpha: float, n: int) -> tuple[float, float]:
-  """The paper's bound on γ for bounded cross-replica variance: √(n/(2(n−1)))·α < γ < √(n(2+α²)/(2(n−1)))."""
-  return math.sqrt(n / (2 * (n - 1))) * alpha, math.sqrt(n * (2 + alpha ** 2) / (2 * (n - 1)))
-
-
 def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
   """num_stages and config.pipeline (pipeline.py, routing.py)."""
   _positive(config, "num_stages")
@@ -77,7 +72,6 @@ def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
     _fail("pipeline.routing", p.routing, f"one of {ROUTINGS}")
   if p.clip not in CLIPS:
     _fail("pipeline.clip", p.clip, f"one of {CLIPS}")
-  _positive(config, "pipeline.route_pool")
   _positive(config, "pipeline.microbatches", allow_zero=True)
   if p.microbatches and config.data.batch_size % p.microbatches:
     _fail("pipeline.microbatches", p.microbatches,
@@ -88,7 +82,7 @@ def _validate_pipeline(config: ml_collections.ConfigDict) -> None:
 
 
 def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset()) -> None:
-  """Raises ConfigError on the first invalid field; warns when γ is outside the stability bound."""
+  """Raises ConfigError on the first invalid field, and on an unstable NoLoCo (α, γ) unless allowed."""
   check_known_fields(config, extra_top)
   for field in ("num_steps", "num_replicas"):
     _positive(config, field)
@@ -167,7 +161,6 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
     _fail("outer.message_dtype", o.message_dtype, f"one of {sorted(MESSAGE_DTYPES)}")
   if o.pairing not in MODES:
     _fail("outer.pairing", o.pairing, f"one of {MODES}")
-  _positive(config, "outer.pairing_pool")
   if o.state_dtype not in ("",) + tuple(model_lib.DTYPES):
     _fail("outer.state_dtype", o.state_dtype, f"'' (the parameters' dtype) or one of {sorted(model_lib.DTYPES)}")
   if not isinstance(o.offload, bool):
@@ -193,10 +186,16 @@ def validate(config: ml_collections.ConfigDict, extra_top: frozenset = frozenset
   if o.kind == "noloco":
     if o.gamma <= 0:
       _fail("outer.gamma", o.gamma, "a number > 0")
-    low, high = stability_interval(o.momentum, o.group_size)
-    if not low < o.gamma < high:
-      logging.warning(
-          "outer.gamma=%g lies outside the stability bound of the NoLoCo paper (noisy quadratic model): "
-          "sqrt(n/(2(n-1)))*alpha < gamma < sqrt(n(2+alpha^2)/(2(n-1))), i.e. %.3f < gamma < %.3f for "
-          "n=%d, alpha=%g. The spread of weights across replicas may grow without bound.",
-          o.gamma, low, high, o.group_size, o.momentum)
+    if not isinstance(o.allow_unstable, bool):
+      _fail("outer.allow_unstable", o.allow_unstable, "True or False")
+    # The exact mean-square stability of the spread for this update (outer/stability.py), not the
+    # paper's interval, which is accurate only near α ≈ 0.5.
+    problem = stability.instability(o.momentum, o.gamma, o.group_size, config.num_replicas)
+    if problem and not o.allow_unstable:
+      raise ConfigError(f"config.outer.gamma={o.gamma!r} is not valid: {problem}. Lower γ or α, or set "
+                        "outer.allow_unstable=True to run it anyway.")
+    if problem:
+      logging.warning("outer.allow_unstable=True: %s.", problem)
+    if o.pairing == "round_robin" and o.group_size != 2:
+      _fail("outer.pairing", o.pairing, f"'fresh' or 'fixed' with group_size={o.group_size} ('round_robin' pairs "
+            "replicas: group_size 2 only)")

@@ -66,12 +66,10 @@ BAD_VALUES = [
     ("outer.gamma", 0.0, "> 0"),
     ("outer.message_dtype", "int8", "bfloat16"),
     ("outer.pairing", "random", "fresh"),
-    ("outer.pairing_pool", 0, "≥ 1"),
     ("outer.state_dtype", "float16", "bfloat16"),
     # Pipeline stages.
     ("pipeline.routing", "x", "random"),
     ("pipeline.clip", "x", "per_stage"),
-    ("pipeline.route_pool", 0, "≥ 1"),
     ("pipeline.microbatches", -1, "≥ 0"),
     ("pipeline.microbatches", 3, "divisor of data.batch_size=2"),
     # Data (validated by noloco_jax.io.data, called from build before anything is compiled).
@@ -180,13 +178,26 @@ def test_skip_round_needs_checkpoints_at_round_ends():
   config_lib.validate(config)
 
 
-def test_gamma_outside_the_stability_bound_warns(caplog):
-  config = smoke()  # n = 2, α = 0.5: the bound is 0.5 < γ < 1.5
+def test_an_unstable_gamma_is_refused_unless_allowed(caplog):
+  """The issue's examples: α = 0.9, γ = 1.2 (inside the paper's interval) diverges; γ = 0.3 is fine."""
+  config = smoke()
+  config.outer.momentum, config.outer.gamma = 0.9, 0.3  # outside the paper's interval, stable
   with caplog.at_level(logging.WARNING):
     config_lib.validate(config)
-  assert not [r for r in caplog.records if "stability bound" in r.getMessage()]
-  config.outer.gamma = 2.0
+  assert not [r for r in caplog.records if "unstable" in r.getMessage()]
+  config.outer.gamma = 1.2
+  with pytest.raises(config_lib.ConfigError, match=r"outer.gamma=1.2 .*grows by 11.4% per round") as error:
+    config_lib.validate(config)
+  assert "outer.allow_unstable=True" in str(error.value) and "\n" not in str(error.value)
+  config.outer.allow_unstable = True
   with caplog.at_level(logging.WARNING):
     config_lib.validate(config)
-  warnings = [r.getMessage() for r in caplog.records if "stability bound" in r.getMessage()]
-  assert len(warnings) == 1 and "outer.gamma=2" in warnings[0] and "1.500" in warnings[0], warnings
+  warnings = [r.getMessage() for r in caplog.records if "unstable" in r.getMessage()]
+  assert len(warnings) == 1 and "11.4% per round" in warnings[0], warnings
+
+
+def test_round_robin_needs_pairs():
+  config = smoke()
+  config.outer.pairing, config.outer.group_size = "round_robin", 4
+  with pytest.raises(config_lib.ConfigError, match="outer.pairing='round_robin'.*group_size 2 only"):
+    config_lib.validate(config)

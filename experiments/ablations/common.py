@@ -21,6 +21,7 @@ if REPO not in sys.path:
 
 from noloco_jax.tools import experiment  # noqa: E402
 from noloco_jax import config as config_lib  # noqa: E402
+from noloco_jax.outer import stability  # noqa: E402
 
 experiment.enable_compile_cache()
 SMOKE = experiment.smoke_from_env()

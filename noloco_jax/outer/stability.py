@@ -93,3 +93,16 @@ def paper_interval(alpha: float, group_size: int) -> tuple[float, float]:
   """The NoLoCo paper's bound (noisy quadratic model): √(n/(2(n−1)))·α < γ < √(n(2+α²)/(2(n−1)))."""
   n = group_size
   return math.sqrt(n / (2 * (n - 1))) * alpha, math.sqrt(n * (2 + alpha ** 2) / (2 * (n - 1)))
+
+
+def instability(alpha: float, gamma: float, group_size: int, num_replicas: int) -> str | None:
+  """None if the spread is mean-square stable (λ = 0), else one line saying why, for config validation."""
+  rho = spectral_radius(alpha, gamma, group_size, num_replicas)
+  if rho < 1:
+    return None
+  low, high = paper_interval(alpha, group_size)
+  inside = "inside" if low < gamma < high else "outside"
+  return (f"with outer.momentum={alpha:g} (α), outer.gamma={gamma:g} (γ), group_size={group_size}, "
+          f"num_replicas={num_replicas} the cross-replica weight spread is unstable: it grows by "
+          f"{100 * (math.sqrt(rho) - 1):.1f}% per round (spectral radius {rho:.3f} ≥ 1; docs/stability.md; "
+          f"the paper's interval {low:.3f} < γ < {high:.3f}, which γ is {inside}, does not apply here)")
