@@ -8,7 +8,9 @@ the outer step) on N fake CPU devices, one replica each, and measures per round:
   round_s   wall time of the round: H inner steps plus the outer step, device work included;
   stall_s   time the round boundary blocked waiting for its compiled program (RoundPrograms' record);
             with --mode=fresh_inline (no compile ahead: each new grouping compiled when first called)
-            it is the compile on the critical path instead.
+            it is the compile on the critical path instead;
+  boundary_s  the whole host call that hands out the round's program (drawing the grouping, the cache
+            look-up, the wait if any, announcing the next round): the stall plus its bookkeeping.
 
 and prints one JSON object (--json) with, per mode, stall/round fractions over the steady rounds (every
 round but the first: round 0's boundary also waits for the inner step's own first compile). Modes:
@@ -72,7 +74,7 @@ def run_mode(mode: str, args) -> dict:
   programs = setup.round_programs(state) if mode != "fresh_inline" else None
   if programs is not None:
     programs.prefetch(0)
-  rounds, stalls = [], []
+  rounds, stalls, boundaries = [], [], []
   try:
     for round_ in range(args.rounds):
       start = time.perf_counter()
@@ -80,7 +82,9 @@ def run_mode(mode: str, args) -> dict:
         state, metrics = setup.inner_step(state, batches[step % len(batches)])
       if programs is not None:
         waits_before = len(programs.compiler.stats.waits_s)
+        t0 = time.perf_counter()
         round_fn, route = programs.program(round_)
+        boundaries.append(time.perf_counter() - t0)
         stall = programs.compiler.stats.waits_s[waits_before]
       else:  # compiled when first called, on the critical path (after the inner steps have finished)
         jax.block_until_ready(metrics)
@@ -88,6 +92,7 @@ def run_mode(mode: str, args) -> dict:
         jitted, route = setup.outer_round(round_)
         round_fn = jitted.lower(state, route).compile()
         stall = time.perf_counter() - t0
+        boundaries.append(stall)
       state, round_metrics = round_fn(state, route)
       jax.block_until_ready((state, round_metrics))
       rounds.append(time.perf_counter() - start)
@@ -100,11 +105,13 @@ def run_mode(mode: str, args) -> dict:
   return {
       "round_s": [round(x, 4) for x in rounds],
       "stall_s": [round(x, 4) for x in stalls],
+      "boundary_s": [round(x, 5) for x in boundaries],
       "compile_s": [round(x, 4) for x in compile_s],
       "steady_mean_round_s": float(np.mean(rounds[steady])),
       "steady_mean_stall_s": float(np.mean(stalls[steady])),
       "steady_max_stall_s": float(np.max(stalls[steady])),
       "steady_stall_fraction": float(np.sum(stalls[steady]) / np.sum(rounds[steady])),
+      "steady_boundary_fraction": float(np.sum(boundaries[steady]) / np.sum(rounds[steady])),
       "first_round_stall_s": float(stalls[0]),
   }
 
@@ -126,7 +133,8 @@ def main(argv=None):
     if not args.json:
       m = result["modes"][mode]
       print(f"{mode:13s} round {m['steady_mean_round_s']:.3f} s  stall mean {m['steady_mean_stall_s'] * 1e3:.1f} ms "
-            f"max {m['steady_max_stall_s'] * 1e3:.1f} ms  stall/round {100 * m['steady_stall_fraction']:.2f}%")
+            f"max {m['steady_max_stall_s'] * 1e3:.1f} ms  stall/round {100 * m['steady_stall_fraction']:.2f}%  "
+            f"boundary/round {100 * m['steady_boundary_fraction']:.3f}%")
   if args.json:
     print(json.dumps(result))
 
