@@ -17,8 +17,10 @@ those of parallel/permutations.py). The modes of `PairingSchedule`:
   1/(N−1), as under `fresh`. What it does NOT randomise: only N−1 of the (N−1)!! = 1·3·…·(N−1)
   matchings ever occur (7 of 105 for N = 8), so a round repeats the previous one with probability
   1/(N−1) instead of 1/(N−1)!!, and given one pair of a round the other pairs are determined (which
-  pairs meet *together* is fixed for the run). Means over one round (e.g. the expected shrink of the
-  spread in one gossip round) equal `fresh`'s; statistics over several rounds need not.
+  pairs meet *together* is fixed for the run). Whatever depends only on each round's pair
+  probabilities is exactly `fresh`'s: E[A] for the averaging matrix A, hence the mean-square shrink of
+  the spread under pure gossip, (N − n)/(n(N − 1)) every round. Joint statistics (which pairs meet in
+  the same round, repeats, the higher moments of the spread, NoLoCo's momentum terms) are not.
 - `fixed`: grouping 0 of `fresh` every round (the "no re-pairing" ablation).
 """
 
