@@ -122,7 +122,8 @@ def main(argv=None):
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   sys.path.insert(0, ROOT)
   from configs import default  # pylint: disable=g-import-not-at-top
-  base = default.get_config()
+  from noloco_jax.tools import experiment  # pylint: disable=g-import-not-at-top
+  base = experiment.apply_overrides(default.get_config(), args.set)
   result = {"replicas": base.num_replicas, "group_size": base.outer.group_size,
             "inner_steps": base.outer.inner_steps, "preset": args.preset, "overrides": args.set,
             "rounds": args.rounds, "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0], "modes": {}}
