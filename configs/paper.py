@@ -53,6 +53,7 @@ for medium and large, and for large φ and δ in pinned host memory between roun
 
 import ml_collections
 
+from noloco_jax.outer.paper import paper_outer
 from noloco_jax.tools import config_files
 
 # The rows of PAPER.md section 3: (model, GPUs, DP, PP).
@@ -79,12 +80,8 @@ SIZES = {
     "medium": dict(lr=2e-4, batch_tokens=2 ** 20, remat=True, device_seqs=8, offload=False),
     "large": dict(lr=1.2e-4, batch_tokens=2 ** 21, remat=True, device_seqs=4, offload=True),
 }
-# The outer step of each method (PAPER.md section 2; heavy-ball momentum for both, as the reference).
-OUTER = {
-    "noloco": dict(kind="noloco", inner_steps=50, group_size=2, momentum=0.5, lr=0.7, gamma=0.7),
-    "diloco": dict(kind="diloco", inner_steps=100, momentum=0.3, lr=0.7, nesterov=False),
-    "ddp": dict(kind="ddp"),
-}
+# The outer step of each method: the paper's, from noloco_jax/outer/paper.py (heavy-ball momentum for both).
+OUTER = {method: paper_outer(method) for method in METHODS}
 # Vocabularies: the reference model's 128,002 ids for Reddit (Llama-3 ids up to <|end_of_text|>); the
 # Llama-3 tokenizer with its 256 added special tokens (128,256) for C4, which is what it reports.
 VOCAB = {"c4": 128_256, "reddit": 128_002}
@@ -140,14 +137,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.num_steps = 25_000
   config.num_replicas = o["dp"]
   config.num_devices = 0  # every replica group on its own devices: DP groups of GPUs / DP devices
-  if "num_stages" in config and o["pp_as"] == "stages":  # PP = pipeline stages, as in the paper
+  if o["pp_as"] == "stages":  # PP = pipeline stages, as in the paper
     config.num_stages = o["pp"]
     config.fsdp = o["gpus"] // (o["dp"] * o["pp"])
-  else:  # pp_as=fsdp (or no pipeline axis): a replica's GPUs / DP devices all go to fsdp
-    if "num_stages" in config:
-      config.num_stages = 1
+  else:  # pp_as=fsdp: a replica's GPUs / DP devices all go to fsdp
+    config.num_stages = 1
     config.fsdp = o["gpus"] // o["dp"]
-  stages = config.get("num_stages", 1)
+  stages = config.num_stages
 
   config.model.preset = o["model"]
   config.model.vocab_size = VOCAB[o["data"]]
@@ -192,7 +188,7 @@ def _shrink(config: ml_collections.ConfigDict) -> None:
   config.checkpoint_every = 0
   config.outer.inner_steps = 3
   config.inner.warmup_steps = 2
-  config.model.update(d_model=32, num_layers=config.get("num_stages", 1), num_heads=2, mlp_dim=64, vocab_size=0)
+  config.model.update(d_model=32, num_layers=config.num_stages, num_heads=2, mlp_dim=64, vocab_size=0)
   config.inner.microbatches = 1
   config.outer.offload = False
   config.data.update(source="stdlib", tokenizer="bytes", mode="", path="", hf_tokenizer="", train_files="",

@@ -60,18 +60,17 @@ def main(argv):
   from noloco_jax.io import checkpoint  # pylint: disable=g-import-not-at-top
   from noloco_jax.io import data  # pylint: disable=g-import-not-at-top
   from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from noloco_jax.models import llama as model_lib  # pylint: disable=g-import-not-at-top
-  from noloco_jax.training import loop as train  # pylint: disable=g-import-not-at-top
+  from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.training.loop_state import LoopState  # pylint: disable=g-import-not-at-top
 
   config = _CONFIG.value
-  setup = train.build(config)
+  setup = build_lib.build(config)
   state = _like_trained(setup.init_state())
   train_iter = data.make_train_iterator(
       config.data, seed=config.seed, replica_ids=mesh_lib.local_replica_ids(setup.mesh, config.num_replicas),
-      num_replicas=config.num_replicas, vocab_size=setup.model_config.vocab_size)
-  empty = checkpoint.pending_to_host([], [], [])
+      num_replicas=config.num_replicas, vocab_size=setup.model.vocab_size)
   out = {"replicas": config.num_replicas, "devices": int(setup.mesh.devices.size), "backend": jax.default_backend(),
-         "model": config.model.preset, "params_per_replica": model_lib.num_params(setup.model_config),
+         "model": config.model.preset, "params_per_replica": setup.model.num_params(),
          "state_bytes": sum(x.nbytes for x in jax.tree.leaves(state))}
 
   for mode in ("async", "sync"):
@@ -81,7 +80,7 @@ def main(argv):
       blocking, total = [], []
       for step in range(1, _SAVES.value + 1):
         start = time.perf_counter()
-        ckpt.save(step, state, train_iter, round_=0, comm_bytes=0, history={"eval": []}, pending=empty)
+        ckpt.save(step, state, LoopState(step=step), train_iter)
         blocking.append(time.perf_counter() - start)
         ckpt.wait_until_finished()
         total.append(time.perf_counter() - start)
@@ -93,7 +92,8 @@ def main(argv):
       else:
         out["save_sync_s"] = statistics.median(total)
         start = time.perf_counter()
-        restored, resume = checkpoint.Checkpointer(setup, workdir).restore(jax.eval_shape(setup.init_state), train_iter)
+        restored, resume = checkpoint.Checkpointer(setup, workdir).restore(jax.eval_shape(setup.init_state), train_iter,
+                                                                           LoopState())
         jax.block_until_ready(restored)
         out["restore_s"] = time.perf_counter() - start
         assert resume.step == _SAVES.value

@@ -39,21 +39,21 @@ def main(argv=None):
   import numpy as np
   from configs import default
   from noloco_jax.tools import experiment
-  from noloco_jax.training import inner
+  from noloco_jax.inner import step as inner
   from noloco_jax.parallel import mesh as mesh_lib
-  from noloco_jax.models import llama as model_lib
-  from noloco_jax.training import loop as train
+  from noloco_jax.parallel import sharding as sharding_lib
+  from noloco_jax.training import build as build_lib
 
   cfg = default.get_config(args.config_arg or None)
   cfg.num_replicas = args.replicas
   cfg.outer.kind = "none"  # only the inner step is measured
   experiment.apply_overrides(cfg, args.set)
 
-  setup = train.build(cfg, vocab_size=257)
+  setup = build_lib.build(cfg, vocab_size=257)
   n = cfg.num_replicas
   rng = np.random.default_rng(0)
   batches = rng.integers(0, 257, size=(n, cfg.data.batch_size, cfg.data.seq_len + 1)).astype(np.int32)
-  global_batch = mesh_lib.global_array(setup.mesh, batches, n)
+  global_batch = sharding_lib.global_array(setup.mesh, batches, n)
   state = setup.init_state()
 
   optimizer = inner.make_optimizer(cfg.inner, cfg.num_steps)
@@ -100,7 +100,7 @@ def main(argv=None):
       "devices": int(setup.mesh.devices.size),
       "platform": jax.devices()[0].platform,
       "model": cfg.model.preset,
-      "num_params": model_lib.num_params(setup.model_config),
+      "num_params": setup.model.num_params(),
       "batch_per_replica": cfg.data.batch_size,
       "seq_len": cfg.data.seq_len,
       "mapped_step_s": statistics.median(mapped_s),

@@ -77,8 +77,7 @@ def _worker(args) -> None:
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from noloco_jax.tools import hlo as hlo_lib
   from noloco_jax.parallel import mesh as mesh_lib
-  from noloco_jax.models import llama as model_lib
-  from noloco_jax.training import loop as train  # pylint: disable=g-import-not-at-top
+  from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.outer import methods as outer_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.parallel.mesh import REPLICA  # pylint: disable=g-import-not-at-top
   from noloco_jax.outer import exchange  # pylint: disable=g-import-not-at-top
@@ -103,7 +102,7 @@ def _worker(args) -> None:
   n = cfg.num_replicas
   for kind in ("noloco", "diloco"):
     cfg.outer.kind = kind
-    setup = train.build(cfg, vocab_size=257)
+    setup = build_lib.build(cfg, vocab_size=257)
     state = setup.init_state()
     round_fn, index = setup.outer_round(0)
     index = jnp.int32(index)
@@ -116,7 +115,7 @@ def _worker(args) -> None:
     del state
 
   mesh, num_devices = setup.mesh, setup.mesh.shape[REPLICA]
-  num_params = model_lib.num_params(setup.model_config)
+  num_params = setup.model.num_params()
   params = jax.jit(lambda: jax.tree.map(lambda x: jnp.ones(x.shape, jnp.float32), setup.init_state().params),
                    out_shardings=mesh_lib.replica_sharding(mesh))()
   groups = outer_lib.make_schedule(cfg).groups(0)

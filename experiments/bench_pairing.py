@@ -55,23 +55,23 @@ def run_mode(mode: str, args) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from configs import default  # pylint: disable=g-import-not-at-top
-  from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.parallel import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.tools import experiment  # pylint: disable=g-import-not-at-top
-  from noloco_jax.training import loop as train  # pylint: disable=g-import-not-at-top
+  from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
 
   cfg = default.get_config()
   cfg.model.preset = args.preset
   cfg.outer.pairing = "round_robin" if mode == "round_robin" else "fresh"
   cfg = experiment.apply_overrides(cfg, args.set)
   vocab = 257
-  setup = train.build(cfg, vocab_size=vocab)
+  setup = build_lib.build(cfg, vocab_size=vocab)
   N, H = cfg.num_replicas, cfg.outer.inner_steps
   state = setup.init_state()
   rng = np.random.default_rng(0)
-  batches = [mesh_lib.global_array(setup.mesh, rng.integers(0, vocab, size=(N, cfg.data.batch_size,
+  batches = [sharding_lib.global_array(setup.mesh, rng.integers(0, vocab, size=(N, cfg.data.batch_size,
                                                                                 cfg.data.seq_len + 1)).astype(np.int32), N)
              for _ in range(4)]
-  programs = setup.round_programs(state) if mode != "fresh_inline" else None
+  programs = setup.rounds.ahead(state) if mode != "fresh_inline" else None
   if programs is not None:
     programs.prefetch(0)
   rounds, stalls, boundaries = [], [], []

@@ -12,7 +12,7 @@ every device shares the same cores (the bubble slots still compute, on ignored v
 
 Routing ablation (`--ablation`, PAPER.md section 1): no outer steps (outer.kind=none), 2 stages ×
 4 replicas, the same steps with routing random and fixed; reports the cross-replica weight std and
-the validation loss of each (through train.train_and_evaluate, so the figures are the trainer's own).
+the validation loss of each (through training.train_and_evaluate, so the figures are the trainer's own).
 
     python experiments/bench_pipeline.py --ablation --json --steps=200
 """
@@ -39,7 +39,7 @@ def _apply_overrides(cfg, items):
     node[leaf] = (value == "True") if isinstance(old, bool) else type(old)(value)
 
 
-def throughput(args, default, train, mesh_lib, model_lib, pipeline):
+def throughput(args, default, build_lib, sharding_lib, pipeline):
   import jax
   import numpy as np
   stage_counts = [int(s) for s in args.stages.split(",")]
@@ -52,10 +52,10 @@ def throughput(args, default, train, mesh_lib, model_lib, pipeline):
     cfg.model.num_layers = 4
     cfg.pipeline.routing = args.routing
     _apply_overrides(cfg, args.set)
-    setup = train.build(cfg, vocab_size=257)
+    setup = build_lib.build(cfg, vocab_size=257)
     n = cfg.num_replicas
     tokens = rng.integers(0, 257, size=(n, cfg.data.batch_size, cfg.data.seq_len + 1)).astype(np.int32)
-    setups[S], states[S], batches[S] = setup, setup.init_state(), mesh_lib.global_array(setup.mesh, tokens, n)
+    setups[S], states[S], batches[S] = setup, setup.init_state(), sharding_lib.global_array(setup.mesh, tokens, n)
 
   def run(S):
     state = states[S]
@@ -86,12 +86,12 @@ def throughput(args, default, train, mesh_lib, model_lib, pipeline):
                  "step_s_all": times[S]})
   return {"benchmark": "bench_pipeline", "platform": jax.devices()[0].platform, "replicas": cfg.num_replicas,
           "routing": args.routing, "model": cfg.model.preset,
-          "num_params": model_lib.num_params(setups[stage_counts[0]].model_config),
+          "num_params": setups[stage_counts[0]].model.num_params(),
           "num_layers": cfg.model.num_layers, "batch_per_replica": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
           "steps": args.steps, "repeats": args.repeats, "rows": rows}
 
 
-def ablation(args, default, train):
+def ablation(args, default, training):
   results = {}
   for mode in ("random", "fixed"):
     cfg = default.get_config(args.config_arg or None)
@@ -105,7 +105,7 @@ def ablation(args, default, train):
     _apply_overrides(cfg, args.set)
     workdir = tempfile.mkdtemp(prefix=f"bench_pipeline_{mode}_")
     t0 = time.time()
-    out = train.train_and_evaluate(cfg, workdir)
+    out = training.train_and_evaluate(cfg, workdir)
     results[mode] = {"eval/loss": out["eval/loss"], "eval/ppl": out["eval/ppl"],
                      "replicas/weight_std": out["replicas/weight_std"], "wall_s": time.time() - t0,
                      "evals": [{k: e[k] for k in ("step", "eval/loss", "replicas/weight_std")}
@@ -134,19 +134,19 @@ def main(argv=None):
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from configs import default
-  from noloco_jax.parallel import mesh as mesh_lib
-  from noloco_jax.models import llama as model_lib
+  from noloco_jax.parallel import sharding as sharding_lib
   from noloco_jax.parallel import pipeline
-  from noloco_jax.training import loop as train
+  from noloco_jax import training
+  from noloco_jax.training import build as build_lib
 
   if args.ablation:
-    result = ablation(args, default, train)
+    result = ablation(args, default, training)
     if not args.json:
       for mode, r in result["results"].items():
         print(f"{mode:6s}  eval/loss {r['eval/loss']:.4f}  ppl {r['eval/ppl']:.3f}  "
               f"weight_std {r['replicas/weight_std']:.4e}")
   else:
-    result = throughput(args, default, train, mesh_lib, model_lib, pipeline)
+    result = throughput(args, default, build_lib, sharding_lib, pipeline)
     if not args.json:
       for row in result["rows"]:
         print(f"S={row['stages']} ({row['devices']} devices, M={row['microbatches']}): "

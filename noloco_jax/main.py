@@ -1,6 +1,6 @@
 """Command line: python -m noloco_jax.main --config=configs/default.py --workdir=DIR [--config.x=y ...]
 
-Flags and platform set-up only; the work happens in train.train_and_evaluate. Multi-process jobs
+Flags and platform set-up only; the work happens in training.train_and_evaluate. Multi-process jobs
 (SLURM, TPU pods, launch_local.py) are set up by noloco_jax/parallel/distributed.py: see its docstring for the
 flags --distributed, --coordinator_address, --num_processes, --process_id and their NOLOCO_* variables.
 """
@@ -10,7 +10,12 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from noloco_jax.io import checkpoint
+from noloco_jax import config as config_lib
+from noloco_jax.config import cli
 from noloco_jax.parallel import distributed
+from noloco_jax.tools import dryrun
+from noloco_jax import training
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for metrics, TensorBoard events, checkpoints and the config.")
@@ -40,12 +45,16 @@ def _fake_cpu_devices(num_replicas: int, multi_process: bool) -> None:
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
+  try:  # an invalid config is one line and exit status 2, before anything starts
+    config = config_lib.validate(FLAGS.config)
+  except config_lib.ConfigError as e:
+    cli.exit_usage(str(e))
+  if not FLAGS.workdir and not FLAGS.dry_run:
+    cli.exit_usage("--workdir is required (except with --dry_run).")
   # TensorFlow (imported by clu and TFDS) must never take accelerator memory from JAX.
   import tensorflow as tf
   tf.config.set_visible_devices([], "GPU")
-  config = FLAGS.config
   if FLAGS.dry_run:
-    from noloco_jax.tools import dryrun
     topology = dryrun.parse_topology(FLAGS.topology)
     dryrun.fake_devices(topology)  # before anything starts JAX's backends
     try:
@@ -53,21 +62,20 @@ def main(argv):
     except dryrun.DoesNotFit as e:
       raise SystemExit(f"noloco_jax dry run: {e}") from None
     return
-  if not FLAGS.workdir:
-    raise app.UsageError("--workdir is required (except with --dry_run).")
   # Before anything starts JAX's backends: jax.distributed must come first.
   multi_process = distributed.initialize(distributed.options_from_flags(FLAGS))
   # One fake CPU device per device of the mesh: replicas × stages × fsdp.
-  _fake_cpu_devices(config.num_replicas * config.get("num_stages", 1) * config.fsdp, multi_process)
+  _fake_cpu_devices(config.num_replicas * config.num_stages * config.fsdp, multi_process)
 
-  from noloco_jax.io import checkpoint
-  from noloco_jax.training import loop as train
   # SIGTERM (preemption): finish the current step, save a checkpoint, exit 0. Installed after
   # jax.distributed, so that this handler, not the runtime's, receives the signal.
   checkpoint.install_preemption_handler()
   with distributed.fail_fast():
-    train.train_and_evaluate(config, FLAGS.workdir)
+    try:
+      training.train_and_evaluate(config, FLAGS.workdir)
+    except config_lib.ConfigError as e:  # found by the checks that need files or devices (data, mesh)
+      cli.exit_usage(str(e))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -25,7 +25,8 @@ from configs import default
 from noloco_jax.io import checkpoint
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.io import metrics as metrics_lib
-from noloco_jax.training import loop as train
+from noloco_jax import training
+from noloco_jax.training import build as build_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 36  # H = 3, logs every 3 steps, evaluates every 6: twelve rounds
@@ -52,10 +53,11 @@ def rows(workdir) -> list[dict]:
 
 
 def restore_only(workdir, **fields):
-  """(setup, state, resume) as a run on `workdir` would start; compiles nothing, reads no data."""
-  setup = train.build(smoke(**fields))
-  state, resume = checkpoint.Checkpointer(setup, workdir).restore(jax.eval_shape(setup.init_state), _AnyData())
-  return setup, state, resume
+  """(setup, state, loop state) as a run on `workdir` would start; compiles nothing, reads no data."""
+  setup = build_lib.build(smoke(**fields))
+  state, loop = checkpoint.Checkpointer(setup, workdir).restore(jax.eval_shape(setup.init_state), _AnyData(),
+                                                                training.LoopState())
+  return setup, state, loop
 
 
 class _AnyData:
@@ -101,7 +103,7 @@ def reference(cache, tmp_path_factory):
   """The uninterrupted run: its workdir and final state."""
   del cache
   workdir = str(tmp_path_factory.mktemp("reference"))
-  result = train.train_and_evaluate(smoke(), workdir)
+  result = training.train_and_evaluate(smoke(), workdir)
   return workdir, result["state"]
 
 
@@ -157,7 +159,7 @@ def test_sigkill_then_restart_reproduces_the_uninterrupted_metrics(reference, ki
   restored = checkpoint_steps(workdir)[-1]
   killed_rows = rows(workdir)
   with caplog.at_level("INFO"):
-    train.train_and_evaluate(smoke(), workdir)  # the restart (in-process: the same code as main)
+    training.train_and_evaluate(smoke(), workdir)  # the restart (in-process: the same code as main)
   assert f"resumed from step {restored}" in caplog.text
   late = [r for r in killed_rows if r["step"] > restored]
   if late:  # rows the killed run wrote after its last checkpoint: dropped, never silently
@@ -185,7 +187,8 @@ def test_sigterm_saves_the_step_reached_and_exits_0(reference, cache, tmp_path):
   assert meta["pairing"]["mode"] == "round_robin" and meta["pairing"]["round"] == saved // 3
 
   _, _, resume = restore_only(workdir, checkpoint_every=0)
-  assert resume.step == saved and resume.pending[0] == list(range(saved // 3 * 3 + 1, saved + 1))
+  assert resume.step == saved and resume.pending_steps == list(range(saved // 3 * 3 + 1, saved + 1))
+  assert resume.round == saved // 3 and len(resume.pending_metrics) == len(resume.pending_steps)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -228,7 +231,7 @@ def test_a_checkpoint_of_another_setup_is_an_error_not_a_fallback(reference, tmp
 
 def poison_step(monkeypatch, call: int, replica: int) -> None:
   """Makes the `call`-th inner step return NaN for `replica`: its loss and its weights."""
-  real_build = train.build
+  real_build = build_lib.build
 
   def build(config, *args, **kwargs):
     setup = real_build(config, *args, **kwargs)
@@ -246,7 +249,7 @@ def poison_step(monkeypatch, call: int, replica: int) -> None:
     setup.inner_step = inner_step
     return setup
 
-  monkeypatch.setattr(train, "build", build)
+  monkeypatch.setattr(build_lib, "build", build)
 
 
 def test_nan_stops_the_run_before_saving_naming_step_and_replica(cache, monkeypatch, tmp_path):
@@ -255,7 +258,7 @@ def test_nan_stops_the_run_before_saving_naming_step_and_replica(cache, monkeypa
   workdir = str(tmp_path / "run")
   # Checkpoints every step, logs every 3: the check before the save of step 5 is the one that fires.
   with pytest.raises(FloatingPointError, match=r"at step 5 on replica 3"):
-    train.train_and_evaluate(smoke(checkpoint_every=1), workdir)
+    training.train_and_evaluate(smoke(checkpoint_every=1), workdir)
   wait_for_background_saves(workdir)  # (main's exit would wait for them too)
   assert checkpoint_steps(workdir)[-1] == 4  # the last good one, complete and untouched
   monkeypatch.undo()
@@ -267,7 +270,7 @@ def test_skip_round_undoes_the_round_and_goes_on(cache, monkeypatch, tmp_path, c
   del cache
   poison_step(monkeypatch, call=5, replica=3)  # step 5: inside the round of steps 4-6
   with caplog.at_level("WARNING"):
-    result = train.train_and_evaluate(smoke(nan_policy="skip_round", checkpoint_every=6), str(tmp_path))
+    result = training.train_and_evaluate(smoke(nan_policy="skip_round", checkpoint_every=6), str(tmp_path))
   assert result["history"]["skipped_rounds"] == [[4, 6]]
   assert "undoing the round of steps 4-6 (loss nan at step 5 on replica 3)" in caplog.text
   state = result["state"]
@@ -290,7 +293,7 @@ def test_restore_onto_fewer_devices_continues_the_same_run(reference, killed, tm
   fuse a program holding k replicas per device differently.
   """
   workdir = copy_run(killed, tmp_path / "run")
-  train.train_and_evaluate(smoke(num_devices=4), workdir)
+  training.train_and_evaluate(smoke(num_devices=4), workdir)
   got, want = rows(workdir), rows(reference[0])
   assert [sorted(r) for r in got] == [sorted(r) for r in want]
   for g, w in zip(got, want):
@@ -310,9 +313,10 @@ def test_restore_onto_two_devices_is_bitwise(reference, tmp_path):
 
 def test_warm_start_takes_the_weights_and_starts_fresh(reference, tmp_path):
   ref_dir, ref_state = reference
-  setup = train.build(smoke(checkpoint__warm_start=ref_dir))
-  state, resume = checkpoint.Checkpointer(setup, str(tmp_path)).restore(setup.init_state(), train_iter=None)
-  assert resume is None
+  setup = build_lib.build(smoke(checkpoint__warm_start=ref_dir))
+  fresh = training.LoopState()
+  state, loop = checkpoint.Checkpointer(setup, str(tmp_path)).restore(setup.init_state(), None, fresh)
+  assert loop is fresh and not loop.resumed
   for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   for got, want in zip(jax.tree.leaves(state.outer["slow"]), jax.tree.leaves(state.params)):
@@ -324,6 +328,20 @@ def test_warm_start_takes_the_weights_and_starts_fresh(reference, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # Helpers, without training.
 # ---------------------------------------------------------------------------------------------------
+
+
+def test_the_loop_state_round_trips_whole_through_json():
+  """What Checkpointer.save writes of the loop state is what restore hands back (to_record / from_record)."""
+  rng = np.random.default_rng(1)
+  loop = training.LoopState(step=7, round=2, comm_bytes=12345, history={"eval": [{"step": 0, "eval/loss": 5.5}]})
+  loop.add_step(8, {"loss": rng.normal(size=4).astype(np.float32), "grad_norm": rng.random(4, np.float32)}, 10)
+  loop.add_round({"pseudo_grad_norm": rng.random(4, np.float32)}, np.float32(0.25), 100)
+  back = training.LoopState.from_record(json.loads(json.dumps(loop.to_record())))
+  assert (back.step, back.round, back.comm_bytes, back.history) == (8, 3, 12455, loop.history)
+  assert back.pending_steps == [8]
+  for a, b in zip(jax.tree.leaves((loop.pending_metrics, loop.pending_rounds)),
+                  jax.tree.leaves((back.pending_metrics, back.pending_rounds))):
+    assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
 
 
 def test_unlogged_metrics_round_trip_bitwise_through_json():

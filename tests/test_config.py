@@ -1,18 +1,23 @@
 """Config validation: every constrained field fails before anything is compiled, naming field and value.
 
-`train.build` is the one entry point that runs all the checks (config.validate, then the data
+`build_lib.build` is the one entry point that runs all the checks (config.validate, then the data
 section's own validation, then the mesh's device count); it compiles nothing, so each case costs
 milliseconds.
 """
 
 import logging
+import os
+import re
 
 import ml_collections
 import pytest
 
 from configs import default
 from noloco_jax import config as config_lib
-from noloco_jax.training import loop as train
+from noloco_jax.outer import stability
+from noloco_jax.training import build as build_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (dotted field, bad value, words the message must hold besides "field=value").
 BAD_VALUES = [
@@ -60,10 +65,10 @@ BAD_VALUES = [
     ("outer.inner_steps", 0, "≥ 1"),  # H < 1
     ("outer.group_size", 1, "≥ 2"),  # n < 2
     ("outer.group_size", 3, "divisor of num_replicas=8"),
-    ("outer.momentum", 1.0, "[0, 1)"),
-    ("outer.momentum", -0.1, "[0, 1)"),
-    ("outer.lr", 0.0, "> 0"),
-    ("outer.gamma", 0.0, "> 0"),
+    ("outer.outer_momentum", 1.0, "[0, 1)"),
+    ("outer.outer_momentum", -0.1, "[0, 1)"),
+    ("outer.outer_lr", 0.0, "> 0"),
+    ("outer.consensus_weight", 0.0, "> 0"),
     ("outer.message_dtype", "int8", "bfloat16"),
     ("outer.pairing", "random", "fresh"),
     ("outer.state_dtype", "float16", "bfloat16"),
@@ -73,16 +78,20 @@ BAD_VALUES = [
     ("pipeline.microbatches", -1, "≥ 0"),
     ("pipeline.microbatches", 3, "divisor of data.batch_size=2"),
     # Data (validated by noloco_jax.io.data, called from build before anything is compiled).
-    ("data.seq_len", 0, ">= 1"),
-    ("data.batch_size", 0, ">= 1"),
-    ("data.eval_batches", -1, ">= 0"),
-    ("data.prefetch", -1, ">= 0"),
-    ("data.shuffle_buffer", 0, ">= 1"),
+    ("data.seq_len", 0, "≥ 1"),
+    ("data.batch_size", 0, "≥ 1"),
+    ("data.eval_batches", -1, "≥ 0"),
+    ("data.prefetch", -1, "≥ 0"),
+    ("data.shuffle_buffer", 0, "≥ 1"),
     ("data.source", "nope", "stdlib"),
     ("data.tokenizer", "nope", "bytes"),
     ("data.mode", "x", "stream"),
     ("data.shard_by", "x", "document"),
+    ("model.arch", "gpt", "llama"),
 ]
+# Values of the wrong type (a ConfigDict refuses them, a config read from JSON or a dict may hold them).
+BAD_TYPES = [("num_steps", True, "an integer"), ("outer.outer_lr", "0.7", "a number"),
+             ("checkpoint.async_save", 1, "True or False"), ("data.seq_len", 3.0, "an integer")]
 
 
 def smoke() -> ml_collections.ConfigDict:
@@ -99,13 +108,13 @@ def set_field(config, dotted: str, value) -> None:
 
 def build_error(config) -> str:
   with pytest.raises(ValueError) as info:
-    train.build(config)
+    build_lib.build(config)
   return str(info.value)
 
 
 def test_the_default_and_smoke_configs_are_valid():
   config_lib.validate(default.get_config())
-  train.build(smoke())
+  build_lib.build(smoke())
 
 
 @pytest.mark.parametrize("field,value,valid", BAD_VALUES, ids=[f"{f}={v!r}" for f, v, _ in BAD_VALUES])
@@ -113,17 +122,95 @@ def test_a_bad_value_names_field_value_and_what_is_valid(field, value, valid):
   config = smoke()
   set_field(config, field, value)
   message = build_error(config)
-  assert f"{field.split('.')[-1]}={value!r}" in message, message
-  assert valid in message, message
+  assert message.startswith(f"config.{field}={value!r} is not valid: "), message
+  assert valid in message and "\n" not in message, message
 
 
-@pytest.mark.parametrize("section", ["", "model", "inner", "outer", "checkpoint", "pipeline", "data"])
-def test_an_unknown_field_at_any_level_is_an_error(section):
+@pytest.mark.parametrize("field,value,valid", BAD_TYPES, ids=[f"{f}={v!r}" for f, v, _ in BAD_TYPES])
+def test_a_value_of_the_wrong_type_names_field_value_and_type(field, value, valid):
+  config = smoke().to_dict()
+  set_field(config, field, value)
+  with pytest.raises(config_lib.ConfigError) as info:
+    config_lib.validate(config)
+  assert str(info.value) == f"config.{field}={value!r} is not valid: {valid}.", info.value
+
+
+# (section, misspelt field, the message's end: the nearest field, or the section's fields).
+UNKNOWN_FIELDS = [
+    ("", "num_step", "did you mean config.num_steps?"),
+    ("", "momentun", "the fields of config are checkpoint, checkpoint_every,"),
+    ("model", "d_modle", "did you mean config.model.d_model?"),
+    ("inner", "warmup", "did you mean config.inner.warmup_steps?"),
+    ("outer", "momentun", "did you mean config.outer.outer_momentum?"),  # the new name of a renamed field
+    ("outer", "consensus", "did you mean config.outer.consensus_weight?"),
+    ("checkpoint", "keeep", "did you mean config.checkpoint.keep?"),
+    ("pipeline", "routin", "did you mean config.pipeline.routing?"),
+    ("data", "seq_lenght", "did you mean config.data.seq_len?"),
+]
+
+
+@pytest.mark.parametrize("section,name,ending", UNKNOWN_FIELDS, ids=[f"{s}.{n}" for s, n, _ in UNKNOWN_FIELDS])
+def test_an_unknown_field_at_any_level_is_an_error(section, name, ending):
   config = smoke()
   node = config[section] if section else config
-  node.momentun = 0.9  # a typo must never be silently ignored
+  node[name] = 0.9  # a typo must never be silently ignored
   message = build_error(config)
-  assert "momentun" in message and "valid" in message, message
+  where = f"config.{section}.{name}" if section else f"config.{name}"
+  assert message.startswith(f"{where} is not a field; "), message
+  assert ending in message, message
+
+
+# (old name, new name, value): α, β and γ of the outer step under their pre-schema names.
+RENAMED = [("outer.momentum", "outer.outer_momentum", 0.3), ("outer.lr", "outer.outer_lr", 0.9),
+           ("outer.gamma", "outer.consensus_weight", 0.8)]
+
+
+@pytest.mark.parametrize("old,new,value", RENAMED, ids=[old for old, _, _ in RENAMED])
+def test_an_old_field_name_still_works_with_a_one_line_warning(caplog, old, new, value):
+  config = smoke()
+  set_field(config, old, value)  # on the placeholder configs/default.py keeps for the old name
+  with caplog.at_level(logging.WARNING):
+    resolved = config_lib.validate(config)
+  assert resolved.outer[new.split(".")[1]] == value and old.split(".")[1] not in resolved.outer
+  warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+  assert warnings == [f"config.{old} is deprecated: use config.{new} (same meaning); taking "
+                      f"{new.split('.')[1]}={value!r}."], warnings
+  # A config file written before the rename (no placeholder, no new field) reads the same way.
+  legacy = smoke().to_dict()
+  del legacy["outer"][new.split(".")[1]]
+  legacy["outer"][old.split(".")[1]] = value
+  assert config_lib.validate(ml_collections.ConfigDict(legacy)).outer[new.split(".")[1]] == value
+
+
+@pytest.mark.parametrize("old,new,value", RENAMED, ids=[old for old, _, _ in RENAMED])
+def test_old_and_new_names_set_differently_is_an_error(old, new, value):
+  config = smoke()
+  set_field(config, old, value)
+  set_field(config, new, value / 2)
+  message = build_error(config)
+  assert message == (f"config.{old}={value!r} and config.{new}={value / 2!r} are both set; {old.split('.')[1]} "
+                     f"is the old name of {new.split('.')[1]}: set only {new.split('.')[1]}."), message
+  set_field(config, new, value)  # the same value under both names is no conflict
+  assert config_lib.validate(config).outer[new.split(".")[1]] == value
+
+
+def test_the_old_names_reach_the_outer_method():
+  from noloco_jax.outer import methods  # pylint: disable=g-import-not-at-top
+  config = smoke()
+  config.outer.update(kind="diloco", lr=0.25, momentum=0.1)
+  outer = methods.OuterConfig.parse(config.outer)
+  assert (outer.outer_lr, outer.outer_momentum) == (0.25, 0.1)
+  assert methods.make_method(config.outer).kind == "diloco"
+
+
+def test_implementations_accept_exactly_the_schema_s_values():
+  """The allowed values are declared once, in the schema; the implementations' tables must match."""
+  from noloco_jax.config import model as model_schema, outer as outer_schema  # pylint: disable=g-import-not-at-top
+  from noloco_jax.models import llama  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import methods  # pylint: disable=g-import-not-at-top
+  assert tuple(methods.MESSAGE_DTYPES) == outer_schema.MESSAGE_DTYPES
+  assert tuple(llama.DTYPES) == model_schema.DTYPES
+  assert set(outer_schema.STATE_DTYPES) == {""} | set(llama.DTYPES)
 
 
 def test_more_devices_than_exist_is_an_error():
@@ -133,10 +220,20 @@ def test_more_devices_than_exist_is_an_error():
   assert "num_devices=16" in message and "only 8 devices" in message, message
 
 
-def test_a_missing_section_is_an_error():
-  config = smoke()
-  del config["checkpoint"]
-  assert "config.checkpoint is missing" in build_error(config)
+def test_a_missing_field_or_section_takes_the_schema_s_default():
+  config = smoke().to_dict()
+  del config["checkpoint"], config["outer"]["pairing"], config["model"]["arch"]
+  resolved = config_lib.validate(ml_collections.ConfigDict(config))
+  assert (resolved.checkpoint.keep, resolved.outer.pairing, resolved.model.arch) == (3, "fresh", "llama")
+
+
+def test_the_config_package_imports_nothing_else_from_noloco_jax():
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import sys, noloco_jax.config, noloco_jax.config.cli; "
+          "print(sorted(m for m in sys.modules if m.startswith('noloco_jax.') and not m.startswith('noloco_jax.config')))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_a_model_vocabulary_smaller_than_the_tokenizer_s():
@@ -181,17 +278,20 @@ def test_skip_round_needs_checkpoints_at_round_ends():
 def test_an_unstable_gamma_is_refused_unless_allowed(caplog):
   """The issue's examples: α = 0.9, γ = 1.2 (inside the paper's interval) diverges; γ = 0.3 is fine."""
   config = smoke()
-  config.outer.momentum, config.outer.gamma = 0.9, 0.3  # outside the paper's interval, stable
+  config.outer.outer_momentum, config.outer.consensus_weight = 0.9, 0.3  # outside the paper's interval, stable
   with caplog.at_level(logging.WARNING):
     config_lib.validate(config)
   assert not [r for r in caplog.records if "unstable" in r.getMessage()]
-  config.outer.gamma = 1.2
-  with pytest.raises(config_lib.ConfigError, match=r"outer.gamma=1.2 .*grows by 11.4% per round") as error:
-    config_lib.validate(config)
+  stability.check_config(config_lib.validate(config))  # what train.build runs after the schema
+  config.outer.consensus_weight = 1.2
+  with pytest.raises(config_lib.ConfigError, match=r"outer.consensus_weight=1.2 .*grows by 11.4% per round") as error:
+    stability.check_config(config_lib.validate(config))
   assert "outer.allow_unstable=True" in str(error.value) and "\n" not in str(error.value)
+  message = build_error(config)  # refused by train.build before anything is compiled
+  assert "consensus_weight=1.2" in message and "unstable" in message, message
   config.outer.allow_unstable = True
   with caplog.at_level(logging.WARNING):
-    config_lib.validate(config)
+    stability.check_config(config_lib.validate(config))
   warnings = [r.getMessage() for r in caplog.records if "unstable" in r.getMessage()]
   assert len(warnings) == 1 and "11.4% per round" in warnings[0], warnings
 
@@ -201,3 +301,56 @@ def test_round_robin_needs_pairs():
   config.outer.pairing, config.outer.group_size = "round_robin", 4
   with pytest.raises(config_lib.ConfigError, match="outer.pairing='round_robin'.*group_size 2 only"):
     config_lib.validate(config)
+
+
+# ---------------------------------------------------------------- the command line (issue 18, item 11)
+
+
+# (command-line flags after --workdir, the last line the user must see on stderr). Each exits 2, before training.
+SMOKE = "--config=configs/default.py:smoke"
+CLI_ERRORS = [
+    ([SMOKE, "--config.outer.momentun=0.9"],
+     "noloco_jax: config.outer.momentun is not a field; did you mean config.outer.outer_momentum?"),
+    ([SMOKE, "--config.modle.d_model=64"], "noloco_jax: config.modle is not a field; did you mean config.model?"),
+    ([SMOKE, "--config.outer.momentum=1.5"],  # the old name, mapped (one warning line), then checked
+     "noloco_jax: config.outer.outer_momentum=1.5 is not valid: a number in [0, 1)."),
+    ([SMOKE, "--config.outer.kind=fedavg"],
+     "noloco_jax: config.outer.kind='fedavg' is not valid: one of noloco | diloco | gossip | ddp | none."),
+    ([SMOKE, "--config.num_steps=abc"], "noloco_jax: config.num_steps='abc' is not valid: an integer."),
+    ([SMOKE, "--config.outer.lr=0.5", "--config.outer.outer_lr=0.6"],
+     "noloco_jax: config.outer.lr=0.5 and config.outer.outer_lr=0.6 are both set; lr is the old name of "
+     "outer_lr: set only outer_lr."),
+    (["--config=configs/default.py:smok"],  # raised inside the config file: where is named too
+     re.compile(re.escape("noloco_jax: flag --config=configs/default.py:smok: ValueError: configs/default.py: "
+                          "unknown argument 'smok'; valid: 'smoke', 'model=NAME'. (configs/default.py, line ")
+                + r"\d+\)")),
+    (["--config=configs/nonexistent.py"], "noloco_jax: --config=configs/nonexistent.py: cannot load it: "
+     "[Errno 2] No such file or directory: 'configs/nonexistent.py'"),
+]
+
+
+@pytest.mark.parametrize("flags,last_line", CLI_ERRORS, ids=[" ".join(f) for f, _ in CLI_ERRORS])
+def test_a_bad_command_line_prints_one_line_and_exits_2(tmp_path, flags, last_line):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path}", *flags], cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2, proc.stderr
+  assert re.fullmatch(last_line, lines[-1]) if isinstance(last_line, re.Pattern) else lines[-1] == last_line, (
+      proc.stderr)
+  # Nothing but the error and at most a deprecation warning: no traceback, no usage text.
+  assert len(lines) <= 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_a_config_error_found_after_start_up_is_one_line_and_exits_2(tmp_path):
+  """The checks that need the file system (data paths, tokenizer files) run in train.build."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path / 'run'}", SMOKE,
+                         "--config.data.source=text", "--config.data.train_files=/nonexistent/*.txt"],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.splitlines()[-1] == ("noloco_jax: config.data.train_files='/nonexistent/*.txt': pattern "
+                                          "'/nonexistent/*.txt' matches no file."), proc.stderr

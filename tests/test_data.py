@@ -293,8 +293,8 @@ def test_eval_batches_deterministic_and_too_small(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,kwargs,match", [
-    ({"seq_len": 0}, {}, r"seq_len=0 .*>= 1"),
-    ({"batch_size": -2}, {}, r"batch_size=-2 .*>= 1"),
+    ({"seq_len": 0}, {}, r"seq_len=0 .*≥ 1"),
+    ({"batch_size": -2}, {}, r"batch_size=-2 .*≥ 1"),
     ({"eval_batches": -1}, {}, r"eval_batches=-1"),
     ({"source": "wiki"}, {}, r"source='wiki' .*stdlib"),
     ({"tokenizer": "gpt"}, {}, r"tokenizer='gpt' .*bytes"),
@@ -317,7 +317,7 @@ def test_validate_accepts_default_and_rejects_unknown_field():
   data.validate(data_config(), model_max_seq_len=128, vocab_size=257)
   c = data_config()
   c.seq_lenght = 64
-  with pytest.raises(ValueError, match="unknown field"):
+  with pytest.raises(ValueError, match="seq_lenght is not a field; did you mean config.data.seq_len"):
     data.validate(c)
 
 

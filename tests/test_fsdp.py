@@ -17,7 +17,7 @@ from configs import default
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
-from noloco_jax.training import loop as train
+from noloco_jax.training import build as build_lib
 
 N, STEPS, VOCAB = 4, 2, 257
 
@@ -47,13 +47,13 @@ def _train(fsdp: int, microbatches: int = 1, offload: bool = False):
   cfg.num_replicas, cfg.fsdp, cfg.data.batch_size = N, fsdp, 4
   cfg.inner.microbatches, cfg.outer.offload = microbatches, offload
   cfg.outer.pairing = "fresh"  # one grouping per compiled round: its collectives are one round's
-  setup = train.build(cfg, vocab_size=VOCAB)
+  setup = build_lib.build(cfg, vocab_size=VOCAB)
   state = setup.init_state()
   rng = np.random.default_rng(0)
   losses = []
   for _ in range(STEPS):
     batch = rng.integers(0, VOCAB, size=(N, 4, cfg.data.seq_len + 1)).astype(np.int32)
-    state, metrics = setup.inner_step(state, mesh_lib.global_array(setup.mesh, batch, N))
+    state, metrics = setup.inner_step(state, sharding_lib.global_array(setup.mesh, batch, N))
     losses.append(np.asarray(metrics["loss"]))
   round_fn, index = setup.outer_round(0)
   compiled = round_fn.lower(state, jnp.int32(index)).compile()  # compiled once, run and read

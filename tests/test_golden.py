@@ -11,7 +11,7 @@ import json
 import os
 
 from configs import default
-from noloco_jax.training import loop as train
+from noloco_jax import training
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "smoke_metrics.jsonl")
 TIMINGS = ("perf/",)  # wall-clock figures differ from run to run by nature
@@ -24,7 +24,7 @@ def _rows(path: str) -> list[dict]:
 
 
 def test_smoke_run_reproduces_the_golden_metrics_bitwise(tmp_path):
-  train.train_and_evaluate(default.get_config("smoke"), str(tmp_path))
+  training.train_and_evaluate(default.get_config("smoke"), str(tmp_path))
   got = _rows(os.path.join(tmp_path, "metrics.jsonl"))
   if os.environ.get("NOLOCO_REGENERATE_GOLDEN"):
     with open(GOLDEN, "w") as f:

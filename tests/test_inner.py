@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from configs import default
-from noloco_jax.training import inner
+from noloco_jax.inner import step as inner
 from noloco_jax.parallel import mesh as mesh_lib
-from noloco_jax.training import loop as train
+from noloco_jax.parallel import sharding as sharding_lib
+from noloco_jax.training import build as build_lib
 
 N = 8
 
@@ -30,9 +31,9 @@ def _batches(cfg, seed=0, vocab=257):
 
 def test_inner_steps_lower_the_loss_on_a_fixed_batch():
   cfg = _config()
-  setup = train.build(cfg, vocab_size=257)
+  setup = build_lib.build(cfg, vocab_size=257)
   state = setup.init_state()
-  batch = mesh_lib.global_array(setup.mesh, _batches(cfg), N)
+  batch = sharding_lib.global_array(setup.mesh, _batches(cfg), N)
   losses = []
   for _ in range(6):
     state, metrics = setup.inner_step(state, batch)
@@ -41,7 +42,7 @@ def test_inner_steps_lower_the_loss_on_a_fixed_batch():
 
 
 def test_replicas_start_identical():
-  setup = train.build(_config(), vocab_size=257)
+  setup = build_lib.build(_config(), vocab_size=257)
   state = setup.init_state()
   for leaf in jax.tree.leaves(state):
     leaf = np.asarray(leaf)
@@ -53,7 +54,7 @@ def test_replicas_start_identical():
 @pytest.mark.parametrize("num_devices", [8, 1])
 def test_mapped_step_equals_each_replica_stepped_alone(num_devices):
   cfg = _config(num_devices=num_devices)
-  setup = train.build(cfg, vocab_size=257)
+  setup = build_lib.build(cfg, vocab_size=257)
   state = setup.init_state()
   batches = _batches(cfg, seed=1)
   one = jax.tree.map(lambda x: np.asarray(x)[0], state)
@@ -66,7 +67,7 @@ def test_mapped_step_equals_each_replica_stepped_alone(num_devices):
 
   mapped = state
   for step in range(2):
-    mapped, metrics = setup.inner_step(mapped, mesh_lib.global_array(setup.mesh, batches, N))
+    mapped, metrics = setup.inner_step(mapped, sharding_lib.global_array(setup.mesh, batches, N))
   for r in range(N):
     s = one
     for step in range(2):
@@ -93,8 +94,8 @@ def test_learning_rate_schedule_matches_numpy():
 
 def test_ddp_replicas_stay_identical():
   cfg = _config(kind="ddp")
-  setup = train.build(cfg, vocab_size=257)
+  setup = build_lib.build(cfg, vocab_size=257)
   state = setup.init_state()
   for seed in range(2):
-    state, _ = setup.inner_step(state, mesh_lib.global_array(setup.mesh, _batches(cfg, seed), N))
+    state, _ = setup.inner_step(state, sharding_lib.global_array(setup.mesh, _batches(cfg, seed), N))
   assert float(setup.weight_std(state.params)) < 1e-7

@@ -26,7 +26,7 @@ from noloco_jax.parallel import distributed
 from noloco_jax.tools import launch_local
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.io import metrics as metrics_lib
-from noloco_jax.training import loop as train
+from noloco_jax import training
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-5
@@ -95,14 +95,14 @@ def test_two_processes_match_one_process_and_resume_in_one(two_process_run, tmp_
   assert "process 1: devices" in log0 and "2 processes agree" in log0  # the layout and the start-up check
   assert not os.path.exists(os.path.join(workdir2, "process_1")), "only process 0 writes metrics"
 
-  one = train.train_and_evaluate(_config(), str(tmp_path / "one"))
+  one = training.train_and_evaluate(_config(), str(tmp_path / "one"))
   _assert_same_metrics(_rows(workdir2), _rows(tmp_path / "one"))
 
   # The 2-process checkpoint of step 6 resumes in one process and ends where the 1-process run ended.
   resumed_dir = tmp_path / "resumed"
   shutil.copytree(workdir2, resumed_dir)
   shutil.rmtree(resumed_dir / "checkpoints" / "12")
-  resumed = train.train_and_evaluate(_config(), str(resumed_dir))
+  resumed = training.train_and_evaluate(_config(), str(resumed_dir))
   _assert_same_metrics(_rows(resumed_dir), _rows(tmp_path / "one"))
   for a, b in zip(_host_leaves(resumed["state"].params), _host_leaves(one["state"].params)):
     np.testing.assert_array_equal(a, b)  # NoLoCo moves values only by ppermute: bitwise equal
@@ -140,7 +140,7 @@ def test_a_killed_process_ends_the_job_quickly_and_the_checkpoint_stays_valid(tm
   # Whatever was on disk at the kill restores: the latest committed step resumes in one process.
   steps = sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
   latest = steps[-1]
-  result = train.train_and_evaluate(_config(num_steps=latest + 3, checkpoint_every=3), str(workdir))
+  result = training.train_and_evaluate(_config(num_steps=latest + 3, checkpoint_every=3), str(workdir))
   assert result["history"]["eval"][-1]["step"] == latest + 3
   assert _rows(workdir)[-1]["step"] == latest + 3
 

@@ -12,9 +12,10 @@ from configs import default
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.outer import methods as outer_lib
-from noloco_jax.training import loop as train
+from noloco_jax.training import build as build_lib
+from noloco_jax.outer import rounds as rounds_lib
 from noloco_jax.outer import pairing
-from noloco_jax.training.state import TrainState
+from noloco_jax.inner.state import TrainState
 
 N = 8
 
@@ -42,7 +43,7 @@ def _run_round(method, groups_pool, index, theta, outer_state, num_devices=N):
   sharding = mesh_lib.replica_sharding(mesh)
   state = TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer_state)
   state = jax.device_put(state, sharding)
-  round_fn = train.make_round_fn(method, mesh, groups_pool)
+  round_fn = rounds_lib.make_round_fn(method, mesh, groups_pool)
   new_state, metrics = round_fn(state, jnp.asarray(index, jnp.int32))
   return jax.tree.map(np.asarray, new_state), jax.tree.map(np.asarray, metrics)
 
@@ -84,7 +85,7 @@ def np_diloco(theta, phi, momentum_buf, lr, mu, nesterov):
 @pytest.mark.parametrize("group_size", [2, 4, 8])
 def test_noloco_round_matches_numpy(group_size):
   theta, phi, delta = _random_replicas(0)
-  method = outer_lib.make_method(_outer_cfg(kind="noloco", group_size=group_size, momentum=0.5, lr=0.7, gamma=0.9))
+  method = outer_lib.make_method(_outer_cfg(kind="noloco", group_size=group_size, outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.9))
   groups = pairing.groups_from_permutation(np.random.default_rng(1).permutation(N), group_size)
   state, metrics = _run_round(method, (groups,), 0, theta, {"slow": phi, "momentum": delta})
   want_theta, want_phi, want_delta = np_noloco(theta, phi, delta, groups, 0.5, 0.7, 0.9)
@@ -98,7 +99,7 @@ def test_noloco_round_matches_numpy(group_size):
 
 def test_gossip_round_is_pairwise_averaging_of_fast_weights():
   theta, phi, delta = _random_replicas(2)
-  method = outer_lib.make_method(_outer_cfg(kind="gossip", momentum=0.9, lr=0.1, gamma=0.1))  # ignored
+  method = outer_lib.make_method(_outer_cfg(kind="gossip", outer_momentum=0.9, outer_lr=0.1, consensus_weight=0.1))  # ignored
   groups = ((0, 5), (1, 2), (3, 7), (4, 6))
   state, _ = _run_round(method, (groups,), 0, theta, {"slow": phi, "momentum": delta})
   for k in theta:
@@ -111,7 +112,7 @@ def test_gossip_round_is_pairwise_averaging_of_fast_weights():
 @pytest.mark.parametrize("nesterov,lr,mu", [(False, 0.7, 0.3), (True, 0.7, 0.9)])
 def test_diloco_two_rounds_match_numpy(nesterov, lr, mu):
   theta, phi, _ = _random_replicas(3, same_phi=True)
-  method = outer_lib.make_method(_outer_cfg(kind="diloco", lr=lr, momentum=mu, nesterov=nesterov))
+  method = outer_lib.make_method(_outer_cfg(kind="diloco", outer_lr=lr, outer_momentum=mu, nesterov=nesterov))
   outer_state = jax.vmap(method.init)({k: jnp.asarray(v) for k, v in phi.items()})
   buf = {k: np.zeros_like(v[:1], np.float64) for k, v in phi.items()}
   want_phi = phi
@@ -138,8 +139,8 @@ def test_ddp_averages_gradients_over_all_replicas():
 def test_noloco_with_one_group_and_identical_slow_weights_equals_heavy_ball_diloco():
   theta, phi, _ = _random_replicas(5, same_phi=True)
   alpha, beta = 0.3, 0.7
-  nl = outer_lib.make_method(_outer_cfg(kind="noloco", group_size=N, momentum=alpha, lr=beta, gamma=beta))
-  dl = outer_lib.make_method(_outer_cfg(kind="diloco", momentum=alpha, lr=beta, nesterov=False))
+  nl = outer_lib.make_method(_outer_cfg(kind="noloco", group_size=N, outer_momentum=alpha, outer_lr=beta, consensus_weight=beta))
+  dl = outer_lib.make_method(_outer_cfg(kind="diloco", outer_momentum=alpha, outer_lr=beta, nesterov=False))
   nl_outer = {"slow": phi, "momentum": jax.tree.map(np.zeros_like, phi)}
   dl_outer = jax.vmap(dl.init)({k: jnp.asarray(v) for k, v in phi.items()})
   one_group = (tuple(range(N)),)
@@ -242,7 +243,7 @@ def test_counted_bytes_match_the_compiled_collectives(kind, message_dtype, group
   outer_state = {"slow": phi, "momentum": delta} if kind != "diloco" else jax.vmap(method.init)(phi)
   state = TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer_state)
   state = jax.device_put(state, mesh_lib.replica_sharding(mesh))
-  lowered = train.make_round_fn(method, mesh, (groups,)).lower(state, jnp.int32(0))
+  lowered = rounds_lib.make_round_fn(method, mesh, (groups,)).lower(state, jnp.int32(0))
   hlo = lowered.compile().as_text()
   counted = method.bytes_per_round(jax.tree.map(lambda x: x[0], theta))
   permuted, reduced = hlo_lib.collective_bytes(hlo, "collective-permute"), hlo_lib.collective_bytes(hlo, "all-reduce")
@@ -263,7 +264,7 @@ def test_counted_bytes_match_the_compiled_collectives(kind, message_dtype, group
 def test_outer_rounds_compile_once_per_pairing_program(mode, num_devices):
   cfg = default.get_config("smoke")
   cfg.outer.pairing, cfg.num_devices = mode, num_devices
-  setup = train.build(cfg, vocab_size=257)
+  setup = build_lib.build(cfg, vocab_size=257)
   state = setup.init_state()
   routes = []
   for round_ in range(6):
@@ -271,19 +272,19 @@ def test_outer_rounds_compile_once_per_pairing_program(mode, num_devices):
     state, _ = round_fn(state, route)
     routes.append(np.asarray(route).tobytes())
   if mode == "round_robin" or num_devices == 1:
-    assert len(setup._rounds) == 1 and round_fn._cache_size() == 1  # one program for all six rounds
+    assert len(setup.rounds) == 1 and round_fn._cache_size() == 1  # one program for all six rounds
     assert len(set(routes)) > 1  # ... yet the rounds used different pairings
   else:
-    assert len(setup._rounds) == len({setup.schedule.groups(r) for r in range(6)})
+    assert len(setup.rounds) == len({setup.schedule.groups(r) for r in range(6)})
 
 
 def test_compiled_ahead_rounds_equal_jitted_rounds():
-  """RoundPrograms (AOT, background) runs the same programs as Setup.outer_round: bitwise equal states."""
+  """Rounds.ahead (AOT, background) runs the same programs as Setup.outer_round: bitwise equal states."""
   cfg = default.get_config("smoke")
-  setup = train.build(cfg, vocab_size=257)
+  setup = build_lib.build(cfg, vocab_size=257)
   a = setup.init_state()
   b = setup.init_state()
-  programs = setup.round_programs(a)
+  programs = setup.rounds.ahead(a)
   try:
     for round_ in range(3):
       compiled, route = programs.program(round_)

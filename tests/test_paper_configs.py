@@ -27,7 +27,7 @@ def test_every_grid_config_validates_with_the_papers_settings(arg):
   size = paper.SIZES[o["model"]]
   assert cfg.num_replicas == o["dp"]
   # Every GPU of the row is used: DP replicas × (stages × fsdp) devices each.
-  assert cfg.num_replicas * cfg.get("num_stages", 1) * cfg.fsdp == o["gpus"]
+  assert cfg.num_replicas * cfg.num_stages * cfg.fsdp == o["gpus"]
   assert cfg.num_replicas * cfg.data.batch_size * cfg.data.seq_len == size["batch_tokens"]
   assert cfg.data.seq_len == 1024 and cfg.num_steps == 25_000
   assert (cfg.inner.optimizer, cfg.inner.lr, cfg.inner.warmup_steps, cfg.inner.min_lr_ratio,
@@ -35,10 +35,12 @@ def test_every_grid_config_validates_with_the_papers_settings(arg):
   assert (cfg.model.dtype, cfg.model.preset) == ("bfloat16", o["model"])
   outer = cfg.outer
   if o["method"] == "noloco":
-    assert (outer.kind, outer.momentum, outer.lr, outer.gamma, outer.group_size, outer.inner_steps) == (
+    assert (outer.kind, outer.outer_momentum, outer.outer_lr, outer.consensus_weight, outer.group_size,
+            outer.inner_steps) == (
         "noloco", 0.5, 0.7, 0.7, 2, 50)
   elif o["method"] == "diloco":
-    assert (outer.kind, outer.momentum, outer.lr, outer.inner_steps, outer.nesterov) == ("diloco", 0.3, 0.7, 100, False)
+    assert (outer.kind, outer.outer_momentum, outer.outer_lr, outer.inner_steps, outer.nesterov) == (
+        "diloco", 0.3, 0.7, 100, False)
   else:
     assert outer.kind == "ddp"
 
@@ -46,7 +48,7 @@ def test_every_grid_config_validates_with_the_papers_settings(arg):
 def test_pp_as_fsdp_puts_a_replicas_devices_on_fsdp():
   cfg = paper.get_config("model=large,gpus=64,dp=16,pp=4,method=noloco,data=c4,pp_as=fsdp")
   config_lib.validate(cfg)
-  assert (cfg.num_replicas, cfg.get("num_stages", 1), cfg.fsdp) == (16, 1, 4)
+  assert (cfg.num_replicas, cfg.num_stages, cfg.fsdp) == (16, 1, 4)
   # 128 sequences per replica, 32 per device, accumulated 8 at a time.
   assert cfg.data.batch_size // (cfg.fsdp * cfg.inner.microbatches) == paper.SIZES["large"]["device_seqs"]
 

@@ -16,13 +16,17 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default
-from noloco_jax.training import inner
+from noloco_jax.inner import step as inner
 from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.io import metrics as metrics_lib
+from noloco_jax import models
 from noloco_jax.models import llama as model_lib
 from noloco_jax.parallel import pipeline
 from noloco_jax.parallel import routing
-from noloco_jax.training import loop as train
+from noloco_jax import training
+from noloco_jax.training import build as build_lib
+from noloco_jax.outer import rounds as rounds_lib
 from noloco_jax.parallel.mesh import REPLICA, STAGE
 
 VOCAB = 257
@@ -70,7 +74,7 @@ def _reference_loss(params_N, tokens_NxBxL1, paths_MxNxS, model_cfg):
   last = paths[:, S - 1]
   ends = {"final_norm": pick(params_N["final_norm"], last), "head": pick(params_N["head"], last)}
   logits = jax.vmap(lambda p, h: llama.apply({"params": p}, h, method=model_lib.Llama.logits))(ends, x)
-  loss = jax.vmap(model_lib.cross_entropy)(logits, tokens[:, :, 1:]) / M
+  loss = jax.vmap(inner.cross_entropy)(logits, tokens[:, :, 1:]) / M
   return jnp.sum(loss), jax.ops.segment_sum(loss, last, num_segments=N)
 
 
@@ -78,15 +82,15 @@ def _pipelined_grads(setup, schedule, params_N, tokens, step):
   """loss [N] and gradients [N, ...] of pipeline.make_grads_fn on the mesh, routed by `schedule`."""
   cfg, mesh = setup.config, setup.mesh
   S = mesh.shape[STAGE]
-  grads_fn = pipeline.make_grads_fn(cfg, setup.model_config, mesh, schedule)
+  grads_fn = pipeline.make_grads_fn(cfg, setup.model, mesh, schedule)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_N)
-  specs = pipeline._manual_specs(params_N, S, 1)  # pylint: disable=protected-access
+  specs = pipeline._manual_specs(params_N, S, 1, setup.model)  # pylint: disable=protected-access
   fn = jax.jit(jax.shard_map(functools.partial(grads_fn, global_shapes=shapes), mesh=mesh,
                              in_specs=(specs, P(REPLICA), P(REPLICA)), out_specs=(P(REPLICA), specs),
                              axis_names={REPLICA, STAGE}))
-  shardings = pipeline.state_shardings(params_N, mesh)
+  shardings = pipeline.state_shardings(params_N, mesh, setup.model)
   steps = np.full((cfg.num_replicas,), step, np.int32)
-  loss, grads = fn(jax.device_put(params_N, shardings), mesh_lib.global_array(mesh, tokens, cfg.num_replicas),
+  loss, grads = fn(jax.device_put(params_N, shardings), sharding_lib.global_array(mesh, tokens, cfg.num_replicas),
                    jax.device_put(steps, mesh_lib.replica_sharding(mesh)))
   return np.asarray(loss), jax.tree.map(np.asarray, grads)
 
@@ -95,7 +99,7 @@ def _pipelined_grads(setup, schedule, params_N, tokens, step):
 def grads_setup():
   """4 replicas × 2 stages (two layers each), 2 micro-batches of 2 sequences, distinct replicas."""
   cfg = _config(routing_mode="random", microbatches=2)
-  setup = train.build(cfg, vocab_size=VOCAB)
+  setup = build_lib.build(cfg, vocab_size=VOCAB)
   tokens = np.random.default_rng(0).integers(0, VOCAB, size=(4, 4, 33)).astype(np.int32)
   return setup, _distinct_params(setup), tokens
 
@@ -123,7 +127,7 @@ def test_random_routing_equals_the_routed_reference(grads_setup):
   loss, grads = _pipelined_grads(setup, schedule, params, tokens, step)
   paths = schedule.paths(step)
   assert not np.all(paths == paths[:, :, :1]), "random routing never left a replica"
-  ref_fn = jax.jit(jax.value_and_grad(lambda p: _reference_loss(p, tokens, paths, setup.model_config), has_aux=True))
+  ref_fn = jax.jit(jax.value_and_grad(lambda p: _reference_loss(p, tokens, paths, setup.model.config), has_aux=True))
   (_, ref_scored), ref_grads = ref_fn(params)
   np.testing.assert_allclose(loss, ref_scored, rtol=2e-5, atol=2e-6)
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
@@ -202,7 +206,7 @@ def trained(tmp_path_factory):
   cfg.num_replicas, cfg.num_stages = 4, 2
   cfg.model.num_layers = 2
   workdir = str(tmp_path_factory.mktemp("pipeline_noloco"))
-  return cfg, workdir, train.train_and_evaluate(cfg, workdir)
+  return cfg, workdir, training.train_and_evaluate(cfg, workdir)
 
 
 def test_noloco_with_two_stages_trains(trained):
@@ -225,7 +229,7 @@ def test_checkpoint_round_trip_with_stages(trained):
   """The run saved its last step; running the same config again restores it (nothing left to train)."""
   cfg, workdir, result = trained
   assert os.path.isdir(os.path.join(workdir, "checkpoints", str(cfg.num_steps)))
-  again = train.train_and_evaluate(cfg, workdir)
+  again = training.train_and_evaluate(cfg, workdir)
   for a, b in zip(jax.tree.leaves(result["state"]), jax.tree.leaves(again["state"])):
     assert a.sharding == b.sharding
     np.testing.assert_array_equal(mesh_lib.fetch(a), mesh_lib.fetch(b))
@@ -233,7 +237,7 @@ def test_checkpoint_round_trip_with_stages(trained):
   # The state keeps the unpipelined tree, so the same checkpoint also restores without stages.
   cfg_flat = cfg.copy_and_resolve_references()
   cfg_flat.num_stages = 1
-  flat = train.train_and_evaluate(cfg_flat, workdir)
+  flat = training.train_and_evaluate(cfg_flat, workdir)
   for a, b in zip(jax.tree.leaves(result["state"]), jax.tree.leaves(flat["state"])):
     assert STAGE not in str(b.sharding.spec)
     np.testing.assert_array_equal(mesh_lib.fetch(a), mesh_lib.fetch(b))
@@ -245,14 +249,14 @@ def test_outer_round_sends_one_model_per_replica_with_stages(grads_setup):
   setup = grads_setup[0]
   assert setup.method.kind == "noloco"
   # One grouping (no switch over a pool, whose branches would all be counted).
-  round_fn = train.make_round_fn(setup.method, setup.mesh, (setup.schedule.groups(0),), setup.state_shardings)
+  round_fn = rounds_lib.make_round_fn(setup.method, setup.mesh, (setup.schedule.groups(0),), setup.state_shardings)
   state = setup.init_state()
   text = round_fn.lower(state, jnp.int32(0)).compile().as_text()
   one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
   per_device = hlo.collective_bytes(text, "collective-permute")
   # Each device sends its stage's shards; the two stages of a replica together send one model.
   assert per_device * setup.config.num_stages == setup.method.bytes_per_round(one)
-  assert pipeline.replicated_leaves(state.params, setup.config.num_stages) == []
+  assert pipeline.replicated_leaves(state.params, setup.config.num_stages, setup.model) == []
 
 
 @pytest.mark.parametrize("mode", ["per_stage", "global"])
@@ -266,18 +270,19 @@ def test_gradient_clipping_per_stage_or_global(mode):
   scale = np.asarray([0.1, 0.5, 2.0, 4.0])  # replicas 0, 1 below the threshold, 2, 3 above
   grads = jax.tree.map(lambda x: (x * scale.reshape((4,) + (1,) * (x.ndim - 1))).astype(np.float32), grads)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), grads)
-  specs = pipeline._manual_specs(grads, 2, 1)  # pylint: disable=protected-access
+  model = models.get("llama").from_preset("tiny", vocab_size=8, seq_len=8)  # its roles: embed, layers, final_norm + head
+  specs = pipeline._manual_specs(grads, 2, 1, model)  # pylint: disable=protected-access
   max_norm = 4.0
 
   def local(g):
-    roles = jax.tree_util.tree_map_with_path(lambda p, x: pipeline._role(p), shapes)  # pylint: disable=protected-access
-    dims = pipeline._stage_dims(shapes, 2, 1)  # pylint: disable=protected-access
+    roles = pipeline.roles(shapes, model)
+    dims = pipeline._stage_dims(shapes, 2, 1, model)  # pylint: disable=protected-access
     group_sq = pipeline._group_sq_norms(g, roles, dims, 2)  # pylint: disable=protected-access
     return pipeline._clip(g, roles, group_sq, max_norm, mode, 2), group_sq  # pylint: disable=protected-access
 
   fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=(specs, P(REPLICA)),
                              axis_names={REPLICA, STAGE}))
-  clipped, group_sq = jax.tree.map(np.asarray, fn(jax.device_put(grads, pipeline.state_shardings(grads, mesh))))
+  clipped, group_sq = jax.tree.map(np.asarray, fn(jax.device_put(grads, pipeline.state_shardings(grads, mesh, model))))
 
   sq = lambda x: (x.astype(np.float64) ** 2).reshape(4, -1).sum(1)
   expected_sq = np.stack([sq(grads["layers"]["w"][:, :1]) + sq(grads["embed"]["embedding"]),

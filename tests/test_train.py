@@ -8,14 +8,14 @@ import pytest
 
 from configs import default
 from noloco_jax.io import metrics as metrics_lib
-from noloco_jax.training import loop as train
+from noloco_jax import training
 
 
 @pytest.mark.parametrize("kind", ["noloco", "diloco", "gossip", "ddp", "none"])
 def test_each_kind_trains_and_validation_loss_falls(kind, tmp_path):
   cfg = default.get_config("smoke")
   cfg.outer.kind = kind
-  result = train.train_and_evaluate(cfg, str(tmp_path))
+  result = training.train_and_evaluate(cfg, str(tmp_path))
   assert result["eval/loss"] < result["eval/loss_first"] - 0.2, result["text"]
 
   rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
@@ -50,7 +50,7 @@ def test_simulator_and_mesh_runs_give_the_same_metrics(tmp_path):
   for num_devices in (8, 1):
     cfg = default.get_config("smoke")
     cfg.num_devices = num_devices
-    results[num_devices] = train.train_and_evaluate(cfg, str(tmp_path / str(num_devices)))
+    results[num_devices] = training.train_and_evaluate(cfg, str(tmp_path / str(num_devices)))
   a, b = (metrics_lib.read_jsonl(str(tmp_path / str(d) / "metrics.jsonl")) for d in (8, 1))
   for ra, rb in zip(a, b):
     for key in ("train/loss", "eval/loss", "replicas/weight_std"):

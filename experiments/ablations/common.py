@@ -7,7 +7,8 @@ persistent compilation cache, and reads the smoke switch:
                      (what tests/test_notebooks.py executes)
     NOLOCO_SEEDS=0,1,2   seeds of a full run (default 0,1)
 
-Everything else comes from noloco_jax.tools.experiment, re-exported here as `experiment`.
+Everything else comes from noloco_jax.tools.experiment and its plots, noloco_jax.tools.plots,
+re-exported here as `experiment` and `plots`.
 """
 
 import os
@@ -20,6 +21,7 @@ if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
 from noloco_jax.tools import experiment  # noqa: E402
+from noloco_jax.tools import plots  # noqa: E402
 from noloco_jax import config as config_lib  # noqa: E402
 from noloco_jax.outer import stability  # noqa: E402
 
@@ -47,4 +49,4 @@ def save(fig, name):
     fig.savefig(os.path.join(PLOTS, f"ablation_{name}.png"), dpi=120)
 
 
-__all__ = ["BASE", "PLOTS", "REPO", "SEEDS", "SMOKE", "config_lib", "experiment", "method", "noloco", "save"]
+__all__ = ["BASE", "PLOTS", "REPO", "SEEDS", "SMOKE", "config_lib", "experiment", "method", "noloco", "plots", "save", "stability"]

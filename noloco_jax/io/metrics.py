@@ -1,6 +1,6 @@
 """Metric definitions and writers. One name per metric, the same in TensorBoard, metrics.jsonl and notebooks.
 
-Names: train/loss, train/grad_norm, inner/lr, eval/loss, eval/ppl, replicas/weight_std,
+Names: train/loss, train/grad_norm, eval/loss, eval/ppl, replicas/weight_std,
 outer/pseudo_grad_norm, outer/round, comm/bytes_per_replica (cumulative), perf/steps_per_s,
 perf/tokens_per_s, model/num_params (logged once, per replica).
 """

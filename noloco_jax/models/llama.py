@@ -1,5 +1,6 @@
 """A Llama decoder in Flax: RMSNorm, rotary embeddings, SwiGLU MLP, causal multi-head attention, untied
 embeddings. Sizes come from presets (PAPER.md section 2) and can be overridden field by field.
+`LlamaModel` (at the end) is its implementation of the model interface (models/base.py).
 
 The layers are stacked with `nn.scan`, so every layer parameter carries a leading `num_layers` axis:
 compile time does not grow with depth, and a pipeline stage is a contiguous slice of that axis.
@@ -17,14 +18,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-# hidden / layers / heads / MLP. `small` uses 12 heads as the reference code does (the paper says 16).
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(d_model=128, num_layers=2, num_heads=4, mlp_dim=384),
-    "small": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=3072),
-    "medium": dict(d_model=2048, num_layers=24, num_heads=32, mlp_dim=8192),
-    "large": dict(d_model=4096, num_layers=32, num_heads=32, mlp_dim=16384),
-}
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from noloco_jax.config.model import PRESETS  # hidden / layers / heads / MLP per preset
+from noloco_jax.models import base
+from noloco_jax.models.base import DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +37,7 @@ class LlamaConfig:
   param_dtype: Any = jnp.float32
   remat: bool = False  # recompute each layer's activations in the backward pass
   # Mesh axis the batch dimension of activations is split over (e.g. "fsdp"), or None. Set by
-  # train.build when a replica spans several devices; see `constrain_batch`.
+  # training.build when a replica spans several devices; see `constrain_batch`.
   batch_axis: str | None = None
 
   @property
@@ -62,7 +58,7 @@ def resolve_config(model_cfg: ml_collections.ConfigDict, *, vocab_size: int, seq
       norm_eps=float(model_cfg.norm_eps),
       dtype=DTYPES[model_cfg.dtype],
       param_dtype=DTYPES[model_cfg.param_dtype],
-      remat=bool(model_cfg.get("remat", False)),
+      remat=bool(model_cfg.remat),
       **sizes,
   )
 
@@ -204,7 +200,57 @@ class Llama(nn.Module):
     return constrain_batch(self.head(self.final_norm(x_BxLxD)).astype(jnp.float32), self.cfg.batch_axis)
 
 
-def cross_entropy(logits_BxLxV, targets_BxL):
-  """Mean next-token cross-entropy in nats."""
-  logp = jax.nn.log_softmax(logits_BxLxV, axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1))
+
+class LlamaModel(base.Model):
+  """Llama behind the model interface: embedding first, the scanned layers, final norm and head last."""
+
+  arch = "llama"
+  stage_roles = {"embed": "first", "layers": "layers", "final_norm": "last", "head": "last"}
+
+  def __init__(self, config: LlamaConfig):
+    self.config = config
+    self.module = Llama(config)
+
+  @classmethod
+  def resolve(cls, model_cfg, *, vocab_size: int, seq_len: int) -> "LlamaModel":
+    return cls(resolve_config(model_cfg, vocab_size=vocab_size, seq_len=seq_len))
+
+  @classmethod
+  def from_preset(cls, preset: str, *, vocab_size: int, seq_len: int) -> "LlamaModel":
+    return cls(LlamaConfig(vocab_size=vocab_size, max_seq_len=seq_len, **PRESETS[preset]))
+
+  def with_batch_axis(self, axis: str | None) -> "LlamaModel":
+    return LlamaModel(dataclasses.replace(self.config, batch_axis=axis))
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def max_seq_len(self) -> int:
+    return self.config.max_seq_len
+
+  def init(self, rng, tokens_BxL):
+    return self.module.init(rng, tokens_BxL)["params"]
+
+  def apply(self, params, tokens_BxL):
+    return self.module.apply({"params": params}, tokens_BxL)
+
+  def embed(self, params, tokens_BxL):
+    return self.module.apply({"params": {"embed": params["embed"]}}, tokens_BxL, method=Llama.embed_tokens)
+
+  def blocks(self, params, x_BxLxD):
+    num_layers = jax.tree.leaves(params["layers"])[0].shape[0]  # all of them, or one stage's slice
+    return Layers(self.config, num_layers).apply({"params": params["layers"]}, x_BxLxD)
+
+  def head(self, params, x_BxLxD):
+    ends = {"final_norm": params["final_norm"], "head": params["head"]}
+    return self.module.apply({"params": ends}, x_BxLxD, method=Llama.logits)
+
+  def num_params(self) -> int:
+    return num_params(self.config)
+
+  def flops_per_token(self, seq_len: int) -> float:
+    c = self.config
+    matmul = c.num_layers * (4 * c.d_model * c.d_model + 3 * c.d_model * c.mlp_dim) + c.d_model * c.vocab_size
+    return 6.0 * matmul + 12.0 * c.num_layers * c.d_model * seq_len

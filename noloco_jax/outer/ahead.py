@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Hashable
 
+import jax
 import numpy as np
 
 
@@ -107,15 +108,14 @@ class AheadCompiler:
 class RoundPrograms:
   """The compiled program and the route of each outer round, each compiled one round ahead.
 
-  `build(key)` is the jitted round function of a program key (pairing.PairingSchedule.plan; a method
-  without pairing has the single key ((),)); `abstract_state` the state's ShapeDtypeStructs with
-  their shardings; `route_sharding` where the route argument lives (replicated over the mesh).
+  `plan(round)` gives (program key, route) (outer/rounds.Rounds.plan); `build(key)` the jitted round
+  function of a key; `abstract_state` the state's ShapeDtypeStructs with their shardings;
+  `route_sharding` where the route argument lives (replicated over the mesh).
   """
 
-  def __init__(self, build: Callable[[Hashable], Callable], abstract_state: Any, schedule, num_devices: int,
-               route_sharding, capacity: int = 4):
-    import jax  # pylint: disable=g-import-not-at-top (keeps the module importable for the pure cache tests)
-    self._schedule, self._num_devices, self._route_sharding = schedule, num_devices, route_sharding
+  def __init__(self, plan: Callable[[int], tuple[Hashable, np.ndarray]], build: Callable[[Hashable], Callable],
+               abstract_state: Any, schedule, route_sharding, capacity: int = 4):
+    self._plan = plan
 
     def lower(key):
       # Mesh programs take the pool index (a scalar); the one-device program the [n−1, N] source table.
@@ -124,11 +124,6 @@ class RoundPrograms:
       return build(key).lower(abstract_state, route)
 
     self.compiler = AheadCompiler(lower, capacity=capacity)
-
-  def _plan(self, round_: int):
-    if self._schedule is None:
-      return ((),), np.asarray(0, np.int32)
-    return self._schedule.plan(round_, self._num_devices)
 
   def prefetch(self, round_: int) -> None:
     """Announces round `round_`: its program compiles in the background if it is not cached."""

@@ -1,14 +1,9 @@
 """Moving one tensor per replica to another replica, inside `shard_map` over the `replica` axis.
 
 The primitive is `route(x_k, src)`: global replica g receives x from replica src[g]. A device holds
-k consecutive replicas (global index g = device * k + slot), so a route splits into
-
-- moves between devices: for each (source slot a, destination slot b), the device pairs whose replica
-  in slot a feeds the replica in slot b form a partial permutation of devices, sent with ONE
-  `jax.lax.ppermute`. Every replica appears as a source in exactly one of them, so each replica
-  sends exactly one copy of x: the bytes on the wire are the message and nothing more. With one
-  replica per device (the usual layout) this is a single ppermute with no local part;
-- moves within a device: a static gather of the local stack, selected per device by `axis_index`.
+k consecutive replicas (global index g = device * k + slot), so a route is a set of slot moves,
+carried out by parallel/collectives.move_slots (one ppermute per (source slot, destination slot)
+pair, a local gather for moves within a device): each replica sends exactly one copy of x.
 
 With one device (the simulator), the whole route is a gather. Both paths give the same numbers,
 because they only move values; the arithmetic of the group mean is the same code after the move.
@@ -24,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from noloco_jax.parallel import collectives
 from noloco_jax.parallel.mesh import REPLICA
 from noloco_jax.outer.pairing import Groups, sources_for_shift
 
@@ -34,25 +30,8 @@ def route(x_k: jax.Array, src: Sequence[int], num_devices: int) -> jax.Array:
   src = np.asarray(src)
   if num_devices == 1:
     return x_k[src]
-  device = jax.lax.axis_index(REPLICA)
-  out = []
-  for b in range(k):
-    src_b = src[b::k]  # source of slot b on each device d = src[d * k + b]
-    src_dev, src_slot = src_b // k, src_b % k
-    terms = []
-    for a in range(k):
-      pairs = [(int(src_dev[d]), d) for d in range(num_devices) if src_slot[d] == a and src_dev[d] != d]
-      if pairs:
-        terms.append(jax.lax.ppermute(x_k[a], REPLICA, perm=pairs))
-    # Devices that are not a destination of a ppermute receive zeros from it, so the sum keeps exactly
-    # one non-zero term per destination (and adding zeros is exact).
-    received = sum(terms[1:], terms[0]) if terms else jnp.zeros_like(x_k[0])
-    local_slot = np.where(src_dev == np.arange(num_devices), src_slot, -1)
-    if (local_slot >= 0).any():
-      slot = jnp.asarray(local_slot, jnp.int32)[device]
-      received = jnp.where(slot >= 0, x_k[jnp.maximum(slot, 0)], received)
-    out.append(received)
-  return jnp.stack(out)
+  moves = [(int(src[g]) // k, int(src[g]) % k, g // k, g % k) for g in range(len(src))]
+  return collectives.move_slots(x_k, moves, REPLICA, num_devices)
 
 
 def group_mean(tree, groups: Groups, num_devices: int, message_dtype):

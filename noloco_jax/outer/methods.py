@@ -9,7 +9,9 @@
 | `none`   | local Adam              | nothing (independent replicas)                            | nothing                 |
 
 A method's round function runs inside `shard_map` over `replica` and sees the k replicas of one device
-stacked (see mesh.replica_map); the exchange code in exchange.py is the only place that communicates.
+stacked (see mesh.replica_map). Communication: NoLoCo and gossip through exchange.py (ppermutes within
+the groups, no all-reduce); DiLoCo's all-reduce and DDP's gradient average are the `jax.lax.pmean` over
+`replica` in this file (`_mean_over_replicas`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import ml_collections
 import numpy as np
 import optax
 
+from noloco_jax.config.outer import KINDS, OuterConfig
 from noloco_jax.parallel.mesh import REPLICA
 from noloco_jax.outer import exchange, rules
 from noloco_jax.outer.pairing import Groups, PairingSchedule
-from noloco_jax.training.state import TrainState
+from noloco_jax.inner.state import TrainState
 
-KINDS = ("noloco", "diloco", "gossip", "ddp", "none")
+# The dtypes of config.outer.message_dtype (noloco_jax/config/outer.py: MESSAGE_DTYPES).
 MESSAGE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -130,16 +133,18 @@ def _none() -> OuterMethod:
       make_round=None, bytes_per_round=lambda params: 0, bytes_per_step=lambda params: 0)
 
 
-def make_method(outer_cfg: ml_collections.ConfigDict) -> OuterMethod:
+def make_method(outer_cfg: ml_collections.ConfigDict | OuterConfig) -> OuterMethod:
+  """The method of `config.outer` (read through its schema: old field names map to the new ones)."""
+  outer_cfg = OuterConfig.parse(outer_cfg)
   kind = outer_cfg.kind
   if kind == "noloco":
-    return _noloco(outer_cfg.momentum, outer_cfg.lr, outer_cfg.gamma, outer_cfg.group_size,
+    return _noloco(outer_cfg.outer_momentum, outer_cfg.outer_lr, outer_cfg.consensus_weight, outer_cfg.group_size,
                    MESSAGE_DTYPES[outer_cfg.message_dtype], kind)
   if kind == "gossip":
     # The momentum ablation: pure pairwise averaging of the fast weights, φ ← mean_G θ.
     return _noloco(0.0, 1.0, 1.0, outer_cfg.group_size, MESSAGE_DTYPES[outer_cfg.message_dtype], kind)
   if kind == "diloco":
-    return _diloco(outer_cfg.lr, outer_cfg.momentum, outer_cfg.nesterov)
+    return _diloco(outer_cfg.outer_lr, outer_cfg.outer_momentum, outer_cfg.nesterov)
   if kind == "ddp":
     return _ddp()
   if kind == "none":

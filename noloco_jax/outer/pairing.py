@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from noloco_jax.config.outer import PAIRINGS
 from noloco_jax.parallel import permutations
 
 Groups = tuple[tuple[int, ...], ...]
-MODES = ("fresh", "round_robin", "fixed")
+MODES = PAIRINGS  # config.outer.pairing: fresh | round_robin | fixed
 _ROUND_ROBIN_PURPOSE = 1  # which relabelling ρ of the seed (permutations.seeded_relabel)
 
 

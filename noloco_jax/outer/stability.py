@@ -30,9 +30,12 @@ The cross-replica variance of φ is C_xx·(N − 1)/N; it changes by the factor 
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
+
+from noloco_jax.config.fields import ConfigError
 
 
 def averaging_shrink(group_size: int, num_replicas: int) -> float:
@@ -102,7 +105,24 @@ def instability(alpha: float, gamma: float, group_size: int, num_replicas: int) 
     return None
   low, high = paper_interval(alpha, group_size)
   inside = "inside" if low < gamma < high else "outside"
-  return (f"with outer.momentum={alpha:g} (α), outer.gamma={gamma:g} (γ), group_size={group_size}, "
+  return (f"with outer.outer_momentum={alpha:g} (α), outer.consensus_weight={gamma:g} (γ), group_size={group_size}, "
           f"num_replicas={num_replicas} the cross-replica weight spread is unstable: it grows by "
           f"{100 * (math.sqrt(rho) - 1):.1f}% per round (spectral radius {rho:.3f} ≥ 1; docs/stability.md; "
           f"the paper's interval {low:.3f} < γ < {high:.3f}, which γ is {inside}, does not apply here)")
+
+
+def check_config(config) -> None:
+  """Refuses a NoLoCo config whose spread is unstable (ConfigError, one line) unless outer.allow_unstable.
+
+  Run by training/build.py right after the schema's validation, before anything is compiled. (It is not
+  in config/checks.py only because config/ imports nothing from the rest of the package.)
+  """
+  o = config.outer
+  if o.kind != "noloco":
+    return
+  problem = instability(o.outer_momentum, o.consensus_weight, o.group_size, config.num_replicas)
+  if problem and not o.allow_unstable:
+    raise ConfigError(f"config.outer.consensus_weight={o.consensus_weight!r} is not valid: {problem}. Lower γ "
+                      "or α, or set outer.allow_unstable=True to run it anyway.")
+  if problem:
+    logging.warning("outer.allow_unstable=True: %s.", problem)

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from noloco_jax.parallel import mesh as mesh_lib
+
 ENV = {
     "mode": "NOLOCO_DISTRIBUTED",
     "coordinator_address": "NOLOCO_COORDINATOR_ADDRESS",
@@ -213,7 +215,6 @@ def _digest(text: str) -> np.ndarray:
 
 def fingerprint(config, mesh) -> dict[str, str]:
   """What every process of one job must agree on, as text (hashed before it is compared)."""
-  from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   layout = mesh_lib.process_layout(mesh, config.num_replicas)
   return {
       "config": config.to_json_best_effort(sort_keys=True),
@@ -279,7 +280,6 @@ def _leaf_checksums(x_NxD: jax.Array) -> jax.Array:
 
 def replica_checksums(mesh, state) -> np.ndarray:
   """[N, 2] uint32: a checksum of every replica's full state (all leaves, optimizer counters included)."""
-  from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
   # Leaves kept in host memory between rounds (outer.offload) are brought to device memory first:
   # arithmetic runs on the devices. Leaves already there are left alone (moves = None).
@@ -303,7 +303,6 @@ def replica_checksums(mesh, state) -> np.ndarray:
 
 def log_layout(config, mesh) -> None:
   """Once, on process 0: how the global batch splits over processes, devices and replicas."""
-  from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   if jax.process_index() != 0:
     return
   n, b, l = config.num_replicas, config.data.batch_size, config.data.seq_len
@@ -326,7 +325,6 @@ def check_consistency(config, mesh, state, *, identical_replicas: bool = True) -
 
   Call it right after the state is built and before anything (a restore, a step) changes it.
   """
-  from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   log_layout(config, mesh)
   fields = fingerprint(config, mesh)
   logging.info("Start-up check: process %d has config hash %s, seed %s.", jax.process_index(),

@@ -147,19 +147,6 @@ def replica_map(fn, mesh: Mesh, in_specs, out_specs):
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={REPLICA})
 
 
-def global_array(mesh: Mesh, local_rows: np.ndarray, num_replicas: int) -> jax.Array:
-  """Assembles the global [N, ...] replica-sharded array from this process's rows (its replicas only).
-
-  `local_rows[i]` belongs to replica local_replica_ids(mesh, N)[i]. Nothing crosses processes: each
-  process places its rows on its own devices.
-  """
-  shape = (num_replicas,) + tuple(local_rows.shape[1:])
-  # With fsdp > 1 each device of a replica group gets only its slice of the group's sequences
-  # (sharding.batch_sharding); the process still passes whole rows, all of its devices being local.
-  from noloco_jax.parallel import sharding as sharding_lib  # pylint: disable=g-import-not-at-top (sharding imports mesh)
-  return jax.make_array_from_process_local_data(sharding_lib.batch_sharding(mesh, shape), local_rows, shape)
-
-
 @functools.lru_cache(maxsize=None)
 def _gather_fn(mesh: Mesh):
   return jax.jit(lambda tree: tree, out_shardings=replicated(mesh))

@@ -1,7 +1,9 @@
 """Pipeline parallelism: each replica cut into `num_stages` stages, with random routing between them.
 
-Used when `config.num_stages` = S > 1 (train.build swaps in these step functions); with S = 1 none of
-this runs and the default job is unchanged.
+Used when `config.num_stages` = S > 1 (training.build chooses these step functions); with S = 1 none
+of this runs and the default job is unchanged. The model is cut through its interface (models/base.py):
+`embed` on the first stage, `blocks` on each stage's slice of the stacked layers, `head` on the last,
+and `stage_role` says which parameters each stage owns; nothing here names a model's parameters.
 
 Stages and state layout
 -----------------------
@@ -82,15 +84,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from noloco_jax.training import inner
-from noloco_jax.models import llama as model_lib
+from noloco_jax.config.pipeline import CLIPS
+from noloco_jax.inner import step as inner
+from noloco_jax.models.base import Model
 from noloco_jax.parallel import routing
 from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.parallel.mesh import FSDP, REPLICA, STAGE
 
-CLIPS = ("per_stage", "global")
-# Which stage uses each top-level parameter collection of model.Llama (all others: "layers").
-_OWNER = {"embed": "first", "final_norm": "last", "head": "last"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -98,22 +98,15 @@ _OWNER = {"embed": "first", "final_norm": "last", "head": "last"}
 # ---------------------------------------------------------------------------------------------------
 
 
-def _role(path) -> str:
-  """"layers" (split over stages on the layer axis), "first"/"last" (the ends), or "other"."""
-  keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-  if "layers" in keys:
-    return "layers"
-  for name, owner in _OWNER.items():
-    if name in keys:
-      return owner
-  return "other"  # step counters, optimizer counts: scalars per replica, replicated over stages
+def _entries(role: str, stacked_shape, num_stages: int, fsdp: int) -> list:
+  """The full PartitionSpec entries of a replica-stacked leaf: fsdp as sharding.py decides, plus `stage`.
 
-
-def _entries(path, stacked_shape, num_stages: int, fsdp: int) -> list:
-  """The full PartitionSpec entries of a replica-stacked leaf: fsdp as sharding.py decides, plus `stage`."""
+  `role` is the model's `stage_role` of the leaf: "layers" (split over stages on the layer axis),
+  "first" / "last" (the ends, split ZeRO-style), or "other" (step counters: replicated over stages).
+  """
   base = list(sharding_lib.leaf_spec(tuple(stacked_shape), fsdp))
   entries = base + [None] * (len(stacked_shape) - len(base))
-  role, shape = _role(path), stacked_shape
+  shape = stacked_shape
   if role == "layers":
     dim = 1  # the layer axis, right after the replica axis
   elif role in ("first", "last"):
@@ -139,41 +132,34 @@ def _stage_dim(entries) -> int | None:
   return None
 
 
-def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
+def roles(tree: Any, model: Model) -> Any:
+  """The model's stage role of every leaf of `tree` (the state, the params or their gradients)."""
+  return jax.tree_util.tree_map_with_path(lambda path, x: model.stage_role(path), tree)
+
+
+def state_shardings(abstract_state: Any, mesh: Mesh, model: Model) -> Any:
   """NamedSharding per leaf of the replica-stacked state, split over `stage` as the docstring says."""
   S, F = mesh.shape[STAGE], sharding_lib.fsdp_size(mesh)
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, P(*_entries(path, x.shape, S, F))), abstract_state)
+  return jax.tree.map(lambda role, x: NamedSharding(mesh, P(*_entries(role, x.shape, S, F))),
+                      roles(abstract_state, model), abstract_state)
 
 
-def _manual_specs(tree: Any, num_stages: int, fsdp: int) -> Any:
+def _manual_specs(tree: Any, num_stages: int, fsdp: int, model: Model) -> Any:
   """in/out specs for the shard_map manual over (replica, stage): fsdp is automatic, so it is left out."""
-  def spec(path, x):
-    entries = _entries(path, x.shape, num_stages, fsdp)
+  def spec(role, x):
+    entries = _entries(role, x.shape, num_stages, fsdp)
     return P(*[STAGE if d == _stage_dim(entries) else (REPLICA if d == 0 else None) for d in range(len(entries))])
-  return jax.tree_util.tree_map_with_path(spec, tree)
+  return jax.tree.map(spec, roles(tree, model), tree)
 
 
-def _stage_dims(tree: Any, num_stages: int, fsdp: int) -> Any:
-  return jax.tree_util.tree_map_with_path(lambda path, x: _stage_dim(_entries(path, x.shape, num_stages, fsdp)), tree)
+def _stage_dims(tree: Any, num_stages: int, fsdp: int, model: Model) -> Any:
+  return jax.tree.map(lambda role, x: _stage_dim(_entries(role, x.shape, num_stages, fsdp)), roles(tree, model), tree)
 
 
-def replicated_leaves(abstract_params: Any, num_stages: int, fsdp: int = 1) -> list[str]:
+def replicated_leaves(abstract_params: Any, num_stages: int, model: Model, fsdp: int = 1) -> list[str]:
   """Parameter leaves stored on every stage (no dimension divisible by S): sent S times per round."""
-  dims = _stage_dims(abstract_params, num_stages, fsdp)
+  dims = _stage_dims(abstract_params, num_stages, fsdp, model)
   return [jax.tree_util.keystr(p) for p, d in jax.tree_util.tree_flatten_with_path(dims)[0] if d is None]
-
-
-def make_optimizer(inner_cfg: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:
-  """inner.make_optimizer without its clipping (the pipeline clips across stages itself).
-
-  The clipping transform is replaced by `identity`, whose state is the same EmptyState: the optimizer
-  state keeps the unpipelined tree, so checkpoints stay interchangeable across num_stages.
-  """
-  no_clip = inner_cfg.copy_and_resolve_references()
-  no_clip.grad_clip = 0.0
-  base = inner.make_optimizer(no_clip, num_steps)
-  return optax.chain(optax.identity(), base) if inner_cfg.grad_clip > 0 else base
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -188,20 +174,20 @@ def _vary(x, axes=(REPLICA, STAGE)):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _gather_ends(params_k, stage_dims):
+def _gather_ends(params_k, stage_dims, roles_):
   """Every leaf whole: the stage-split ends are all-gathered over `stage`. Layer slices stay local.
 
   `all_gather` returns a stage-varying value, so its transpose in the backward pass is a
   reduce-scatter (psum_scatter): each stage receives only its shard of the summed end gradients.
   """
-  def gather(path, x, dim):
-    if dim is None or _role(path) == "layers":
+  def gather(x, dim, role):
+    if dim is None or role == "layers":
       return x
     return jax.lax.all_gather(x, STAGE, axis=dim, tiled=True)
-  return jax.tree_util.tree_map_with_path(gather, params_k, stage_dims)
+  return jax.tree.map(gather, params_k, stage_dims, roles_, is_leaf=lambda x: x is None)
 
 
-def make_forward(model_cfg: model_lib.LlamaConfig, num_stages: int, router: Callable) -> Callable:
+def make_forward(model: Model, num_stages: int, router: Callable) -> Callable:
   """forward(params_k, tokens_kxMxbxL1, route_MxB) -> loss_k: the GPipe forward of one device.
 
   route_MxB: the step's routing table (RouteSchedule.indices_traced), None with fixed routing.
@@ -210,21 +196,10 @@ def make_forward(model_cfg: model_lib.LlamaConfig, num_stages: int, router: Call
   the mean over micro-batches of the loss scored on this device, non-zero on the last stage only.
   """
   S = num_stages
-  llama = model_lib.Llama(model_cfg)
-  stage_layers = model_lib.Layers(model_cfg, model_cfg.num_layers // S)
-
-  def embed_k(params, tokens_kxbxL):
-    return jax.vmap(lambda p, t: llama.apply({"params": {"embed": p}}, t, method=model_lib.Llama.embed_tokens))(
-        params["embed"], tokens_kxbxL)
-
-  def layers_k(params, x_kxbxLxD):
-    return jax.vmap(lambda p, x: stage_layers.apply({"params": p}, x))(params["layers"], x_kxbxLxD)
-
-  def loss_k(params, y_kxbxLxD, targets_kxbxL):
-    def one(norm, head, y, t):
-      logits = llama.apply({"params": {"final_norm": norm, "head": head}}, y, method=model_lib.Llama.logits)
-      return model_lib.cross_entropy(logits, t)
-    return jax.vmap(one)(params["final_norm"], params["head"], y_kxbxLxD, targets_kxbxL)
+  # vmapped over the k local replicas; each reads only the parameters its part owns.
+  embed_k = jax.vmap(model.embed)
+  layers_k = jax.vmap(model.blocks)  # this stage's slice of the layers
+  loss_k = jax.vmap(lambda p, y, t: inner.cross_entropy(model.head(p, y), t))
 
   def forward(params, tokens_kxMxbxL1, route_MxB):
     k, M, b, L1 = tokens_kxMxbxL1.shape
@@ -246,7 +221,8 @@ def make_forward(model_cfg: model_lib.LlamaConfig, num_stages: int, router: Call
       # Hand the output to the next stage (of the same or a random replica): the slot's only collective.
       return router((y, targets), t, route_MxB), loss
 
-    init = (_vary(jnp.zeros((k, b, L1 - 1, model_cfg.d_model), model_cfg.dtype)),
+    x_spec = jax.eval_shape(embed_k, params, tokens_kxMxbxL1[:, 0, :, :-1])  # [k, b, L, D] activations
+    init = (_vary(jnp.zeros(x_spec.shape, x_spec.dtype)),
             _vary(jnp.zeros((k, b, L1 - 1), tokens_kxMxbxL1.dtype)))
     _, loss_Txk = jax.lax.scan(slot, init, jnp.arange(M + S - 1))
     return jnp.sum(loss_Txk, axis=0) / M
@@ -289,7 +265,7 @@ def _clip(grads, roles, group_sq, max_norm: float, mode: str, num_stages: int):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The jittable step functions (the drop-ins train.build uses).
+# The jittable step functions (what training.build uses with stages).
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -302,7 +278,7 @@ def route_schedule(config: ml_collections.ConfigDict, mode: str | None = None) -
                                num_microbatches=num_microbatches(config), mode=mode or config.pipeline.routing)
 
 
-def make_grads_fn(config: ml_collections.ConfigDict, model_cfg: model_lib.LlamaConfig, mesh: Mesh,
+def make_grads_fn(config: ml_collections.ConfigDict, model: Model, mesh: Mesh,
                   schedule: routing.RouteSchedule | None = None):
   """grads_fn(params_k, batch_kxBxL1, step_k) -> (loss_k, grads) inside shard_map(replica, stage).
 
@@ -311,11 +287,11 @@ def make_grads_fn(config: ml_collections.ConfigDict, model_cfg: model_lib.LlamaC
   """
   S, F = mesh.shape[STAGE], sharding_lib.fsdp_size(mesh)
   schedule = schedule or route_schedule(config)
-  forward = make_forward(model_cfg, S, routing.make_slot_router(schedule, mesh.shape[REPLICA]))
+  forward = make_forward(model, S, routing.make_slot_router(schedule, mesh.shape[REPLICA]))
   M = num_microbatches(config)
 
   def grads_fn(params, batch_kxBxL1, step_k, global_shapes):
-    stage_dims = _stage_dims(global_shapes, S, F)
+    stage_dims, roles_ = _stage_dims(global_shapes, S, F, model), roles(global_shapes, model)
     k, B, L1 = batch_kxBxL1.shape
     tokens = batch_kxBxL1.reshape(k, M, B // M, L1)
     # The routes of this step: every replica has taken the same number of steps, so every device
@@ -323,7 +299,7 @@ def make_grads_fn(config: ml_collections.ConfigDict, model_cfg: model_lib.LlamaC
     route_MxB = schedule.indices_traced(step_k[0])
 
     def loss_fn(p):
-      loss_k = forward(_gather_ends(p, stage_dims), tokens, route_MxB)
+      loss_k = forward(_gather_ends(p, stage_dims, roles_), tokens, route_MxB)
       return jnp.sum(loss_k), loss_k
 
     (_, loss_k), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -333,32 +309,35 @@ def make_grads_fn(config: ml_collections.ConfigDict, model_cfg: model_lib.LlamaC
   return grads_fn
 
 
-def make_inner_step(config: ml_collections.ConfigDict, model_cfg: model_lib.LlamaConfig, mesh: Mesh,
-                    reduce_grads: Callable | None = None) -> Callable:
-  """step(state without outer, batch [N, B, L+1]) -> (state, {"loss": [N], "grad_norm": [N]})."""
+def make_inner_step(config: ml_collections.ConfigDict, model: Model, mesh: Mesh,
+                    optimizer: optax.GradientTransformation, reduce_grads: Callable | None = None) -> Callable:
+  """step(state without outer, batch [N, B, L+1]) -> (state, {"loss": [N], "grad_norm": [N]}).
+
+  `optimizer` is inner.make_optimizer(..., clip=False): this step clips the gradients itself, per
+  stage or globally (config.pipeline.clip), before the optimizer's update.
+  """
   S, F = mesh.shape[STAGE], sharding_lib.fsdp_size(mesh)
-  grads_fn = make_grads_fn(config, model_cfg, mesh)
-  optimizer = make_optimizer(config.inner, config.num_steps)
+  grads_fn = make_grads_fn(config, model, mesh)
   max_norm, mode = float(config.inner.grad_clip), config.pipeline.clip
 
   def local(state, batch_kxBxL1, global_shapes):
-    roles = jax.tree_util.tree_map_with_path(lambda p, x: _role(p), global_shapes)
-    stage_dims = _stage_dims(global_shapes, S, F)
+    roles_ = roles(global_shapes, model)
+    stage_dims = _stage_dims(global_shapes, S, F, model)
     loss_k, grads = grads_fn(state.params, batch_kxBxL1, state.step, global_shapes)
-    group_sq = _group_sq_norms(grads, roles, stage_dims, S)
+    group_sq = _group_sq_norms(grads, roles_, stage_dims, S)
     grad_norm_k = jnp.sqrt(jnp.sum(group_sq, axis=1))
     if reduce_grads is not None:  # ddp: per stage, each device averages its own shards over `replica`
       grads = reduce_grads(grads)
-      group_sq = _group_sq_norms(grads, roles, stage_dims, S)
+      group_sq = _group_sq_norms(grads, roles_, stage_dims, S)
     if max_norm > 0:
-      grads = _clip(grads, roles, group_sq, max_norm, mode, S)
+      grads = _clip(grads, roles_, group_sq, max_norm, mode, S)
     # Adam is elementwise: each device updates its own shards (layer slice, 1/S of the ends).
     state = jax.vmap(inner.apply_grads, in_axes=(0, 0, None))(state, grads, optimizer)
     return state, {"loss": loss_k, "grad_norm": grad_norm_k}
 
   def step(state, batch):
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
-    specs = _manual_specs(state, S, F)
+    specs = _manual_specs(state, S, F, model)
     fn = jax.shard_map(functools.partial(local, global_shapes=shapes), mesh=mesh,
                        in_specs=(specs, P(REPLICA)), out_specs=(specs, P(REPLICA)),
                        axis_names={REPLICA, STAGE})
@@ -367,13 +346,13 @@ def make_inner_step(config: ml_collections.ConfigDict, model_cfg: model_lib.Llam
   return step
 
 
-def make_eval_step(config: ml_collections.ConfigDict, model_cfg: model_lib.LlamaConfig, mesh: Mesh) -> Callable:
+def make_eval_step(config: ml_collections.ConfigDict, model: Model, mesh: Mesh) -> Callable:
   """eval(params, batch [B, L+1]) -> loss [N]: every replica scores the batch with its own weights.
 
   Always fixed routing (each replica's own stages in order), whatever the training routing.
   """
   S, F = mesh.shape[STAGE], sharding_lib.fsdp_size(mesh)
-  forward = make_forward(model_cfg, S, routing.make_slot_router(route_schedule(config, "fixed"), mesh.shape[REPLICA]))
+  forward = make_forward(model, S, routing.make_slot_router(route_schedule(config, "fixed"), mesh.shape[REPLICA]))
   micro = config.data.batch_size // num_microbatches(config)  # sequences per micro-batch, as in training
 
   def local(params, batch_BxL1, global_shapes):
@@ -381,13 +360,14 @@ def make_eval_step(config: ml_collections.ConfigDict, model_cfg: model_lib.Llama
     B, L1 = batch_BxL1.shape
     b = micro if B % micro == 0 else 1
     tokens = jnp.broadcast_to(batch_BxL1.reshape(1, B // b, b, L1), (k, B // b, b, L1))
-    loss_k = forward(_gather_ends(params, _stage_dims(global_shapes, S, F)), tokens, None)
+    ends = _gather_ends(params, _stage_dims(global_shapes, S, F, model), roles(global_shapes, model))
+    loss_k = forward(ends, tokens, None)
     return jax.lax.psum(loss_k, STAGE)
 
   def evaluate(params, batch_BxL1):
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     fn = jax.shard_map(functools.partial(local, global_shapes=shapes), mesh=mesh,
-                       in_specs=(_manual_specs(params, S, F), P()), out_specs=P(REPLICA),
+                       in_specs=(_manual_specs(params, S, F, model), P()), out_specs=P(REPLICA),
                        axis_names={REPLICA, STAGE})
     return fn(params, batch_BxL1)
 

@@ -1,4 +1,4 @@
-"""Random pipeline routing (PAPER.md section 1): which replica of stage s+1 a micro-batch goes to.
+"""Random pipeline routing (docs/method.md): which replica of stage s+1 a micro-batch goes to.
 
 With `num_stages` = S > 1 every replica is cut into S stages. A micro-batch that leaves stage b of
 replica g is sent to stage b+1 of replica π(g), where π is a permutation of the N replicas:
@@ -44,10 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from noloco_jax.parallel import permutations
+from noloco_jax.config.pipeline import ROUTINGS
+from noloco_jax.parallel import collectives, permutations
 from noloco_jax.parallel.mesh import REPLICA, STAGE
 
-ROUTINGS = ("fixed", "random")
 _RELABEL_PURPOSE = 2  # which relabelling ρ of the seed (permutations.seeded_relabel)
 
 
@@ -114,26 +114,19 @@ def _ppermutes(x_k: jax.Array, moves: dict[int, np.ndarray], num_devices: int, n
 
   Inside shard_map manual over (replica, stage). x_k: this device's [k, ...] stack (k replicas of one
   stage). Device (d, s) is linear index d·S + s of the (replica, stage) axes (the mesh order), and
-  global replica g = d·k + slot, as in outer/exchange.py. For each (source slot a, destination slot b)
-  the moves of the given boundaries form ONE partial permutation of devices, sent with one ppermute, so
-  each replica's activation is sent exactly once. A stage never sends to itself (it always moves to
-  s+1), so there is no local part; a device that is no destination receives zeros.
+  global replica g = d·k + slot, as in outer/exchange.py. The moves of the given boundaries go through
+  parallel/collectives.move_slots: one ppermute per (source slot, destination slot), so each replica's
+  activation is sent exactly once. A stage never sends to itself (it always moves to s+1), so there is
+  no local part; a device that is no destination receives zeros.
   """
   k = x_k.shape[0]
-  pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+  moves_k = []
   for b, dest in moves.items():
     for g, h in enumerate(np.asarray(dest)):
       src_dev, src_slot = divmod(g, k)
       dst_dev, dst_slot = divmod(int(h), k)
-      pairs.setdefault((src_slot, dst_slot), []).append((src_dev * num_stages + b, dst_dev * num_stages + b + 1))
-  out = []
-  for b_slot in range(k):
-    terms = [jax.lax.ppermute(x_k[a], (REPLICA, STAGE), perm=pairs[(a, b_slot)])
-             for a in range(k) if (a, b_slot) in pairs]
-    # A device that is not a destination of one of these ppermutes receives zeros from it: the sum keeps
-    # exactly one non-zero term per receiving device (adding zeros is exact).
-    out.append(sum(terms[1:], terms[0]))
-  return jnp.stack(out)
+      moves_k.append((src_dev * num_stages + b, src_slot, dst_dev * num_stages + b + 1, dst_slot))
+  return collectives.move_slots(x_k, moves_k, (REPLICA, STAGE), num_devices * num_stages)
 
 
 def make_slot_router(schedule: RouteSchedule, num_devices: int):

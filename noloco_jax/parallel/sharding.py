@@ -1,11 +1,12 @@
 """Where each leaf of the replica-stacked state lives inside one replica: the `fsdp` mesh axis.
 
-The mesh is (replica, fsdp) (mesh.make_mesh). Every leaf keeps its leading [N] replica axis on
+The mesh is (replica, fsdp), or (replica, stage, fsdp) with pipeline stages (mesh.make_mesh; the
+`stage` split is pipeline.py's). Every leaf keeps its leading [N] replica axis on
 `replica`, as before; inside one replica, a leaf is split over the `fsdp` devices along ONE of its own
 dimensions, so θ, the Adam moments, φ and δ all shrink by the fsdp size on every device. The step
 functions stay manual over `replica` only (mesh.replica_map): inside them `fsdp` is an automatic axis,
 and XLA inserts the all-gathers (weights before use) and the gradient reductions itself (the
-activations are pinned to the batch split so that it does exactly that: model.constrain_batch).
+activations are pinned to the batch split so that it does exactly that: llama.constrain_batch).
 
 Which dimension: the largest one that the fsdp size divides (ties: the first), else the leaf is
 replicated over fsdp. Rationale:
@@ -81,6 +82,18 @@ def batch_sharding(mesh: Mesh, batch_shape: tuple[int, ...]) -> NamedSharding:
   return NamedSharding(mesh, P(REPLICA))
 
 
+def global_array(mesh: Mesh, local_rows: np.ndarray, num_replicas: int) -> jax.Array:
+  """Assembles the global [N, ...] replica-sharded array from this process's rows (its replicas only).
+
+  `local_rows[i]` belongs to replica mesh.local_replica_ids(mesh, N)[i]. Nothing crosses processes: each
+  process places its rows on its own devices.
+  """
+  shape = (num_replicas,) + tuple(local_rows.shape[1:])
+  # With fsdp > 1 each device of a replica group gets only its slice of the group's sequences
+  # (batch_sharding); the process still passes whole rows, all of its devices being local.
+  return jax.make_array_from_process_local_data(batch_sharding(mesh, shape), local_rows, shape)
+
+
 def eval_batch_sharding(mesh: Mesh, batch_shape: tuple[int, ...]) -> NamedSharding:
   """A validation batch [B, L+1] scored by every replica: sequences over fsdp, whole on every replica."""
   if batch_shape and batch_shape[0] % fsdp_size(mesh) == 0:
@@ -92,7 +105,7 @@ def offload(shardings: Any, outer: bool) -> Any:
   """The state's shardings with φ and δ (`outer`) homed in pinned host memory when `outer` is True.
 
   Between rounds the outer state is only carried through the inner steps, so it need not take device
-  memory; the round function brings it to the device and sends it back (see train.build).
+  memory; the round function brings it to the device and sends it back (outer/rounds.py).
   """
   if not outer:
     return shardings

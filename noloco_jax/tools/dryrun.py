@@ -30,8 +30,9 @@ import ml_collections
 import numpy as np
 
 from noloco_jax.tools import hlo as hlo_lib
+from noloco_jax.training import build as build_lib
+from noloco_jax.outer import rounds as rounds_lib
 from noloco_jax.parallel import mesh as mesh_lib
-from noloco_jax.models import llama as model_lib
 from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.parallel.mesh import REPLICA
 
@@ -100,12 +101,11 @@ def _abstract(tree, shardings):
 def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size: int | None = None,
             include_eval: bool = True) -> dict[str, Any]:
   """Compiles the run's programs on `topology` from shapes only; returns figures (see `report`)."""
-  from noloco_jax.training import loop as train  # pylint: disable=g-import-not-at-top (train imports the data package)
   devices = _devices(topology.num_devices)
   fsdp = config.fsdp
   mesh = mesh_lib.make_mesh(config.num_replicas, config.num_devices, devices=devices, fsdp=fsdp,
-                            stages=config.get("num_stages", 1))
-  setup = train.build(config, mesh=mesh, vocab_size=vocab_size or config.model.vocab_size or None,
+                            stages=config.num_stages)
+  setup = build_lib.build(config, mesh=mesh, vocab_size=vocab_size or config.model.vocab_size or None,
                       check_data=False)
   n, b, l1 = config.num_replicas, config.data.batch_size, config.data.seq_len + 1
 
@@ -116,7 +116,8 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
 
   result: dict[str, Any] = {
       "mesh": dict(mesh.shape), "devices_used": int(mesh.devices.size), "platform": devices[0].platform,
-      "num_params": model_lib.num_params(setup.model_config), "num_params_counted": counted_params,
+      "num_params": setup.model.num_params(), "num_params_counted": counted_params,
+      "flops_per_token": setup.model.flops_per_token(config.data.seq_len),
       "state_bytes_per_replica": sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)) // n,
       "state_bytes_per_device": sharding_lib.bytes_per_device(state, setup.state_shardings),
       "bytes_per_round_formula": setup.method.bytes_per_round(one_replica),
@@ -152,7 +153,7 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
     # One round with one grouping (what a `fresh` round compiles; a `pool` round is a switch over
     # such branches of the same size), so the collectives in the program are exactly one round's.
     groups = setup.schedule.groups(0) if setup.schedule is not None else ()
-    round_fn = train.make_round_fn(setup.method, mesh, (groups,), setup.state_shardings)
+    round_fn = rounds_lib.make_round_fn(setup.method, mesh, (groups,), setup.state_shardings)
     # With offload the round copies φ and δ to the device for its arithmetic, so its device peak is
     # counted with them (nothing subtracted); XLA:CPU's copy to 'device' memory is free and unseen.
     round_compiled = compile_("outer_round", round_fn, state, jax.ShapeDtypeStruct((), jnp.int32))

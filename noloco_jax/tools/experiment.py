@@ -1,7 +1,7 @@
-"""Small experiments on top of `train.train_and_evaluate`: configs, seed sweeps, summaries and plots.
+"""Small experiments on top of `training.train_and_evaluate`: configs, seed sweeps, summaries and plots.
 
 Shared by experiments/compare_methods.py and the ablation notebooks in experiments/ablations/, so that
-they differ only in what they sweep. JAX must already have its devices: set JAX_NUM_CPU_DEVICES
+they differ only in what they sweep. Their plots are in tools/plots.py (matplotlib is imported only there). JAX must already have its devices: set JAX_NUM_CPU_DEVICES
 before the first `import jax` (a notebook's first cell, a script's first lines).
 
 The setting ("mini"): the embedded standard-library corpus with the byte tokenizer, a 2-layer Llama
@@ -30,22 +30,15 @@ import jax
 import ml_collections
 import numpy as np
 
+from noloco_jax.outer.paper import PAPER_OUTER
 from noloco_jax.tools import config_files
 from noloco_jax.io import metrics as metrics_lib
-from noloco_jax.training import loop as train
+from noloco_jax import training
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE_ENV = "NOLOCO_SMOKE"  # "1" shrinks notebooks and scripts to seconds (tests/test_notebooks.py)
 CACHE_ENV = "NOLOCO_COMPILE_CACHE"  # directory of JAX's persistent compilation cache; "" disables
 
-#: The paper's outer hyperparameters per method (PAPER.md section 2; γ = β as in the reference code).
-PAPER_OUTER: dict[str, dict[str, Any]] = {
-    "noloco": dict(momentum=0.5, lr=0.7, gamma=0.7, group_size=2, inner_steps=50),
-    "diloco": dict(momentum=0.3, lr=0.7, nesterov=False, inner_steps=100),
-    "gossip": dict(group_size=2, inner_steps=50),  # NoLoCo with α=0, β=γ=1 (set by outer/)
-    "ddp": {},
-    "none": {},
-}
 #: H for the 300-step mini runs: the paper's 50 (NoLoCo) and 100 (DiLoCo) halved, keeping their 1:2
 #: ratio, so that a run has 12 NoLoCo and 6 DiLoCo rounds (the paper: 500 and 250 over 25,000 steps).
 MINI_INNER_STEPS = {"noloco": 25, "gossip": 25, "diloco": 50}
@@ -104,7 +97,7 @@ def method_config(base: ml_collections.ConfigDict, kind: str, *, smoke: bool = F
   """
   config = ml_collections.ConfigDict(base.to_dict())
   config.outer.kind = kind
-  config.outer.update(PAPER_OUTER[kind])
+  config.outer.update(PAPER_OUTER[kind])  # the paper's (outer/paper.py)
   config.outer.inner_steps = base.outer.inner_steps if smoke else MINI_INNER_STEPS.get(kind, base.outer.inner_steps)
   config.outer.update(outer)
   return config
@@ -118,7 +111,8 @@ def apply_overrides(config: ml_collections.ConfigDict, items: Iterable[str]) -> 
     *path, leaf = key.split(".")
     for part in path:
       node = node[part]
-    node[leaf] = value == "True" if isinstance(node[leaf], bool) else type(node[leaf])(value)
+    kind = node.get_type(leaf)  # a placeholder (an old, renamed field's name) has a type but no value
+    node[leaf] = value == "True" if kind is bool else kind(value)
   return config
 
 
@@ -167,8 +161,8 @@ def run(config: ml_collections.ConfigDict, *, label: str = "", workdir: str | No
     if quiet:
       absl_logger.setLevel(logging.WARNING)
     with contextlib.redirect_stdout(out) if quiet else contextlib.nullcontext():
-      result = train.train_and_evaluate(config, workdir)
-  except train.NonFiniteLossError as e:
+      result = training.train_and_evaluate(config, workdir)
+  except training.NonFiniteLossError as e:
     error = str(e)
   finally:
     absl_logger.setLevel(old_level)
@@ -285,55 +279,3 @@ def table(results: Mapping[str, Sequence[Run]],
     note = f" ({diverged} diverged)" if diverged else ""
     lines.append(f"| {label} | {len(runs)}{note} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
-
-
-def plot_sweep(results: Mapping[str, Sequence[Run]], title: str = "",
-               keys: Sequence[str] = ("eval/loss", "replicas/weight_std"), path: str | None = None):
-  """One panel per metric against inner steps, mean over seeds with a ±std band; log scale for weight std."""
-  import matplotlib
-  if path is not None:
-    matplotlib.use("Agg", force=False)
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 3.8), squeeze=False)
-  for ax, key in zip(axes[0], keys):
-    for label, runs in results.items():
-      steps, mean, std = curve(runs, key)
-      if not len(steps):
-        continue
-      line, = ax.plot(steps, mean, marker=".", label=label)
-      ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("inner step")
-    ax.set_ylabel(key)
-    if "weight_std" in key:
-      ax.set_yscale("symlog", linthresh=1e-4)
-    ax.grid(alpha=0.3)
-  axes[0][0].legend(fontsize=8)
-  if title:
-    fig.suptitle(title)
-  fig.tight_layout()
-  if path is not None:
-    fig.savefig(path, dpi=120)
-  return fig
-
-
-def plot_final(series: Mapping[str, Mapping[float, Sequence[Run]]], key: str, xlabel: str, ax=None,
-               logx: bool = False):
-  """Final `key` (mean ± std over seeds) against a swept value, one line per series; diverged runs skipped."""
-  import matplotlib.pyplot as plt
-
-  if ax is None:
-    _, ax = plt.subplots(figsize=(5.2, 3.8))
-  for name, by_x in series.items():
-    xs = sorted(by_x)
-    stats = [final([r for r in by_x[x] if not r.diverged] or by_x[x], key) for x in xs]
-    ax.errorbar(xs, [m for m, _ in stats], yerr=[s for _, s in stats], marker="o", capsize=3, label=name)
-  ax.set_xlabel(xlabel)
-  ax.set_ylabel(f"final {key}")
-  if logx:
-    ax.set_xscale("log")
-  if "weight_std" in key:
-    ax.set_yscale("log")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  return ax

@@ -9,19 +9,19 @@ a ring all-reduce about two. These functions make each of those statements a num
 checked, so that the figures quoted in experiments/RESULTS.md are reproducible and their regime
 (latency-bound or bandwidth-bound) is explicit.
 
-The module is plain NumPy and has no JAX dependency. Every Monte Carlo function takes a `seed` (an int
+Model sizes come from the model interface (noloco_jax/models/); everything else is plain NumPy. Every
+Monte Carlo function takes a `seed` (an int
 or a tuple of ints) and builds its own generator, so a call is a pure function of its arguments.
 
 Units: in the latency and barrier models time is in units of the mean message time t (or the mean
 inner-step time); in the α–β model, seconds, bytes and bits per second.
 
 Sections, in order:
-  1. Model sizes (parameter counts of the paper's Llama models, bytes per copy).
+  1. Model sizes and 6. the α–β cost model: tools/alpha_beta.py (re-exported here).
   2. Log-normal message times parameterised by mean and standard deviation.
   3. Latency model with constant message times (closed forms).
   4. Latency model with log-normal message times (Monte Carlo): tree, ring, pair.
   5. Global barrier vs pair barrier with noisy inner-step times (Monte Carlo).
-  6. α–β cost model.
   7. `summary`: every headline figure in one dict (used by experiments/latency_model.py).
 """
 
@@ -32,50 +32,12 @@ from typing import Sequence
 
 import numpy as np
 
-# ----------------------------------------------------------------------------------------------------
-# 1. Model sizes
-# ----------------------------------------------------------------------------------------------------
-
-#: Vocabulary of the reference code (Llama-3 tokenizer plus two added tokens).
-PAPER_VOCAB_SIZE = 128_002
-
-#: The paper's three models (PAPER.md section 2): hidden size, layers, MLP width.
-PAPER_MODELS = {
-    "small": dict(d_model=768, num_layers=12, mlp_dim=3072),
-    "medium": dict(d_model=2048, num_layers=24, mlp_dim=8192),
-    "large": dict(d_model=4096, num_layers=32, mlp_dim=16384),
-}
-
-#: Bytes per parameter of the dtypes a model copy may be sent in.
-BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2}
-
-
-def llama_param_count(vocab_size: int, d_model: int, num_layers: int, mlp_dim: int) -> int:
-  """Parameters of a Llama decoder with untied embeddings and multi-head attention, no biases.
-
-  Written out so the paper's "≈310M / 2.14B / 9.64B with embeddings" can be checked by hand:
-    token embedding            vocab · d
-    per layer: q, k, v, o      4 · d · d          (multi-head attention: k and v are full width)
-               SwiGLU MLP      3 · d · mlp        (gate, up, down)
-               two RMSNorms    2 · d              (scale only)
-    final RMSNorm              d
-    LM head (untied)           d · vocab
-  RoPE has no parameters.
-  """
-  embeddings = 2 * vocab_size * d_model
-  per_layer = 4 * d_model * d_model + 3 * d_model * mlp_dim + 2 * d_model
-  return embeddings + num_layers * per_layer + d_model
-
-
-def paper_model_params(name: str, vocab_size: int = PAPER_VOCAB_SIZE) -> int:
-  """Parameter count of one of the paper's models ("small", "medium", "large")."""
-  return llama_param_count(vocab_size, **PAPER_MODELS[name])
-
-
-def model_bytes(num_params: int, dtype: str) -> int:
-  """S in the α–β model: bytes of one full model copy in `dtype`."""
-  return num_params * BYTES_PER_PARAM[dtype]
-
+# Re-exported, so that `latency` stays the study's one entry point (tests, experiments/latency_model.py).
+from noloco_jax.tools.alpha_beta import (  # noqa: F401
+    BYTES_PER_PARAM, PAPER_MODELS, PAPER_SEQ_LEN, PAPER_VOCAB_SIZE, alpha_beta_table,
+    bytes_sent_per_replica_per_round, latency_share, model_bytes, pair_exchange_alpha_beta,
+    pair_exchange_reference_alpha_beta, paper_model_params, ring_allreduce_alpha_beta, seconds_per_byte,
+    tree_allreduce_alpha_beta)
 
 # ----------------------------------------------------------------------------------------------------
 # 2. Log-normal message times
@@ -311,84 +273,6 @@ def step_cv_for_extra(sweep: Sequence[dict], key: str, target: float) -> float |
   order = np.argsort(extras)
   return float(np.interp(target, np.asarray(extras)[order],
                          np.asarray([row["step_cv"] for row in sweep])[order]))
-
-
-# ----------------------------------------------------------------------------------------------------
-# 6. α–β cost model
-# ----------------------------------------------------------------------------------------------------
-# A message of m bytes costs α + m·β (α: per-message latency in s, β: s per byte = 8 / link bits/s).
-# P workers, S bytes per model copy. Formulas as in PAPER.md section 4:
-#   ring all-reduce   2(P−1)·α + 2(P−1)/P·S·β   (each worker sends and receives ≈ 2·S)
-#   tree all-reduce   2·log2(P)·(α + S·β)        (whole copies up and down the tree)
-#   pair exchange     α + S·β                    (lean: each member sends one copy, both directions at
-#                                                 once on a full-duplex link)
-#   pair, reference   2·(α + 2·S·β)              (the reference code: φ and Δ, i.e. 2·S, go to the
-#                                                 root member, and 2·S come back, one after the other)
-# This model has no variability: it shows the bandwidth-bound regime, where the pair's advantage over
-# a ring is at most about 2x per round, and none per inner step if it syncs twice as often.
-
-
-def seconds_per_byte(link_bits_per_second: float) -> float:
-  """β for a link of the given bandwidth in bits per second."""
-  return 8.0 / link_bits_per_second
-
-
-def ring_allreduce_alpha_beta(p: int, s_bytes: float, alpha: float, beta: float) -> float:
-  """Ring all-reduce: 2(P−1)·α + 2(P−1)/P·S·β."""
-  return 2 * (p - 1) * alpha + 2 * (p - 1) / p * s_bytes * beta
-
-
-def tree_allreduce_alpha_beta(p: int, s_bytes: float, alpha: float, beta: float) -> float:
-  """Binary-tree all-reduce: 2·log2(P)·(α + S·β)."""
-  return 2 * math.log2(p) * (alpha + s_bytes * beta)
-
-
-def pair_exchange_alpha_beta(s_bytes: float, alpha: float, beta: float) -> float:
-  """Lean NoLoCo pair exchange, one copy each way at once: α + S·β (independent of P)."""
-  return alpha + s_bytes * beta
-
-
-def pair_exchange_reference_alpha_beta(s_bytes: float, alpha: float, beta: float) -> float:
-  """Reference-code pair exchange, 2·S to the root member and 2·S back: 2·(α + 2·S·β)."""
-  return 2 * (alpha + 2 * s_bytes * beta)
-
-
-def bytes_sent_per_replica_per_round(method: str, p: int, s_bytes: float) -> float:
-  """Bytes one replica sends per outer round (it receives the same amount).
-
-  ring: 2(P−1)/P·S; tree: S up for a leaf (interior nodes send more); pair: S; pair_reference: 2·S
-  (from the non-root member; the root sends 2·S back).
-  """
-  return {"ring": 2 * (p - 1) / p * s_bytes, "tree": s_bytes, "pair": s_bytes,
-          "pair_reference": 2 * s_bytes}[method]
-
-
-def latency_share(latency_term: float, total: float) -> float:
-  """Fraction of a cost that is per-message latency (α terms): near 1 latency-bound, near 0 bandwidth-bound."""
-  return latency_term / total
-
-
-def alpha_beta_table(ns: Sequence[int], link_bps: Sequence[float], dtypes: Sequence[str],
-                     alpha: float, models: Sequence[str] = ("small", "medium", "large")) -> list[dict]:
-  """One row per (model, dtype, link, N) with the outer-step communication time of each method."""
-  rows = []
-  for name in models:
-    params = paper_model_params(name)
-    for dtype in dtypes:
-      s = model_bytes(params, dtype)
-      for bps in link_bps:
-        beta = seconds_per_byte(bps)
-        for p in ns:
-          ring = ring_allreduce_alpha_beta(p, s, alpha, beta)
-          rows.append(dict(
-              model=name, params=params, dtype=dtype, bytes=s, link_bps=bps, n=p,
-              ring_s=ring,
-              tree_s=tree_allreduce_alpha_beta(p, s, alpha, beta),
-              pair_s=pair_exchange_alpha_beta(s, alpha, beta),
-              pair_reference_s=pair_exchange_reference_alpha_beta(s, alpha, beta),
-              ring_latency_share=latency_share(2 * (p - 1) * alpha, ring),
-          ))
-  return rows
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ The trainer's interface:
     state = it.get_state(); it.set_state(state); it.close()
     eval_BxExL1 = data.make_eval_batches(config.data, seed=..., vocab_size=...)
 
-Modules, one job each: spec (config record + validation), tokenizer, sources / tfds_sources /
-file_sources (documents), stdlib_builder (the embedded TFDS corpus), packing (tokens and caches),
+Modules, one job each: spec (checks of config.data against files and tokenizer; the record,
+DataSpec, is in noloco_jax/config/data.py), tokenizer, documents (the Source interface
+and shared helpers), tfds_sources / file_sources (the sources), sources (the one picked by
+config.data.source), stdlib_builder (the embedded TFDS corpus), packing (tokens and caches),
 streams (one replica's resumable sequence stream), iterator (batches + prefetch), train_spm (CLI).
 """
 

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from noloco_jax.io.data import sources
+from noloco_jax.io.data import documents
 
 
-class C4JsonSource(sources.Source):
+class C4JsonSource(documents.Source):
   """C4 as distributed in JSON lines: `c4-{split}.NNNNN-of-NNNNN.json.gz` in one directory.
 
   One document per line, its text under `text_field`. The document index is the line number, so a
@@ -35,7 +35,7 @@ class C4JsonSource(sources.Source):
                        "check the directory and config.data.train_split / eval_split.")
     self._field = text_field
     self.name = f"c4_json/{split}"
-    self.log = sources.InputLog(self.name)
+    self.log = documents.InputLog(self.name)
 
   @property
   def num_units(self) -> int:
@@ -44,7 +44,7 @@ class C4JsonSource(sources.Source):
   def unit_name(self, unit: int) -> str:
     return self._files[unit]
 
-  def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, sources.Document | None]]:
+  def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, documents.Document | None]]:
     path = self._files[unit]
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
@@ -58,7 +58,7 @@ class C4JsonSource(sources.Source):
           yield i, None
           continue
         try:
-          record = json.loads(sources.decode_utf8(line, where, self.log))
+          record = json.loads(documents.decode_utf8(line, where, self.log))
         except json.JSONDecodeError as e:
           raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e}).") from e
         if not isinstance(record, dict) or self._field not in record:
@@ -72,18 +72,18 @@ class C4JsonSource(sources.Source):
         yield i, text
 
   def fingerprint(self) -> str:
-    return f"c4_json-{self._field}-" + sources.files_fingerprint(self._files)
+    return f"c4_json-{self._field}-" + documents.files_fingerprint(self._files)
 
 
-class TextSource(sources.Source):
+class TextSource(documents.Source):
   """Local text files, one document per file (comma-separated globs in config.data.*_files)."""
 
   default_mode = "array"
 
   def __init__(self, patterns: str, field: str):
-    self._files = sources.expand_globs(patterns, field)
+    self._files = documents.expand_globs(patterns, field)
     self.name = f"text/{field}"
-    self.log = sources.InputLog(self.name)
+    self.log = documents.InputLog(self.name)
 
   @property
   def num_units(self) -> int:
@@ -92,7 +92,7 @@ class TextSource(sources.Source):
   def unit_name(self, unit: int) -> str:
     return self._files[unit]
 
-  def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, sources.Document | None]]:
+  def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, documents.Document | None]]:
     if start > 0:
       return
     path = self._files[unit]
@@ -102,13 +102,13 @@ class TextSource(sources.Source):
       self.log.note("empty", path, "skipped")
       yield 0, None
       return
-    yield 0, sources.decode_utf8(raw, path, self.log)
+    yield 0, documents.decode_utf8(raw, path, self.log)
 
   def fingerprint(self) -> str:
-    return "text-" + sources.files_fingerprint(self._files)
+    return "text-" + documents.files_fingerprint(self._files)
 
 
-class ParquetSource(sources.Source):
+class ParquetSource(documents.Source):
   """Pre-tokenized parquet (the reference's Reddit data): one document per row.
 
   `ids_field` holds a list of token ids per row; `mask_field`, when the file has it, marks the real
@@ -119,10 +119,10 @@ class ParquetSource(sources.Source):
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
 
     self._pq = pq
-    self._files = sources.expand_globs(patterns, field)
+    self._files = documents.expand_globs(patterns, field)
     self._ids, self._mask = ids_field, mask_field
     self.name = f"parquet/{field}"
-    self.log = sources.InputLog(self.name)
+    self.log = documents.InputLog(self.name)
     for path in self._files:  # Check the schemas up front: fail before compiling, not hours in.
       names = pq.read_schema(path).names
       if ids_field not in names:
@@ -136,7 +136,7 @@ class ParquetSource(sources.Source):
   def unit_name(self, unit: int) -> str:
     return self._files[unit]
 
-  def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, sources.Document | None]]:
+  def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, documents.Document | None]]:
     path = self._files[unit]
     pf = self._pq.ParquetFile(path)
     if pf.metadata.num_rows == 0:
@@ -166,7 +166,7 @@ class ParquetSource(sources.Source):
       row0 += n
 
   def fingerprint(self) -> str:
-    return f"parquet-{self._ids}-{self._mask}-" + sources.files_fingerprint(self._files)
+    return f"parquet-{self._ids}-{self._mask}-" + documents.files_fingerprint(self._files)
 
 
 def _flat_lists(column, path: str, name: str) -> tuple[np.ndarray, np.ndarray]:

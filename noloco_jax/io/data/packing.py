@@ -13,7 +13,7 @@ from absl import logging
 import numpy as np
 
 from noloco_jax.io.data import locking
-from noloco_jax.io.data import sources
+from noloco_jax.io.data import documents
 from noloco_jax.io.data import spec as spec_lib
 
 _CACHE_SUBDIR = "noloco_jax_tokens"
@@ -21,7 +21,7 @@ _FORMAT_VERSION = 1  # Bump when the packing rule changes, so old caches are not
 DOCS_PER_BATCH = 64  # Documents tokenized per call: enough to keep a tokenizer's threads busy.
 
 
-def documents_tokens(docs: list[sources.Document], tok, vocab_size: int,
+def documents_tokens(docs: list[documents.Document], tok, vocab_size: int,
                      wheres: list[str]) -> list[np.ndarray]:
   """Token ids of each document plus the separator, checked to lie in [0, vocab_size).
 
@@ -55,7 +55,7 @@ def _dtype_for(vocab_size: int) -> np.dtype:
   return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
 
 
-def token_array(source: sources.Source, tok, data_dir: str, vocab_size: int) -> np.ndarray:
+def token_array(source: documents.Source, tok, data_dir: str, vocab_size: int) -> np.ndarray:
   """The whole split as one token stream (documents in unit order, each + separator), memory-mapped.
 
   Built once per (source content, tokenizer) into `<data_dir>/noloco_jax_tokens/` under a lock;
@@ -77,7 +77,7 @@ def token_array(source: sources.Source, tok, data_dir: str, vocab_size: int) -> 
   return tokens
 
 
-def _write_stream(source: sources.Source, tok, tmp: str, dtype: np.dtype, vocab_size: int) -> None:
+def _write_stream(source: documents.Source, tok, tmp: str, dtype: np.dtype, vocab_size: int) -> None:
   n_docs = n_tokens = 0
   # Appending batch by batch keeps memory flat however large the split is.
   with open(tmp, "wb") as f:

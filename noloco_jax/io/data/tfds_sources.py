@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from noloco_jax.io.data import sources
+from noloco_jax.io.data import documents
 from noloco_jax.io.data import spec as spec_lib
 from noloco_jax.io.data import stdlib_builder
 
@@ -23,10 +23,10 @@ _TFDS_RECORDS_PER_UNIT = 256
 _READ_CHUNK = 64  # Records fetched per data-source call.
 
 
-def _to_document(value, where: str, log: sources.InputLog) -> sources.Document | None:
+def _to_document(value, where: str, log: documents.InputLog) -> documents.Document | None:
   """A text (bytes/str) or token-id feature value as a document; None (counted) when empty."""
   if isinstance(value, bytes):
-    value = sources.decode_utf8(value, where, log)
+    value = documents.decode_utf8(value, where, log)
   elif isinstance(value, np.ndarray) and value.dtype.kind in "iu":
     value = value.reshape(-1)
   elif isinstance(value, np.ndarray) and value.dtype == object and value.size == 1:
@@ -39,7 +39,7 @@ def _to_document(value, where: str, log: sources.InputLog) -> sources.Document |
   return value
 
 
-class _RecordRangeSource(sources.Source):
+class _RecordRangeSource(documents.Source):
   """A random-access split (array_record data source) cut into units of consecutive records."""
 
   def __init__(self, data_source, text_key: str, records_per_unit: int):
@@ -52,7 +52,7 @@ class _RecordRangeSource(sources.Source):
   def num_units(self) -> int:
     return -(-self._len // self._per_unit)
 
-  def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, sources.Document | None]]:
+  def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, documents.Document | None]]:
     lo = unit * self._per_unit
     hi = min(lo + self._per_unit, self._len)
     for a in range(lo + start, hi, _READ_CHUNK):
@@ -69,14 +69,14 @@ class StdlibSource(_RecordRangeSource):
   def __init__(self, data_dir: str, split: str):
     builder = stdlib_builder.prepare(data_dir)
     self.name = f"stdlib/{builder.builder_config.name}/{split}"
-    self.log = sources.InputLog(self.name)
+    self.log = documents.InputLog(self.name)
     super().__init__(builder.as_data_source(split=split), "text", _STDLIB_RECORDS_PER_UNIT)
 
   def fingerprint(self) -> str:
     return self.name.replace("/", "_")
 
 
-class TfdsSource(sources.Source):
+class TfdsSource(documents.Source):
   """Any TFDS dataset already prepared in `config.data.data_dir` (`config.data.tfds_name`)."""
 
   def __init__(self, config_data, split: str):
@@ -104,9 +104,9 @@ class TfdsSource(sources.Source):
       raise ValueError(f"config.data.text_field={self._text_key!r} is not a feature of {name!r}; "
                        f"valid: {sorted(builder.info.features)}.")
     self.name = f"tfds/{builder.info.full_name}/{split}"
-    self.log = sources.InputLog(self.name)
+    self.log = documents.InputLog(self.name)
     self._builder = builder
-    self._fingerprint = sources.files_fingerprint(
+    self._fingerprint = documents.files_fingerprint(
         sorted(str(p) for p in builder.info.splits[split].filepaths))
     if builder.info.file_format.value == "array_record":
       self._ranges = _RecordRangeSource(builder.as_data_source(split=split), self._text_key,
@@ -124,7 +124,7 @@ class TfdsSource(sources.Source):
   def unit_name(self, unit: int) -> str:
     return self._files[unit] if self._files else super().unit_name(unit)
 
-  def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, sources.Document | None]]:
+  def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, documents.Document | None]]:
     if self._ranges:
       yield from self._ranges.read(unit, start)
       return

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-KINDS = ("bytes", "sentencepiece", "hf", "pretokenized")
+from noloco_jax.config.data import TOKENIZERS as KINDS  # config.data.tokenizer
 
 
 def _sha256_file(path: str) -> str:
@@ -181,9 +181,9 @@ def make_tokenizer(config_data):
   if kind == "bytes":
     return ByteTokenizer()
   if kind == "sentencepiece":
-    return SentencePieceTokenizer(config_data.get("spm_model", ""))
+    return SentencePieceTokenizer(config_data.spm_model)
   if kind == "hf":
-    return HFTokenizer(config_data.get("hf_tokenizer", ""), config_data.get("eos_id", -1))
+    return HFTokenizer(config_data.hf_tokenizer, config_data.eos_id)
   if kind == "pretokenized":
-    return PretokenizedVocab(config_data.get("vocab_size", 0), config_data.get("eos_id", -1))
+    return PretokenizedVocab(config_data.vocab_size, config_data.eos_id)
   raise ValueError(f"config.data.tokenizer={kind!r} is unknown; valid: {', '.join(KINDS)}.")

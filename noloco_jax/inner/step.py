@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from noloco_jax.models import llama as model_lib
-from noloco_jax.training.state import TrainState
+from noloco_jax.inner.state import TrainState
 
 
 def learning_rate_schedule(inner_cfg: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
@@ -27,22 +26,38 @@ def learning_rate_schedule(inner_cfg: ml_collections.ConfigDict, num_steps: int)
       decay_steps=max(num_steps, warmup + 1), end_value=inner_cfg.lr * inner_cfg.min_lr_ratio)
 
 
-def make_optimizer(inner_cfg: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:
+def make_optimizer(inner_cfg: ml_collections.ConfigDict, num_steps: int, *,
+                   clip: bool = True) -> optax.GradientTransformation:
+  """Adam or AdamW on the schedule above, after clipping the gradient's global norm to inner.grad_clip.
+
+  `clip=False` (the pipeline, which clips per stage or across stages itself) puts an `identity` in
+  the clipping slot: its state is the same EmptyState, so the optimizer state keeps one tree and
+  checkpoints stay interchangeable across num_stages.
+  """
   schedule = learning_rate_schedule(inner_cfg, num_steps)
   if inner_cfg.optimizer == "adam":
     opt = optax.adam(schedule, b1=inner_cfg.b1, b2=inner_cfg.b2, eps=inner_cfg.eps)
-  else:  # "adamw" (validated in config.py)
+  else:  # "adamw" (validated by noloco_jax/config/inner.py)
     opt = optax.adamw(schedule, b1=inner_cfg.b1, b2=inner_cfg.b2, eps=inner_cfg.eps,
                       weight_decay=inner_cfg.weight_decay)
   if inner_cfg.grad_clip > 0:
-    opt = optax.chain(optax.clip_by_global_norm(inner_cfg.grad_clip), opt)
+    opt = optax.chain(optax.clip_by_global_norm(inner_cfg.grad_clip) if clip else optax.identity(), opt)
   return opt
 
 
+def cross_entropy(logits_BxLxV, targets_BxL):
+  """Mean next-token cross-entropy in nats."""
+  logp = jax.nn.log_softmax(logits_BxLxV, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1))
+
+
 def loss_fn(params, batch_BxL1, apply_fn):
-  """Next-token loss of one replica on a packed batch of L+1 tokens (inputs and shifted targets)."""
-  logits_BxLxV = apply_fn({"params": params}, batch_BxL1[:, :-1])
-  return model_lib.cross_entropy(logits_BxLxV, batch_BxL1[:, 1:])
+  """Next-token loss of one replica on a packed batch of L+1 tokens (inputs and shifted targets).
+
+  `apply_fn(params, tokens_BxL) -> logits_BxLxV` is a model's `apply` (models/base.py).
+  """
+  logits_BxLxV = apply_fn(params, batch_BxL1[:, :-1])
+  return cross_entropy(logits_BxLxV, batch_BxL1[:, 1:])
 
 
 def compute_grads(params, batch_BxL1, apply_fn):

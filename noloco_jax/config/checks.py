@@ -1,0 +1,34 @@
+"""The checks that need more than one section, all here: run after every section has checked itself."""
+
+from noloco_jax.config.fields import fail
+from noloco_jax.config.run import Config
+
+
+def check_across_sections(config: Config) -> None:
+  """Raises ConfigError on the first field that does not fit another section's."""
+  c, batch = config, config.data.batch_size
+  if batch % c.fsdp:
+    fail("fsdp", c.fsdp, f"a divisor of data.batch_size={batch} (each of a replica's fsdp devices computes "
+         "batch_size / fsdp sequences)")
+  layers = c.model.size("num_layers")
+  if layers % c.num_stages:
+    fail("num_stages", c.num_stages, f"a divisor of the model's {layers} layers (every stage gets as many)")
+  if c.pipeline.microbatches and batch % c.pipeline.microbatches:
+    fail("pipeline.microbatches", c.pipeline.microbatches,
+         f"0 (one sequence per micro-batch) or a divisor of data.batch_size={batch}")
+  if batch % (c.inner.microbatches * c.fsdp):
+    fail("inner.microbatches", c.inner.microbatches,
+         f"a number M with M × fsdp dividing data.batch_size={batch} (fsdp={c.fsdp}): every micro-batch is "
+         "split evenly over the replica's fsdp devices")
+  if c.inner.microbatches > 1 and c.num_stages > 1:
+    fail("inner.microbatches", c.inner.microbatches,
+         "1 with num_stages > 1 (the pipeline cuts the batch itself: pipeline.microbatches)")
+  if c.model.max_seq_len and c.model.max_seq_len < c.data.seq_len:
+    fail("data.seq_len", c.data.seq_len, f"at most model.max_seq_len={c.model.max_seq_len}")
+  if c.nan_policy == "skip_round" and c.checkpoint_every % c.outer.inner_steps:
+    fail("checkpoint_every", c.checkpoint_every,
+         f"a multiple of outer.inner_steps={c.outer.inner_steps} with nan_policy='skip_round' (saves then fall "
+         "at round ends, after the round has been checked)")
+  if c.outer.kind in ("noloco", "gossip") and c.num_replicas % c.outer.group_size:
+    fail("outer.group_size", c.outer.group_size,
+         f"a divisor of num_replicas={c.num_replicas} (the replicas are cut into equal groups)")

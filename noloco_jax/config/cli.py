@@ -1,0 +1,113 @@
+"""Usage errors of the command line as one line on stderr and exit status 2 (no traceback).
+
+`parse_flags` is main.py's absl flag parser. absl and ml_collections report a misspelt override
+(`--config.outer.momentun=0.9`) as an AttributeError holding an escaped KeyError, and a value of the
+wrong type as a flag error with usage hints; both become e.g.
+
+    noloco_jax: config.outer.momentun is not a field; did you mean config.outer.outer_momentum?
+    noloco_jax: config.num_steps='abc' is not valid: an integer.
+
+A ConfigError raised later (config.validate, the data checks) goes through `exit_usage` in main.py.
+"""
+
+import dataclasses
+import re
+import sys
+from typing import NoReturn, Sequence
+
+from absl import flags
+import ml_collections
+
+from noloco_jax.config.fields import TYPE_WORDS, Section, not_a_field
+from noloco_jax.config.run import Config
+
+USAGE_ERROR = 2  # exit status of a usage error (as argparse and most Unix tools)
+_OVERRIDE = re.compile(r"^--?(?P<flag>\w+)\.(?P<path>[\w.]+)(=(?P<value>.*))?$")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_BAD_VALUE = re.compile(r"flag --(?P<flag>\w+)\.(?P<path>[\w.]+)=(?P<value>.*?): ")
+
+
+def exit_usage(message: str) -> NoReturn:
+  print(f"noloco_jax: {message}", file=sys.stderr)
+  sys.exit(USAGE_ERROR)
+
+
+def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS, config_flag: str = "config"):
+  """absl's flag parsing (for app.run's flags_parser): a usage error prints one line and exits 2."""
+  try:
+    rest = flag_values(argv)
+  except (flags.Error, AttributeError, KeyError) as e:
+    exit_usage(explain(argv, e, flag_values, config_flag))
+  try:
+    # A config file that cannot be loaded leaves a stand-in that raises when it is first read.
+    getattr(flag_values[config_flag].value, "keys", None)
+  except OSError as e:
+    last = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
+    exit_usage(f"--{config_flag}={flag_values[config_flag].config_filename}: cannot load it: {last}")
+  return rest
+
+
+def explain(argv: Sequence[str], error: Exception, flag_values: flags.FlagValues, config_flag: str) -> str:
+  """One line saying which field or flag is wrong and what would be valid."""
+  config = _load_config(argv, flag_values, config_flag)
+  if config is not None:
+    for arg in argv[1:]:
+      match = _OVERRIDE.match(arg)
+      if match and match["flag"] == config_flag:
+        unknown = _unknown_field(config, match["path"])
+        if unknown:
+          return unknown
+    match = _BAD_VALUE.search(str(error))
+    if match and match["flag"] == config_flag:
+      current = _value_at(config, match["path"])
+      valid = TYPE_WORDS.get(type(current), f"a value of type {type(current).__name__}")
+      return f"config.{match['path']}={match['value']!r} is not valid: {valid}."
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  if not lines:
+    return type(error).__name__
+  if len(lines) == 1:
+    return lines[0]
+  # A config file that raised while loading: its flag, the exception's own last line, and where in
+  # the config file (the innermost frame of the traceback absl put into the message) it was raised.
+  frames = _FRAME.findall(str(error))
+  where = f" ({frames[-1][0]}, line {frames[-1][1]})" if frames else ""
+  return f"{lines[0].split(': ')[0]}: {lines[-1]}{where}"
+
+
+def _load_config(argv, flag_values, config_flag) -> ml_collections.ConfigDict | None:
+  """The config file's ConfigDict without the overrides, or None when it cannot be loaded."""
+  for arg in argv[1:]:
+    if arg.startswith((f"--{config_flag}=", f"-{config_flag}=")):
+      try:
+        return flag_values[config_flag].parser.parse(arg.split("=", 1)[1])
+      except Exception:  # pylint: disable=broad-except  (the original error is reported instead)
+        return None
+  return None
+
+
+def _unknown_field(config: ml_collections.ConfigDict, path: str) -> str | None:
+  """The error for an override path that names no field of `config`, or None if it names one."""
+  node, section, walked = config, Config, []
+  for name in path.split("."):
+    if not isinstance(node, ml_collections.ConfigDict):
+      return f"config.{'.'.join(walked)} is a field, not a section: config.{path} does not exist."
+    if name not in node:
+      renamed = section.RENAMED if section else {}
+      return str(not_a_field(".".join(walked), name, [k for k in node.keys() if k not in renamed], renamed))
+    section = _sections(section).get(name)
+    node, walked = node[name], walked + [name]
+  return None
+
+
+def _sections(section) -> dict:
+  """{field name: Section class} of a section's sub-sections (none for a leaf section or None)."""
+  if section is None:
+    return {}
+  return {f.name: f.type for f in dataclasses.fields(section) if isinstance(f.type, type) and issubclass(f.type, Section)}
+
+
+def _value_at(config: ml_collections.ConfigDict, path: str):
+  node = config
+  for name in path.split("."):
+    node = node[name]
+  return node

@@ -1,0 +1,75 @@
+"""`config.outer`: the outer step, every H inner steps (noloco_jax/outer/).
+
+The update rule of NoLoCo (docs/method.md), for replica i in a random group G of n replicas, with fast
+weights θ, slow weights φ and outer momentum δ:
+
+    δ_i ← α·δ_i + β·mean_G(θ − φ) + γ·(mean_G φ − φ_i);   φ_i ← φ_i + δ_i;   θ_i ← φ_i
+
+α = `outer_momentum`, β = `outer_lr`, γ = `consensus_weight`. DiLoCo uses α and β (outer SGD with
+momentum on the all-reduced pseudo-gradient); gossip fixes α=0, β=γ=1; ddp and none have no outer step.
+Before these names the fields were `momentum`, `lr` and `gamma`: those still work (RENAMED), with a warning.
+"""
+
+import dataclasses
+
+from noloco_jax.config.fields import Section, at_least, fail, one_of
+
+KINDS = ("noloco", "diloco", "gossip", "ddp", "none")
+MESSAGE_DTYPES = ("float32", "bfloat16")
+STATE_DTYPES = ("", "float32", "bfloat16")
+PAIRINGS = ("fresh", "round_robin", "fixed")
+GROUP_KINDS = ("noloco", "gossip")  # the kinds that average within random groups of group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterConfig(Section):
+  PATH = "outer"
+  RENAMED = {"momentum": "outer_momentum", "lr": "outer_lr", "gamma": "consensus_weight"}
+
+  kind: str = "noloco"  # noloco | diloco | gossip | ddp | none
+  inner_steps: int = 50  # H: inner steps per outer round.
+  group_size: int = 2  # n: replicas per averaging group (noloco, gossip).
+  # α: momentum of the outer step, δ ← α·δ + ... (noloco, diloco; NoLoCo reference 0.5, DiLoCo 0.3).
+  outer_momentum: float = 0.5
+  outer_lr: float = 0.7  # β: outer learning rate, the step along the group's mean θ − φ (noloco, diloco).
+  # γ: pull of each replica's slow weights φ_i towards its group's mean φ (noloco only). The paper
+  # gives no value; the reference code uses γ = β.
+  consensus_weight: float = 0.7
+  nesterov: bool = False  # DiLoCo only: Nesterov (original DiLoCo) instead of heavy-ball (reference).
+  message_dtype: str = "float32"  # float32 | bfloat16: dtype of the exchanged tensor.
+  # Storage dtype of the outer state (φ, δ; DiLoCo's φ and momentum): "" = the parameters' dtype,
+  # or float32 | bfloat16. The update itself always computes in float32.
+  state_dtype: str = ""
+  # Keep φ and δ in pinned host memory between rounds (they are read once per round): the device then
+  # holds three model-sized copies (θ, Adam m, v) instead of five. Costs two host<->device copies per round.
+  offload: bool = False
+  # How the groups are drawn each round (noloco_jax/outer/pairing.py):
+  #   fresh       = a new uniformly random grouping every round (the method); on a mesh the next round's
+  #                 program is compiled while the current round's inner steps run (outer/ahead.py);
+  #   round_robin = one of the N-1 round-robin matchings (relabelled once), uniform per round; one program;
+  #                 every pair meets equally often, but only N-1 matchings occur (group_size 2 only);
+  #   fixed       = the same grouping every round (ablation).
+  pairing: str = "fresh"
+  # Validation refuses an (α, γ) whose cross-replica spread is mean-square unstable for this update
+  # (docs/stability.md, checked in config/checks.py); True runs it anyway, with a warning.
+  allow_unstable: bool = False
+
+  def check(self) -> None:
+    one_of("outer.kind", self.kind, KINDS)
+    at_least("outer.inner_steps", self.inner_steps, 1)
+    one_of("outer.message_dtype", self.message_dtype, MESSAGE_DTYPES)
+    one_of("outer.state_dtype", self.state_dtype, STATE_DTYPES)
+    one_of("outer.pairing", self.pairing, PAIRINGS)
+    if self.pairing == "round_robin" and self.kind in GROUP_KINDS and self.group_size != 2:
+      fail("outer.pairing", self.pairing, f"'fresh' or 'fixed' with group_size={self.group_size} ('round_robin' "
+           "pairs replicas: group_size 2 only)")
+    if not 0 <= self.outer_momentum < 1:
+      fail("outer.outer_momentum", self.outer_momentum, "a number in [0, 1)")
+    if not self.outer_lr > 0:
+      fail("outer.outer_lr", self.outer_lr, "a number > 0")
+    if self.kind in GROUP_KINDS and self.group_size < 2:
+      fail("outer.group_size", self.group_size, "an integer ≥ 2 (a group averages at least two replicas)")
+    if self.kind == "noloco":
+      if not self.consensus_weight > 0:
+        fail("outer.consensus_weight", self.consensus_weight, "a number > 0")
+      # The stability of (α, γ) depends on num_replicas too: checked across sections (config/checks.py).

@@ -1,0 +1,59 @@
+"""The top level of the config: the run (seed, length, layout over devices, logging) and its sections."""
+
+import dataclasses
+
+from noloco_jax.config.checkpoint import CheckpointConfig
+from noloco_jax.config.data import DataSpec
+from noloco_jax.config.fields import Section, at_least, fail, one_of
+from noloco_jax.config.inner import InnerConfig
+from noloco_jax.config.model import ModelConfig
+from noloco_jax.config.outer import OuterConfig
+from noloco_jax.config.pipeline import PipelineConfig
+
+NAN_POLICIES = ("error", "skip_round")
+
+
+def _section(kind):
+  return dataclasses.field(default_factory=kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(Section):
+  seed: int = 0  # One seed for everything: initial weights, data order, pairings and routes.
+  num_steps: int = 500  # Inner steps per replica in total.
+  num_replicas: int = 8  # N: model replicas (data parallel). Stacked on the `replica` mesh axis.
+  # Devices the replicas are spread over; 0 = as many as divide num_replicas (up to all devices).
+  # 1 runs the single-device simulator: all replicas on one device, exchange by gather.
+  num_devices: int = 0
+  # Devices per replica group (the `fsdp` mesh axis): a replica's θ, Adam moments, φ and δ are split
+  # over them leaf by leaf, and its batch_size sequences too (noloco_jax/parallel/sharding.py). The job
+  # uses num_devices × num_stages × fsdp devices; fsdp must divide each process's devices and data.batch_size.
+  fsdp: int = 1
+  # S: pipeline stages per replica (the `stage` mesh axis; config.pipeline says how micro-batches move).
+  # Layers are split evenly (num_layers % S == 0); the embedding runs on the first stage, the head on the last.
+  num_stages: int = 1
+  eval_every: int = 100  # Steps between evaluations (validation loss/ppl, weight std). 0 = only at the end.
+  log_every: int = 25  # Steps between training-metric logs (host fetches only at these steps).
+  checkpoint_every: int = 0  # Steps between checkpoints; 0 = only at the end.
+  # What a non-finite (NaN/Inf) training loss does: "error" stops the run naming the step and the
+  # replica (the last good checkpoint stays as it was); "skip_round" undoes the round it happened in
+  # and goes on (see noloco_jax/io/checkpoint/guard.py: RoundGuard).
+  nan_policy: str = "error"
+
+  checkpoint: CheckpointConfig = _section(CheckpointConfig)  # noloco_jax/config/checkpoint.py
+  model: ModelConfig = _section(ModelConfig)  # noloco_jax/config/model.py
+  data: DataSpec = _section(DataSpec)  # noloco_jax/config/data.py
+  inner: InnerConfig = _section(InnerConfig)  # noloco_jax/config/inner.py
+  outer: OuterConfig = _section(OuterConfig)  # noloco_jax/config/outer.py
+  pipeline: PipelineConfig = _section(PipelineConfig)  # noloco_jax/config/pipeline.py
+
+  def check(self) -> None:
+    """The top-level fields alone (the sections have checked themselves when they were parsed)."""
+    for name in ("num_steps", "num_replicas", "fsdp", "num_stages"):
+      at_least(name, getattr(self, name), 1)
+    for name in ("num_devices", "eval_every", "log_every", "checkpoint_every"):
+      at_least(name, getattr(self, name), 0)
+    if self.num_devices and self.num_replicas % self.num_devices:
+      fail("num_devices", self.num_devices,
+           f"0 (automatic) or a divisor of num_replicas={self.num_replicas} (each device holds N/D replicas)")
+    one_of("nan_policy", self.nan_policy, NAN_POLICIES)

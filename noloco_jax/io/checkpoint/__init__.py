@@ -1,0 +1,47 @@
+"""Checkpoints and exact resume; preemption (SIGTERM); corrupt-checkpoint fallback; the NaN guard.
+
+One module per job:
+
+  manager.py     the Checkpointer: save, restore, warm start, compatibility checks (orbax)
+  records.py     what the meta item holds (loop state, pairing, shapes, config) and its JSON forms
+  data_item.py   the per-process data item (stream positions of each process's replicas)
+  logs.py        rows of metrics.jsonl / pairings.jsonl past the restored step dropped on resume
+  quarantine.py  unreadable steps moved to workdir/checkpoints_corrupt/
+  preemption.py  the SIGTERM flag, agreed by all processes
+  guard.py       no NaN is saved; nan_policy "error" and "skip_round" (RoundGuard)
+
+Where a run starts, first match wins:
+
+1. its own workdir: the latest readable checkpoint in `workdir/checkpoints` (exact resume: state,
+   data positions, and the loop state: step, round, comm bytes, metric history, pending metrics);
+2. `config.checkpoint.warm_start`: a path to another run's workdir, its `checkpoints` directory or
+   one step directory. Only the fast weights θ of every replica are taken (the replica count and
+   model must match); φ = θ, δ = 0, a fresh inner optimizer, step 0 and the data from the start:
+   a new run that begins from trained weights;
+3. scratch: the initial weights of `config.seed`.
+
+Orbax writes a step into a temporary directory and renames it only when every item is complete;
+steps beyond `config.checkpoint.keep` are deleted only after a newer step is complete. An unreadable
+step is quarantined and the previous one taken; when no step is readable the run stops with an
+error rather than silently training from scratch. A checkpoint saved with another replica count,
+model, optimizer, outer method or pairing schedule is an error, not a fallback. Another device count
+or process count is fine: arrays are resharded on restore.
+"""
+
+from noloco_jax.io.checkpoint.guard import NonFiniteLossError
+from noloco_jax.io.checkpoint.guard import NonFiniteStateError
+from noloco_jax.io.checkpoint.guard import RoundGuard
+from noloco_jax.io.checkpoint.guard import check_finite
+from noloco_jax.io.checkpoint.guard import nonfinite_replicas
+from noloco_jax.io.checkpoint.logs import LOG_FILES
+from noloco_jax.io.checkpoint.logs import drop_rows_after
+from noloco_jax.io.checkpoint.manager import CHECKPOINT_DIR
+from noloco_jax.io.checkpoint.manager import Checkpointer
+from noloco_jax.io.checkpoint.manager import IncompatibleCheckpointError
+from noloco_jax.io.checkpoint.preemption import install_preemption_handler
+from noloco_jax.io.checkpoint.preemption import stop_requested
+from noloco_jax.io.checkpoint.quarantine import CORRUPT_DIR
+from noloco_jax.io.checkpoint.records import FORMAT
+from noloco_jax.io.checkpoint.records import pending_from_host
+from noloco_jax.io.checkpoint.records import pending_losses
+from noloco_jax.io.checkpoint.records import pending_to_host

@@ -1,0 +1,53 @@
+"""The checkpoint's `data/` item: one JSON file per process (`process_<i>.json`) of stream positions.
+
+Each process writes the positions of the replicas it holds. Restore reads every file and merges
+them, and each process then takes its own replicas, so a checkpoint restores under another process
+count or device layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class PerProcessJsonHandler(ocp.JsonCheckpointHandler):
+  """Orbax's JSON handler, but every process writes (primary_host=None) a file of its own."""
+
+  def __init__(self):
+    super().__init__(filename=f"process_{jax.process_index()}.json",
+                     multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=None))
+
+  def restore(self, directory, item=None, args=None) -> dict[str, Any]:
+    del item, args
+    files = sorted(directory.glob("process_*.json"))
+    if not files:
+      raise FileNotFoundError(f"no process_*.json in {directory}")
+    return {f.name: json.loads(f.read_text()) for f in files}
+
+
+@ocp.args.register_with_handler(PerProcessJsonHandler, for_save=True)
+@dataclasses.dataclass
+class PerProcessJsonSave(ocp.args.CheckpointArgs):
+  item: Any
+
+
+@ocp.args.register_with_handler(PerProcessJsonHandler, for_restore=True)
+@dataclasses.dataclass
+class PerProcessJsonRestore(ocp.args.CheckpointArgs):
+  pass
+
+
+def merge_data_states(files: dict[str, Any]) -> dict:
+  """One iterator state holding every replica of the job, from the per-process files."""
+  states = [f["iterator"] for f in files.values()]
+  merged = {**states[0], "replicas": {}}
+  for s in states:
+    if s.get("format") != merged.get("format") or s.get("config") != merged.get("config"):
+      raise ValueError(f"data item: process files disagree: {s.get('config')} vs {merged.get('config')}")
+    merged["replicas"].update(s["replicas"])
+  return merged

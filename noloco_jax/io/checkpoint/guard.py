@@ -1,0 +1,102 @@
+"""Non-finite values: no NaN is ever saved, and `nan_policy` decides what a NaN loss does.
+
+No state is saved until the losses since the last log and the state itself are checked finite.
+`config.nan_policy = "error"` stops the run at the first non-finite loss (naming the step and the
+replica), leaving the last good checkpoint as it was. `"skip_round"`: see `RoundGuard`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from noloco_jax.inner.state import TrainState
+from noloco_jax.io.checkpoint import records
+from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.parallel import sharding as sharding_lib
+
+
+class NonFiniteLossError(FloatingPointError):
+  """A training loss is NaN or Inf (nan_policy="error")."""
+
+
+class NonFiniteStateError(FloatingPointError):
+  """The state holds NaN or Inf; raised instead of saving it."""
+
+
+def check_finite(losses_SxN: np.ndarray, steps: list[int]) -> None:
+  """Raises NonFiniteLossError naming the first step and replica whose loss is NaN or Inf."""
+  bad = ~np.isfinite(losses_SxN)
+  if bad.any():
+    s, r = np.argwhere(bad)[0]
+    raise NonFiniteLossError(f"non-finite training loss {losses_SxN[s, r]} at step {steps[s]} on replica {r}.")
+
+
+@functools.cache
+def _replica_finite_fn(mesh):
+  """Jitted state → [N] bool, replicated so every process can read it: is replica r all finite?"""
+  def finite(state):
+    state = sharding_lib.device_view(state)  # φ, δ may live in host memory (outer.offload)
+    ok = [jnp.all(jnp.isfinite(x.reshape(x.shape[0], -1)), axis=1)
+          for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return functools.reduce(jnp.logical_and, ok)
+  return jax.jit(finite, out_shardings=mesh_lib.replicated(mesh))
+
+
+def nonfinite_replicas(state: TrainState, mesh) -> list[int]:
+  return [int(r) for r in np.flatnonzero(~np.asarray(_replica_finite_fn(mesh)(state)))]
+
+
+class RoundGuard:
+  """Undoes a round whose training loss or resulting state is not finite (`nan_policy="skip_round"`).
+
+  A round is the window of H inner steps ending at a step that is a multiple of H (and the outer
+  step run there). The guard copies the state at the round's start (one more copy of the state in
+  device memory) and, at the round's end, after the outer step, fetches the round's losses and
+  checks the state (one host round-trip per round). If anything is NaN or Inf, on any replica:
+
+  - every replica's θ, inner optimizer state (its step count included, so the learning-rate
+    schedule does not advance), φ and δ return to their values at the round's start;
+  - the round's batches stay consumed (the data moves on), the loop step and round counters
+    advance, and the bytes the outer step sent stay counted: they were sent;
+  - the round's metrics are logged as they were (possibly "nan"), a warning names the round, and
+    `history["skipped_rounds"]` records [first step, last step] of every skipped round.
+
+  With any other policy the guard does nothing. After resuming in the middle of a round (from a
+  preemption save), a skip returns to the resumed state rather than the round's start.
+  """
+
+  def __init__(self, config, mesh):
+    self.enabled = config.nan_policy == "skip_round"
+    self._H, self._mesh = config.outer.inner_steps, mesh
+    self._snapshot, self._losses, self._first = None, [], 0
+
+  def begin(self, step: int, state: TrainState) -> None:
+    if self.enabled and (self._snapshot is None or (step - 1) % self._H == 0):
+      # A real copy, in the leaf's own memory space: the inner step donates `state`, and a copy
+      # made inside jit could be forwarded instead of copied.
+      self._snapshot = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
+      self._losses, self._first = [], step
+
+  def observe(self, loss_N) -> None:
+    if self.enabled:
+      self._losses.append(loss_N)
+
+  def end(self, step: int, state: TrainState, history: dict) -> TrainState:
+    if not self.enabled or step % self._H:
+      return state
+    losses = np.stack([records.host(x) for x in self._losses])
+    bad_loss, bad_state = np.argwhere(~np.isfinite(losses)), nonfinite_replicas(state, self._mesh)
+    snapshot, self._snapshot = self._snapshot, None
+    if not len(bad_loss) and not bad_state:
+      return state
+    why = (f"loss {losses[tuple(bad_loss[0])]} at step {self._first + bad_loss[0][0]} on replica {bad_loss[0][1]}"
+           if len(bad_loss) else f"non-finite state on replica(s) {bad_state}")
+    logging.warning("nan_policy=skip_round: undoing the round of steps %d-%d (%s); training goes on from the "
+                    "state at step %d with the next round's batches.", self._first, step, why, self._first - 1)
+    history.setdefault("skipped_rounds", []).append([self._first, step])
+    return snapshot

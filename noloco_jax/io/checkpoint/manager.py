@@ -1,0 +1,228 @@
+"""The checkpointer: saves and restores one run's checkpoints in `workdir/checkpoints` (orbax).
+
+A checkpoint is a step directory `workdir/checkpoints/<step>/` of three items: `state/` (the whole
+replica-stacked TrainState, saved sharded: each process writes the shards of its own replicas),
+`meta/` (records.py) and `data/` (data_item.py). What restore does, and where a run starts, is in
+the package docstring (io/checkpoint/__init__.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging as py_logging
+import os
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from noloco_jax.inner.state import TrainState
+from noloco_jax.io.checkpoint import guard
+from noloco_jax.io.checkpoint import logs
+from noloco_jax.io.checkpoint import quarantine
+from noloco_jax.io.checkpoint import records
+from noloco_jax.io.checkpoint.data_item import PerProcessJsonRestore, PerProcessJsonSave, merge_data_states
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+class IncompatibleCheckpointError(ValueError):
+  """The checkpoint is readable but was saved by a different setup: never a reason to fall back."""
+
+
+def _everywhere(ok: bool) -> bool:
+  """True only if `ok` on every process (one all-gather of a flag in multi-process jobs)."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
+
+
+class _QuietOrbax(py_logging.Filter):
+  """Drops orbax's INFO lines (some thirty per save) from absl's log; its warnings and errors stay."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    return record.levelno >= py_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+_QUIET_ORBAX = _QuietOrbax()
+
+
+class Checkpointer:
+  """Saves and restores one run's checkpoints in `workdir/checkpoints`. All processes call every method."""
+
+  def __init__(self, setup, workdir: str):
+    self._setup, self._config = setup, setup.config
+    self._workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self._workdir, CHECKPOINT_DIR)
+    ck = self._config.checkpoint
+    py_logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # a no-op when already added
+    self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+        max_to_keep=ck.keep, enable_async_checkpointing=ck.async_save, create=True,
+        cleanup_tmp_directories=True))  # leftovers of an interrupted write are never restored
+
+  def due(self, step: int) -> bool:
+    every = self._config.checkpoint_every
+    return step == self._config.num_steps or (every > 0 and step % every == 0)
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  # ---- save ----
+
+  def save(self, step: int, state: TrainState, loop_state, data_iter) -> None:
+    """Starts saving the run after `step` (asynchronously if configured); returns once it is safe to
+    keep training (the device arrays have been copied).
+
+    `loop_state` is the loop's record (training/loop_state.py): its `to_record()` is saved whole, in
+    the meta item. With nan_policy="error", the losses it holds that were not yet logged are checked
+    first: a state whose losses were not checked is never saved.
+    """
+    record = loop_state.to_record()
+    if record["step"] != step:
+      raise ValueError(f"checkpoint: saving step {step} with a loop state at step {record['step']}.")
+    if self._config.nan_policy == "error":
+      guard.check_finite(records.pending_losses(record["pending"]), record["pending"]["steps"])
+    bad = guard.nonfinite_replicas(state, self._setup.mesh)
+    if bad:
+      self._manager.wait_until_finished()
+      raise guard.NonFiniteStateError(
+          f"the state after step {step} holds NaN or Inf on replica(s) {bad}; it was not saved. The last "
+          f"good checkpoint is step {self.latest_step()} in {self.directory}.")
+    meta = {
+        "format": records.FORMAT, **record,
+        "num_replicas": self._config.num_replicas, "process_count": jax.process_count(),
+        "pairing": records.schedule_record(self._setup.schedule, record["round"]),
+        "state_shapes": records.shapes(state), "config": json.loads(self._config.to_json_best_effort()),
+    }
+    data = {"process_index": jax.process_index(), "process_count": jax.process_count(),
+            "iterator": data_iter.get_state()}
+    start = time.time()
+    self._manager.save(step, force=True, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta), data=PerProcessJsonSave(data)))
+    logging.info("checkpoint: step %d %s in %.2f s -> %s", step,
+                 "started (async)" if self._config.checkpoint.async_save else "saved",
+                 time.time() - start, self.directory)
+
+  def wait_until_finished(self) -> None:
+    """Blocks until every save started so far is complete on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for the last asynchronous save to be complete."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  # ---- restore ----
+
+  def restore(self, state: TrainState, data_iter, loop_state):
+    """(state, loop state) to start from: own checkpoint, else warm start, else the fresh arguments.
+
+    `loop_state` is the loop's fresh record; when resuming, the saved one is returned instead, of
+    the same type (`type(loop_state).from_record`). Positions `data_iter` and rewrites the logs
+    when resuming.
+
+    Consumes `state`: when the workdir holds checkpoints its buffers are freed before reading, so
+    that a model that fits in memory once is never held twice. `state` may also be abstract
+    (`jax.eval_shape(setup.init_state)`) when the caller knows it will not be needed.
+    """
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    if steps:
+      jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
+    bad = []
+    for step in steps:
+      meta, state, data, error = self._read(step, abstract)
+      if not _everywhere(error is None):
+        logging.warning("checkpoint: step %d in %s is not readable (%s: %s); trying the previous one.",
+                        step, self.directory, type(error).__name__, str(error)[:300])
+        bad.append(step)
+        continue
+      if bad:
+        quarantine.quarantine(self._workdir, self.directory, bad)
+        self._manager.reload()
+      data_iter.set_state(data)
+      logs.truncate_logs(self._workdir, step)
+      logging.info("checkpoint: resumed from step %d (round %d) in %s.", step, meta["round"], self.directory)
+      return state, type(loop_state).from_record(records.loop_record(meta))
+    if bad:
+      raise RuntimeError(f"no readable checkpoint in {self.directory} (steps {bad} all failed, see the "
+                         "warnings above); move the directory away to start this workdir from scratch.")
+    if self._config.checkpoint.warm_start:
+      return self._warm_start(state, abstract), loop_state
+    return state, loop_state
+
+  def _read(self, step: int, abstract) -> tuple[dict | None, Any, dict | None, Exception | None]:
+    """(meta, state, data state, None) or (..., the error) when a file of the step is unreadable."""
+    try:
+      meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      if meta.get("format") != records.FORMAT or meta.get("step") != step:
+        raise ValueError(f"meta item: format {meta.get('format')!r}, step {meta.get('step')!r}")
+    except Exception as e:  # pylint: disable=broad-except
+      return None, None, None, e
+    self._check_compatible(meta, abstract, step)  # outside the try: a different setup is an error
+    try:
+      items = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract), data=PerProcessJsonRestore()))
+      return meta, items["state"], merge_data_states(items["data"]), None
+    except Exception as e:  # pylint: disable=broad-except
+      return meta, None, None, e
+
+  def _check_compatible(self, meta: dict, abstract, step: int) -> None:
+    where = f"checkpoint step {step} in {self.directory}"
+    saved, now = meta["state_shapes"], records.shapes(abstract)
+    if saved != now:
+      diff = [f"{k}: saved {saved.get(k)}, now {now.get(k)}" for k in sorted(set(saved) | set(now))
+              if saved.get(k) != now.get(k)]
+      raise IncompatibleCheckpointError(
+          f"{where} holds a state of another shape (num_replicas, model, optimizer or outer method "
+          f"changed): {diff[:5]}{' ...' if len(diff) > 5 else ''}. Use a new workdir, or start from its "
+          "weights with config.checkpoint.warm_start.")
+    expected = records.schedule_record(self._setup.schedule, meta["round"])
+    if meta["pairing"] != expected:
+      raise IncompatibleCheckpointError(
+          f"{where} was saved under another pairing schedule: saved {meta['pairing']}, now {expected}. "
+          "Resume with the same seed and outer.pairing / group_size.")
+    changed = records.config_changes(meta.get("config", {}), json.loads(self._config.to_json_best_effort()))
+    if changed:
+      logging.warning("resume: the config differs from the checkpoint's in %s; the resumed run is exact "
+                      "only for changes of layout (num_devices) or checkpointing.", changed)
+
+  def _warm_start(self, state: TrainState, abstract) -> TrainState:
+    """θ of every replica from another run's checkpoint; everything else fresh (see module docstring)."""
+    root, step = _resolve_warm_start(self._config.checkpoint.warm_start)
+    manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True))
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    saved = {k: v for k, v in meta["state_shapes"].items() if k.startswith(".params")}
+    now = {k: v for k, v in records.shapes(abstract).items() if k.startswith(".params")}
+    if saved != now:
+      raise IncompatibleCheckpointError(
+          f"config.checkpoint.warm_start={self._config.checkpoint.warm_start!r}: its weights (step {step}) "
+          "do not fit this run's replicas and model: "
+          f"{[k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)][:5]}.")
+    target = {"params": abstract.params}
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
+    params = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=target, restore_args=restore_args, partial_restore=True)))["state"]["params"]
+    manager.close()
+    sharding = jax.tree.map(lambda x: x.sharding, abstract.outer)
+    outer = jax.jit(jax.vmap(self._setup.method.init), out_shardings=sharding)(params)
+    logging.info("checkpoint: warm start from the weights of step %d in %s.", step, root)
+    return state.replace(params=params, outer=outer)
+
+
+def _resolve_warm_start(path: str) -> tuple[str, int]:
+  """(checkpoints root, step) for a workdir, a checkpoints directory or a step directory."""
+  path = os.path.abspath(os.path.expanduser(path))
+  if os.path.isdir(os.path.join(path, "state")):
+    return os.path.dirname(path), int(os.path.basename(path))
+  if os.path.isdir(os.path.join(path, CHECKPOINT_DIR)):
+    path = os.path.join(path, CHECKPOINT_DIR)
+  steps = [int(n) for n in os.listdir(path) if n.isdigit()] if os.path.isdir(path) else []
+  if not steps:
+    raise FileNotFoundError(f"config.checkpoint.warm_start={path!r} holds no checkpoint (a workdir, its "
+                            "checkpoints directory, or one step directory).")
+  return path, max(steps)

@@ -1,0 +1,65 @@
+"""Everything the training loop carries across steps besides the TrainState: one record, checkpointed whole.
+
+The Checkpointer saves `to_record()` in the checkpoint's meta item and hands back
+`LoopState.from_record(...)` on resume, so the loop picks up exactly where it stopped: the same
+step and outer round, the same cumulative bytes, the same history, and the training metrics fetched
+since the last log but not yet logged (so a save between two log steps still resumes to the same
+logged means).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from noloco_jax.io.checkpoint import records
+
+
+def _fresh_history() -> dict[str, Any]:
+  return {"eval": []}
+
+
+@dataclasses.dataclass
+class LoopState:
+  step: int = 0  # the last completed inner step (0: nothing trained yet)
+  round: int = 0  # outer rounds completed
+  comm_bytes: int = 0  # bytes one replica has sent so far (comm/bytes_per_replica)
+  # {"eval": [every evaluation's scalars], "train": the last train log, "skipped_rounds": [...]}
+  history: dict[str, Any] = dataclasses.field(default_factory=_fresh_history)
+  # Per-step metrics since the last log (device arrays until fetched; NumPy after a resume).
+  pending_steps: list[int] = dataclasses.field(default_factory=list)
+  pending_metrics: list[dict] = dataclasses.field(default_factory=list)  # {"loss": [N], "grad_norm": [N]}
+  pending_rounds: list[tuple] = dataclasses.field(default_factory=list)  # (round metrics, weight std)
+
+  @property
+  def resumed(self) -> bool:
+    return self.step > 0
+
+  def add_step(self, step: int, metrics: dict, bytes_sent: int) -> None:
+    self.step = step
+    self.comm_bytes += bytes_sent
+    self.pending_steps.append(step)
+    self.pending_metrics.append(metrics)  # device arrays: fetched only when logging
+
+  def add_round(self, metrics: dict, weight_std, bytes_sent: int) -> None:
+    self.comm_bytes += bytes_sent
+    self.pending_rounds.append((metrics, weight_std))
+    self.round += 1
+
+  def take_pending(self) -> tuple[list, list, list]:
+    """(steps, metrics, rounds) since the last log; the record then holds none."""
+    out = (self.pending_steps, self.pending_metrics, self.pending_rounds)
+    self.pending_steps, self.pending_metrics, self.pending_rounds = [], [], []
+    return out
+
+  def to_record(self) -> dict[str, Any]:
+    """JSON-able host values (fetches the pending device arrays: every process must call it)."""
+    return {"step": int(self.step), "round": int(self.round), "comm_bytes": int(self.comm_bytes),
+            "history": self.history,
+            "pending": records.pending_to_host(self.pending_steps, self.pending_metrics, self.pending_rounds)}
+
+  @classmethod
+  def from_record(cls, record: dict[str, Any]) -> "LoopState":
+    steps, metrics, rounds = records.pending_from_host(record["pending"])
+    return cls(step=record["step"], round=record["round"], comm_bytes=record["comm_bytes"],
+               history=record["history"], pending_steps=steps, pending_metrics=metrics, pending_rounds=rounds)
