@@ -295,6 +295,7 @@ def test_compiled_ahead_rounds_equal_jitted_rounds():
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     stats = programs.compiler.stats
-    assert stats.compiles == 4 and len(stats.waits_s) == 3  # rounds 0-2, and round 3 announced ahead
+    # Rounds 0-2 compiled and waited for at most once each; round 3's may still be compiling.
+    assert len(stats.waits_s) == 3 and stats.compiles >= 3 and len(programs.compiler) == 4
   finally:
     programs.close()

@@ -121,4 +121,4 @@ def test_the_map_agrees_with_an_explicit_average_over_all_groupings():
 def test_instability_message_names_the_values():
   assert stability.instability(0.5, 0.7, 2, 8) is None and stability.instability(0.9, 0.3, 2, 8) is None
   message = stability.instability(0.9, 1.2, 2, 8)
-  assert "outer.gamma=1.2" in message and "11.4% per round" in message and "inside" in message
+  assert "outer.consensus_weight=1.2" in message and "11.4% per round" in message and "inside" in message
