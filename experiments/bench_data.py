@@ -6,9 +6,10 @@ r"""How fast the data pipeline produces batches, against what a training step co
 
 Reports, for all `config.num_replicas` replicas in one process (the most any process produces):
   setup_s            time to the first batch (corpus build and tokenization on a cold cache, `--cold`);
-  produced_*         steps/s and tokens/s with the background prefetch thread, consumed by a loop that
-                     does nothing else (what the trainer sees when its step is instantaneous);
-  produced_sync_*    the same with prefetch = 0, i.e. the cost paid in the caller's thread;
+  produced_*         steps/s and tokens/s of this one process with Grain's prefetch thread (and its
+                     worker processes with --config.data.workers=N), consumed by a loop that does
+                     nothing else (what the trainer sees when its step is instantaneous);
+  produced_sync_*    the same with prefetch = 0 and no workers, i.e. the cost paid in the caller's thread;
   consumed_*         the training loop's steps/s, from --consumed_steps_per_s or the last
                      `perf/steps_per_s` in a run's metrics.jsonl (--metrics); absent when neither is given;
   headroom           produced / consumed steps per second (> 1: the pipeline is not the bottleneck).
@@ -73,11 +74,14 @@ def main(argv):
     config.data.data_dir = tmp.name
   per_step = config.num_replicas * config.data.batch_size * (config.data.seq_len + 1)
   setup, rate = _time(config, _STEPS.value)
+  workers = config.data.get("workers", 0)
   config.data.prefetch = 0
+  if workers:
+    config.data.workers = 0
   _, sync_rate = _time(config, _STEPS.value)
   result = {
       "source": config.data.source, "mode": config.data.mode or "(source default)",
-      "tokenizer": config.data.tokenizer, "num_replicas": config.num_replicas,
+      "tokenizer": config.data.tokenizer, "num_replicas": config.num_replicas, "workers": workers,
       "batch_size": config.data.batch_size, "seq_len": config.data.seq_len,
       "tokens_per_step": per_step, "cold_cache": _COLD.value, "setup_s": round(setup, 3),
       "produced_steps_per_s": round(rate, 1), "produced_tokens_per_s": round(rate * per_step),
@@ -97,5 +101,5 @@ def main(argv):
       print(f"{k:28s} {v}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # Also keeps Grain's spawned workers from re-running main.
   app.run(main)

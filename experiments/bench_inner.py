@@ -60,7 +60,7 @@ def main(argv=None):
 
   @jax.jit
   def single_step(s, b):
-    loss, grads = inner.compute_grads(s.params, b, setup.model.apply)
+    loss, grads = inner.compute_grads(s.params, b, setup.model.loss)
     return inner.apply_grads(s, grads, optimizer), loss
 
   device = jax.devices()[0]

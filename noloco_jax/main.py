@@ -11,11 +11,12 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from noloco_jax.io import checkpoint
+from noloco_jax.io import failures
 from noloco_jax import config as config_lib
 from noloco_jax.config import cli
 from noloco_jax.outer import stability
-from noloco_jax.parallel import distributed
-from noloco_jax.tools import dryrun
+from noloco_jax.parallel import distributed, peer_watch
+from noloco_jax.tools import compile_cache, dryrun
 from noloco_jax import training
 
 FLAGS = flags.FLAGS
@@ -26,6 +27,9 @@ flags.DEFINE_bool("dry_run", False, "Compile the run's steps from shapes on --to
                   "does not fit.")
 flags.DEFINE_string("topology", "8x80GB", "With --dry_run: DEVICESxMEMORY, e.g. 64x80GB (faked with CPU devices "
                     "when this machine has fewer).")
+flags.DEFINE_string("compile_cache", None, "Directory of JAX's persistent compilation cache (on by default: "
+                    "$NOLOCO_COMPILE_CACHE, else ~/.cache/noloco_jax/jax_compile_cache); '' or 'off' disables. "
+                    "See noloco_jax/tools/compile_cache.py.")
 flags.mark_flags_as_required(["config"])
 distributed.define_flags()
 
@@ -53,9 +57,9 @@ def main(argv):
     cli.exit_usage(str(e))
   if not FLAGS.workdir and not FLAGS.dry_run:
     cli.exit_usage("--workdir is required (except with --dry_run).")
-  # TensorFlow (imported by clu and TFDS) must never take accelerator memory from JAX.
-  import tensorflow as tf
-  tf.config.set_visible_devices([], "GPU")
+  # A restarted job loads its compiled programs instead of compiling them again.
+  cache_dir = compile_cache.enable(FLAGS.compile_cache)
+  logging.info("Persistent compilation cache: %s", cache_dir or "off")
   if FLAGS.dry_run:
     topology = dryrun.parse_topology(FLAGS.topology)
     dryrun.fake_devices(topology)  # before anything starts JAX's backends
@@ -65,18 +69,26 @@ def main(argv):
       raise SystemExit(f"noloco_jax dry run: {e}") from None
     return
   # Before anything starts JAX's backends: jax.distributed must come first.
-  multi_process = distributed.initialize(distributed.options_from_flags(FLAGS))
+  options = distributed.options_from_flags(FLAGS)
+  multi_process = distributed.initialize(options)
   # One fake CPU device per device of the mesh: replicas × stages × fsdp.
   _fake_cpu_devices(config.num_replicas * config.num_stages * config.fsdp, multi_process)
 
   # SIGTERM (preemption): finish the current step, save a checkpoint, exit 0. Installed after
   # jax.distributed, so that this handler, not the runtime's, receives the signal.
   checkpoint.install_preemption_handler()
-  with distributed.fail_fast():
+  # A failure ends in its cause and one last line saying what to do, exit status 1 (io/failures.py).
+  with failures.exit_on_failure(FLAGS.workdir), distributed.fail_fast():
+    watch = None
+    if multi_process:  # a dead peer ends this process within a second, with one line (peer_watch.py)
+      host = options.coordinator_address.rsplit(":", 1)[0] if options.coordinator_address else None
+      watch = peer_watch.start(host)
     try:
       training.train_and_evaluate(config, FLAGS.workdir)
     except config_lib.ConfigError as e:  # found by the checks that need files or devices (data, mesh)
       cli.exit_usage(str(e))
+  if watch is not None:
+    watch.leave()  # finished (or preempted and saved): this process's exit ends nobody
 
 
 if __name__ == "__main__":

@@ -4,6 +4,5 @@ import os
 import sys
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for `configs`

@@ -43,6 +43,10 @@ BAD_VALUES = [
     ("model.num_heads", 3, "divisor of d_model=32"),
     ("model.mlp_dim", -1, "≥ 0"),
     ("model.vocab_size", -1, "≥ 0"),
+    ("model.attention", "flash", "einsum"),
+    ("model.attention", "cudnn", "model.dtype='bfloat16'"),  # the smoke config computes in float32
+    ("model.loss_chunk", -1, "≥ 0"),
+    ("model.remat_policy", "everything", "dots"),
     ("model.max_seq_len", -1, "≥ 0"),
     ("model.dtype", "float16", "bfloat16"),
     ("model.param_dtype", "int8", "float32"),

@@ -337,13 +337,21 @@ def test_too_little_data_for_replicas(tmp_path):
 def test_dropped_iterator_stops_its_thread(tmp_path):
   import gc  # pylint: disable=g-import-not-at-top
   c = text_config(tmp_path, {"a.txt": "dropped " * 50}, seq_len=7)
+  import threading  # pylint: disable=g-import-not-at-top
+
+  def prefetch_threads():
+    return {t for t in threading.enumerate() if t.name.startswith("grain-thread-prefetch")}
+
+  before = prefetch_threads()
   it = data.make_train_iterator(c, seed=0, replica_ids=[0], num_replicas=1, vocab_size=257)
   next(it)
-  thread = it._thread  # pylint: disable=protected-access
+  started = prefetch_threads() - before
+  assert len(started) == 1  # The iterator's own prefetch thread is running ...
   del it
   gc.collect()
-  thread.join(timeout=10)
-  assert not thread.is_alive()
+  for thread in started:
+    thread.join(timeout=10)
+    assert not thread.is_alive()  # ... and stops with it.
 
 
 def test_bad_states_are_rejected(tmp_path):

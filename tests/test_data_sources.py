@@ -241,12 +241,39 @@ def tiny_doc(i: int) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_tfds(tmp_path_factory):
-  dirs = {}
-  for fmt in ("array_record", "tfrecord"):
-    d = str(tmp_path_factory.mktemp(fmt))
-    NolocoTinyCorpus(data_dir=d, file_format=fmt).download_and_prepare()
-    dirs[fmt] = d
-  return dirs
+  d = str(tmp_path_factory.mktemp("array_record"))
+  NolocoTinyCorpus(data_dir=d, file_format="array_record").download_and_prepare()
+  return {"array_record": d, "tfrecord": _as_tfrecord_build(d, str(tmp_path_factory.mktemp("tfrecord")))}
+
+
+def _as_tfrecord_build(src: str, dst: str) -> str:
+  """The array_record build re-framed as a tfrecord build, without TensorFlow (writing tfrecord
+  through TFDS needs it): both formats hold the same serialized tf.train.Example records."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+  from tensorboard.summary.writer import record_writer  # pylint: disable=g-import-not-at-top
+
+  shutil.copytree(src, dst, dirs_exist_ok=True)
+  for root, _, files in os.walk(dst):
+    for name in files:
+      path = os.path.join(root, name)
+      if ".array_record-" in name:
+        reader = array_record_module.ArrayRecordReader(path)
+        records = reader.read_all()
+        reader.close()
+        with open(path.replace(".array_record-", ".tfrecord-"), "wb") as f:
+          writer = record_writer.RecordWriter(f)
+          for r in records:
+            writer.write(r)
+        os.remove(path)
+      elif name == "dataset_info.json":
+        with open(path) as f:
+          info = json.load(f)
+        assert info["fileFormat"] == "array_record", info.get("fileFormat")
+        info["fileFormat"] = "tfrecord"
+        with open(path, "w") as f:
+          json.dump(info, f)
+  return dst
 
 
 @pytest.mark.parametrize("fmt", ["array_record", "tfrecord"])

@@ -42,8 +42,9 @@ def test_mesh_groups_consecutive_devices_per_replica():
     mesh_lib.make_mesh(N, fsdp=3)
 
 
-def _train(fsdp: int, microbatches: int = 1, offload: bool = False):
+def _train(fsdp: int, microbatches: int = 1, offload: bool = False, loss_chunk: int = 0):
   cfg = default.get_config("smoke")
+  cfg.model.loss_chunk = loss_chunk
   cfg.num_replicas, cfg.fsdp, cfg.data.batch_size = N, fsdp, 4
   cfg.inner.microbatches, cfg.outer.offload = microbatches, offload
   cfg.outer.pairing = "fresh"  # one grouping per compiled round: its collectives are one round's
@@ -61,8 +62,14 @@ def _train(fsdp: int, microbatches: int = 1, offload: bool = False):
   return setup, state, np.stack(losses), compiled.as_text()
 
 
-def test_fsdp_training_equals_unsharded_training():
-  base_setup, base, base_losses, base_hlo = _train(fsdp=1)
+@pytest.fixture(scope="module")
+def unsharded():
+  """The fsdp=1 reference run, shared by the tests below (one compile and run for all)."""
+  return _train(fsdp=1)
+
+
+def test_fsdp_training_equals_unsharded_training(unsharded):
+  base_setup, base, base_losses, base_hlo = unsharded
   # fsdp 2, with gradient accumulation over 2 micro-batches and φ, δ offloaded to host memory on top:
   # none of them may change the numbers.
   setup, sharded, losses, hlo = _train(fsdp=2, microbatches=2, offload=True)
@@ -81,3 +88,12 @@ def test_fsdp_training_equals_unsharded_training():
   per_replica = setup.method.bytes_per_round(one)
   assert hlo_lib.collective_bytes(base_hlo, "collective-permute") == per_replica
   assert 2 * hlo_lib.collective_bytes(hlo, "collective-permute") == per_replica
+
+
+def test_a_chunked_loss_split_over_fsdp_equals_the_plain_unsharded_loss(unsharded):
+  """model.loss_chunk with the batch split over fsdp: the chunks cut the sequence, never the batch."""
+  _, base, base_losses, _ = unsharded
+  _, chunked, losses, _ = _train(fsdp=2, loss_chunk=12)  # 12 does not divide seq_len 32: padded chunk
+  np.testing.assert_allclose(losses, base_losses, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5),
+               chunked, base)

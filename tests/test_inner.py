@@ -62,7 +62,7 @@ def test_mapped_step_equals_each_replica_stepped_alone(num_devices):
 
   @jax.jit
   def single_step(s, b):  # a plain single-replica step: no mesh, no vmap, no shard_map
-    loss, grads = inner.compute_grads(s.params, b, setup.model.apply)
+    loss, grads = inner.compute_grads(s.params, b, setup.model.loss)
     return inner.apply_grads(s, grads, optimizer), loss
 
   mapped = state

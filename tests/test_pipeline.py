@@ -22,6 +22,7 @@ from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax import models
 from noloco_jax.models import llama as model_lib
+from noloco_jax.models import losses
 from noloco_jax.parallel import pipeline
 from noloco_jax.parallel import routing
 from noloco_jax import training
@@ -74,7 +75,7 @@ def _reference_loss(params_N, tokens_NxBxL1, paths_MxNxS, model_cfg):
   last = paths[:, S - 1]
   ends = {"final_norm": pick(params_N["final_norm"], last), "head": pick(params_N["head"], last)}
   logits = jax.vmap(lambda p, h: llama.apply({"params": p}, h, method=model_lib.Llama.logits))(ends, x)
-  loss = jax.vmap(inner.cross_entropy)(logits, tokens[:, :, 1:]) / M
+  loss = jax.vmap(losses.cross_entropy)(logits, tokens[:, :, 1:]) / M
   return jnp.sum(loss), jax.ops.segment_sum(loss, last, num_segments=N)
 
 
@@ -111,8 +112,22 @@ def test_fixed_routing_equals_the_unpipelined_model(grads_setup):
   setup, params, tokens = grads_setup
   schedule = pipeline.route_schedule(setup.config, "fixed")
   loss, grads = _pipelined_grads(setup, schedule, params, tokens, step=5)
-  plain = jax.jit(jax.vmap(lambda p, b: inner.compute_grads(p, b, setup.model.apply)))
+  plain = jax.jit(jax.vmap(lambda p, b: inner.compute_grads(p, b, setup.model.loss)))
   plain_loss, plain_grads = plain(params, tokens)
+  np.testing.assert_allclose(loss, plain_loss, rtol=2e-5, atol=2e-6)
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    ref = functools.reduce(lambda t, k: t[k.key], path, plain_grads)
+    np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_chunked_loss_on_the_last_stage_equals_the_unpipelined_plain_loss(grads_setup):
+  """model.loss_chunk reaches the pipeline's last stage (Llama.head_loss): same loss and gradients."""
+  setup, params, tokens = grads_setup
+  cfg = _config(routing_mode="random", microbatches=2)
+  cfg.model.loss_chunk = 12  # does not divide L = 32: the padded last chunk is exercised too
+  chunked = build_lib.build(cfg, vocab_size=VOCAB)
+  loss, grads = _pipelined_grads(chunked, pipeline.route_schedule(chunked.config, "fixed"), params, tokens, step=5)
+  plain_loss, plain_grads = jax.jit(jax.vmap(lambda p, b: inner.compute_grads(p, b, setup.model.loss)))(params, tokens)
   np.testing.assert_allclose(loss, plain_loss, rtol=2e-5, atol=2e-6)
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
     ref = functools.reduce(lambda t, k: t[k.key], path, plain_grads)

@@ -30,7 +30,10 @@ class DataSpec(Section):
   batch_size: int = 4  # Sequences per replica per inner step.
   eval_batches: int = 4  # Validation batches per evaluation (the same for every replica).
   data_dir: str = ""  # TFDS data dir and token caches; "" = ~/.cache/noloco_jax/tensorflow_datasets.
-  prefetch: int = 2  # Batches prepared ahead in a background thread; 0 = in the caller.
+  prefetch: int = 2  # Batches prepared ahead in Grain's background thread; 0 = in the caller.
+  # Grain worker processes per replica, reading and tokenising off the trainer (same batches; resume
+  # with the same value); stream mode: 0 or 1 (a packed stream is sequential). 0 = none.
+  workers: int = 0
   # "" = the source's default: "array" (tokenize the split once into a cached array, shuffle whole
   # sequences; stdlib, text) or "stream" (tokenize while reading, for corpora too big for that).
   mode: str = ""
@@ -55,7 +58,7 @@ class DataSpec(Section):
   def check(self) -> None:
     for name in ("seq_len", "batch_size", "shuffle_buffer"):
       at_least(f"data.{name}", getattr(self, name), 1)
-    for name in ("eval_batches", "prefetch"):
+    for name in ("eval_batches", "prefetch", "workers"):
       at_least(f"data.{name}", getattr(self, name), 0)
     one_of("data.source", self.source, SOURCES)
     one_of("data.tokenizer", self.tokenizer, TOKENIZERS)

@@ -4,7 +4,9 @@ import dataclasses
 
 from noloco_jax.config.fields import Section, at_least, fail, one_of
 
-ARCHS = ("llama",)  # registry keys of the models (noloco_jax/models/)
+# Registry keys of the models (noloco_jax/models/). The schema sits below the models in the import graph,
+# so a model registered at run time (models.register) adds its key here through `register_arch`.
+ARCHS: list[str] = ["llama"]
 DTYPES = ("float32", "bfloat16")
 # Llama sizes: hidden / layers / heads / MLP (the NoLoCo paper's 125M / 1.3B / 6.8B models and a tiny
 # one for CPUs). `small` uses 12 heads as the reference code does (the paper says 16).
@@ -15,6 +17,15 @@ PRESETS: dict[str, dict[str, int]] = {
     "large": dict(d_model=4096, num_layers=32, num_heads=32, mlp_dim=16384),
 }
 SIZE_FIELDS = ("d_model", "num_layers", "num_heads", "mlp_dim")
+# Attention kernels (noloco_jax/models/attention.py) and remat policies (models/llama.py: REMAT_POLICIES).
+ATTENTIONS = ("auto", "xla", "cudnn", "einsum")
+REMAT_POLICIES = ("nothing", "dots")
+
+
+def register_arch(arch: str) -> None:
+  """Makes `arch` a valid config.model.arch (called by noloco_jax.models.register)."""
+  if arch not in ARCHS:
+    ARCHS.append(arch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +48,24 @@ class ModelConfig(Section):
   # Recompute each layer's activations in the backward pass instead of storing them: activation
   # memory falls from O(layers) to O(1) layers, for about one extra forward pass of compute.
   remat: bool = False
+  # With remat, what a layer keeps for its backward pass: "nothing" (its input only) or "dots" (also its
+  # weight matmuls' outputs, jax.checkpoint_policies.dots_with_no_batch_dims_saveable: less
+  # recomputation, more memory).
+  remat_policy: str = "nothing"
+  # Attention kernel: auto (cuDNN flash attention on NVIDIA GPUs with bf16 compute, einsum on CPU, XLA
+  # elsewhere) | xla | cudnn (bf16 only) | einsum (the original einsum/softmax, the reference).
+  attention: str = "auto"
+  # The loss over the vocabulary in chunks of this many sequence positions (each chunk: batch × this
+  # many tokens), never holding the [B, L, V] float32 logits (noloco_jax/models/losses.py); 0 = the
+  # plain loss. For large vocabularies.
+  loss_chunk: int = 0
 
   def size(self, name: str) -> int:
     """d_model / num_layers / num_heads / mlp_dim after the preset: the field, or the preset's if 0."""
     return getattr(self, name) or PRESETS[self.preset][name]
 
   def check(self) -> None:
-    one_of("model.arch", self.arch, ARCHS)
+    one_of("model.arch", self.arch, tuple(ARCHS))
     one_of("model.preset", self.preset, tuple(PRESETS))
     for name in SIZE_FIELDS + ("vocab_size", "max_seq_len"):
       at_least(f"model.{name}", getattr(self, name), 0)
@@ -55,3 +77,9 @@ class ModelConfig(Section):
     for name in ("rope_theta", "norm_eps"):
       if not getattr(self, name) > 0:
         fail(f"model.{name}", getattr(self, name), "a number > 0")
+    one_of("model.remat_policy", self.remat_policy, REMAT_POLICIES)
+    one_of("model.attention", self.attention, ATTENTIONS)
+    if self.attention == "cudnn" and self.dtype != "bfloat16":
+      fail("model.attention", self.attention, "'cudnn' only with model.dtype='bfloat16' (cuDNN's fused attention "
+           "takes bf16/fp16); use 'auto', 'xla' or 'einsum' for float32 compute")
+    at_least("model.loss_chunk", self.loss_chunk, 0)

@@ -45,24 +45,18 @@ def make_optimizer(inner_cfg: ml_collections.ConfigDict, num_steps: int, *,
   return opt
 
 
-def cross_entropy(logits_BxLxV, targets_BxL):
-  """Mean next-token cross-entropy in nats."""
-  logp = jax.nn.log_softmax(logits_BxLxV, axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1))
-
-
-def loss_fn(params, batch_BxL1, apply_fn):
+def loss_fn(params, batch_BxL1, loss_of):
   """Next-token loss of one replica on a packed batch of L+1 tokens (inputs and shifted targets).
 
-  `apply_fn(params, tokens_BxL) -> logits_BxLxV` is a model's `apply` (models/base.py).
+  `loss_of(params, tokens_BxL, targets_BxL) -> mean loss` is a model's `loss` (models/base.py): the
+  model computes its own loss, so that with model.loss_chunk it never materialises the logits.
   """
-  logits_BxLxV = apply_fn(params, batch_BxL1[:, :-1])
-  return cross_entropy(logits_BxLxV, batch_BxL1[:, 1:])
+  return loss_of(params, batch_BxL1[:, :-1], batch_BxL1[:, 1:])
 
 
-def compute_grads(params, batch_BxL1, apply_fn):
+def compute_grads(params, batch_BxL1, loss_of):
   """One replica: (loss, grads)."""
-  return jax.value_and_grad(loss_fn)(params, batch_BxL1, apply_fn)
+  return jax.value_and_grad(loss_fn)(params, batch_BxL1, loss_of)
 
 
 def microbatch_slices(batch_BxL1, microbatches: int):
@@ -75,7 +69,7 @@ def microbatch_slices(batch_BxL1, microbatches: int):
   return jnp.swapaxes(batch_BxL1.reshape(-1, microbatches, batch_BxL1.shape[-1]), 0, 1)
 
 
-def accumulate_grads(params, batch_BxL1, apply_fn, microbatches: int = 1):
+def accumulate_grads(params, batch_BxL1, loss_of, microbatches: int = 1):
   """One replica: (loss, grads) of the whole batch, computed `microbatches` slices at a time.
 
   The slices are equal, so the mean of their mean losses (and gradients) is the full batch's: the
@@ -83,10 +77,10 @@ def accumulate_grads(params, batch_BxL1, apply_fn, microbatches: int = 1):
   run in float32 whatever the parameter dtype.
   """
   if microbatches <= 1:
-    return compute_grads(params, batch_BxL1, apply_fn)
+    return compute_grads(params, batch_BxL1, loss_of)
 
   def add_slice(total, batch_bxL1):
-    loss, grads = compute_grads(params, batch_bxL1, apply_fn)
+    loss, grads = compute_grads(params, batch_bxL1, loss_of)
     return jax.tree.map(lambda t, x: t + x.astype(jnp.float32), total, (loss, grads)), None
 
   # zeros_like (not zeros): the carry must vary over the mesh axes exactly as what is added to it
@@ -104,7 +98,7 @@ def apply_grads(state: TrainState, grads, optimizer: optax.GradientTransformatio
                        opt_state=opt_state)
 
 
-def make_inner_step(apply_fn, optimizer: optax.GradientTransformation,
+def make_inner_step(loss_of, optimizer: optax.GradientTransformation,
                     reduce_grads: Callable | None = None, microbatches: int = 1):
   """Returns step(states_k, batches_k) -> (states_k, metrics) over the k replicas of one device.
 
@@ -113,7 +107,7 @@ def make_inner_step(apply_fn, optimizer: optax.GradientTransformation,
 
   def step(states: TrainState, batches_kxBxL1):
     loss_k, grads = jax.vmap(accumulate_grads, in_axes=(0, 0, None, None))(
-        states.params, batches_kxBxL1, apply_fn, microbatches)
+        states.params, batches_kxBxL1, loss_of, microbatches)
     grad_norm_k = jax.vmap(optax.tree.norm)(grads)
     if reduce_grads is not None:
       grads = reduce_grads(grads)
@@ -123,7 +117,7 @@ def make_inner_step(apply_fn, optimizer: optax.GradientTransformation,
   return step
 
 
-def make_eval_step(apply_fn, microbatches: int = 1):
+def make_eval_step(loss_of, microbatches: int = 1):
   """Returns eval(params_k, batch_BxL1) -> loss_k: every local replica evaluates its own weights.
 
   With `microbatches` > 1 the batch is scored that many equal slices at a time (same mean loss).
@@ -131,8 +125,8 @@ def make_eval_step(apply_fn, microbatches: int = 1):
 
   def one_replica(params, batch_BxL1):
     if microbatches <= 1:
-      return loss_fn(params, batch_BxL1, apply_fn)
-    losses = jax.lax.map(lambda b: loss_fn(params, b, apply_fn), microbatch_slices(batch_BxL1, microbatches))
+      return loss_fn(params, batch_BxL1, loss_of)
+    losses = jax.lax.map(lambda b: loss_fn(params, b, loss_of), microbatch_slices(batch_BxL1, microbatches))
     return jnp.mean(losses.astype(jnp.float32))
 
   def evaluate(params, batch_BxL1):

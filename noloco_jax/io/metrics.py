@@ -2,20 +2,21 @@
 
 Names: train/loss, train/grad_norm, eval/loss, eval/ppl, replicas/weight_std,
 outer/pseudo_grad_norm, outer/round, comm/bytes_per_replica (cumulative), perf/steps_per_s,
-perf/tokens_per_s, model/num_params (logged once, per replica).
+perf/tokens_per_s, model/num_params (logged once, per replica), outer/skipped_rounds (cumulative;
+only with nan_policy="skip_round").
+The writers themselves (TensorBoard, JSON lines, log) are in writers.py.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from clu import metric_writers
+
+from noloco_jax.io import writers
 
 
 def weight_std(params_NxP) -> jax.Array:
@@ -47,54 +48,14 @@ def weight_std_numpy(params_NxP) -> float:
   return float(np.sqrt(sum(((x - x.mean(0)) ** 2).sum() for x in leaves) / (n * count)))
 
 
-class JsonlWriter(metric_writers.interface.MetricWriter):
-  """Appends one JSON object per write to `path`: {"step": s, name: value, ...}."""
-
-  def __init__(self, path: str):
-    self._file = open(path, "a", buffering=1)
-
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
-    row = {"step": int(step)}
-    for key, value in scalars.items():
-      value = float(np.asarray(value))
-      row[key] = value if math.isfinite(value) else str(value)
-    self._file.write(json.dumps(row) + "\n")
-
-  def write_summaries(self, step, values, metadata=None):
-    pass
-
-  def write_images(self, step, images):
-    pass
-
-  def write_videos(self, step, videos):
-    pass
-
-  def write_audios(self, step, audios, *, sample_rate):
-    pass
-
-  def write_texts(self, step, texts):
-    pass
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    pass
-
-  def write_hparams(self, hparams):
-    pass
-
-  def flush(self):
-    self._file.flush()
-
-  def close(self):
-    self._file.close()
-
-
-def make_writer(workdir: str) -> metric_writers.MetricWriter:
-  """TensorBoard + metrics.jsonl on process 0; log lines only on the others."""
+def make_writer(workdir: str) -> writers.MetricWriter:
+  """TensorBoard events + metrics.jsonl + log lines on process 0; log lines only on the others."""
   if jax.process_index() != 0:
-    return metric_writers.create_default_writer(workdir, just_logging=True)
-  return metric_writers.MultiWriter([
-      metric_writers.create_default_writer(workdir, asynchronous=False),
-      JsonlWriter(os.path.join(workdir, "metrics.jsonl")),
+    return writers.LoggingWriter()
+  return writers.MultiWriter([
+      writers.LoggingWriter(),
+      writers.TensorBoardWriter(workdir),
+      writers.JsonlWriter(os.path.join(workdir, "metrics.jsonl")),
   ])
 
 

@@ -6,6 +6,7 @@ Llama (llama.py) is the first. A new architecture is one module with a `base.Mod
 to `_REGISTRY` here (or registered at run time with `register`, as tests/test_model_interface.py does).
 """
 
+from noloco_jax.config import model as model_schema
 from noloco_jax.models import base
 from noloco_jax.models import llama
 
@@ -15,6 +16,7 @@ _REGISTRY: dict[str, type[base.Model]] = {llama.LlamaModel.arch: llama.LlamaMode
 def register(cls: type[base.Model]) -> type[base.Model]:
   """Makes `cls` selectable as config.model.arch = cls.arch (usable as a class decorator)."""
   _REGISTRY[cls.arch] = cls
+  model_schema.register_arch(cls.arch)  # so that config validation accepts it
   return cls
 
 

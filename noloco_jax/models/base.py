@@ -29,6 +29,8 @@ from typing import Any, ClassVar, Sequence
 import jax
 import jax.numpy as jnp
 
+from noloco_jax.models import losses
+
 # Names of the dtypes a config may give (model.dtype, model.param_dtype, outer.state_dtype).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # A parameter's role for pipeline stages (see the module docstring).
@@ -89,6 +91,17 @@ class Model(abc.ABC):
   @abc.abstractmethod
   def head(self, params: Any, x_BxLxD: jax.Array) -> jax.Array:
     """The last stage's part: activations -> float32 logits [B, L, V]. Reads only "last" parameters."""
+
+  # ---- the loss: what the inner step and the pipeline's last stage call ----
+
+  def loss(self, params: Any, tokens_BxL: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (nats). By default from `apply`'s logits; a model may override it
+    to avoid materialising them (Llama with model.loss_chunk: models/losses.py)."""
+    return losses.cross_entropy(self.apply(params, tokens_BxL), targets_BxL)
+
+  def head_loss(self, params: Any, x_BxLxD: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+    """`loss` from the last layer's activations: the pipeline's last stage. Reads only "last" parameters."""
+    return losses.cross_entropy(self.head(params, x_BxLxD), targets_BxL)
 
   # ---- sizes ----
 

@@ -21,6 +21,14 @@ import ml_collections
 from noloco_jax.config.model import PRESETS  # hidden / layers / heads / MLP per preset
 from noloco_jax.models import base
 from noloco_jax.models.base import DTYPES
+from noloco_jax.models import attention as attention_lib
+from noloco_jax.models import losses
+
+# What a rematerialised layer keeps for its backward pass (model.remat_policy; only with model.remat):
+# "nothing" = its input only (all else recomputed); "dots" = also the results of its matmuls with
+# no batch dimension (the projections and the MLP; not attention's scores), recomputing only the cheap
+# elementwise work in between.
+REMAT_POLICIES = {"nothing": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +44,9 @@ class LlamaConfig:
   dtype: Any = jnp.float32  # compute dtype
   param_dtype: Any = jnp.float32
   remat: bool = False  # recompute each layer's activations in the backward pass
+  remat_policy: str = "nothing"  # a key of REMAT_POLICIES
+  attention: str = "auto"  # one of attention.IMPLEMENTATIONS ("auto" picks by backend and dtype when traced)
+  loss_chunk: int = 0  # sequence positions per chunk of the loss (losses.py); 0 = plain loss
   # Mesh axis the batch dimension of activations is split over (e.g. "fsdp"), or None. Set by
   # training.build when a replica spans several devices; see `constrain_batch`.
   batch_axis: str | None = None
@@ -59,6 +70,9 @@ def resolve_config(model_cfg: ml_collections.ConfigDict, *, vocab_size: int, seq
       dtype=DTYPES[model_cfg.dtype],
       param_dtype=DTYPES[model_cfg.param_dtype],
       remat=bool(model_cfg.remat),
+      remat_policy=str(model_cfg.remat_policy),
+      attention=str(model_cfg.attention),
+      loss_chunk=int(model_cfg.loss_chunk),
       **sizes,
   )
 
@@ -111,12 +125,8 @@ class Attention(nn.Module):
     q_BxLxHxK = rope(dense("q")(x_BxLxD), positions_L, cfg.rope_theta)
     k_BxLxHxK = rope(dense("k")(x_BxLxD), positions_L, cfg.rope_theta)
     v_BxLxHxK = dense("v")(x_BxLxD)
-    logits_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK).astype(jnp.float32) / jnp.sqrt(K)
-    L = x_BxLxD.shape[1]
-    causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
-    logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits_BxHxLxL, axis=-1).astype(cfg.dtype)
-    out_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs, v_BxLxHxK)
+    kernel = attention_lib.resolve(cfg.attention, cfg.dtype, K)
+    out_BxLxHxK = attention_lib.causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, kernel)
     return nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=False, dtype=cfg.dtype,
                            param_dtype=cfg.param_dtype, kernel_init=_init, name="o")(out_BxLxHxK)
 
@@ -168,7 +178,8 @@ class Layers(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD):
-    block = nn.remat(Block, prevent_cse=False) if self.cfg.remat else Block
+    block = (nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[self.cfg.remat_policy])
+             if self.cfg.remat else Block)
     scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                       length=self.num_layers)
     x_BxLxD, _ = scanned(self.cfg, name="blocks")(x_BxLxD, None)
@@ -199,7 +210,18 @@ class Llama(nn.Module):
   def logits(self, x_BxLxD):
     return constrain_batch(self.head(self.final_norm(x_BxLxD)).astype(jnp.float32), self.cfg.batch_axis)
 
+  def next_token_loss(self, tokens_BxL, targets_BxL):
+    """Mean next-token cross-entropy of the whole model."""
+    return self.head_loss(self.layers(self.embed_tokens(tokens_BxL)), targets_BxL)
 
+  def head_loss(self, x_BxLxD, targets_BxL):
+    """The last layer's output to the mean loss; with cfg.loss_chunk never holding [B, L, V] logits
+    (losses.py). Needs params["final_norm"] and params["head"] only (a pipeline's last stage)."""
+    if not self.cfg.loss_chunk:
+      return losses.cross_entropy(self.logits(x_BxLxD), targets_BxL)
+    x_BxLxD = constrain_batch(self.final_norm(x_BxLxD), self.cfg.batch_axis)
+    return losses.chunked_cross_entropy(x_BxLxD, self.variables["params"]["head"]["kernel"], targets_BxL,
+                                        self.cfg.loss_chunk)
 
 class LlamaModel(base.Model):
   """Llama behind the model interface: embedding first, the scanned layers, final norm and head last."""
@@ -246,6 +268,13 @@ class LlamaModel(base.Model):
   def head(self, params, x_BxLxD):
     ends = {"final_norm": params["final_norm"], "head": params["head"]}
     return self.module.apply({"params": ends}, x_BxLxD, method=Llama.logits)
+
+  def loss(self, params, tokens_BxL, targets_BxL):
+    return self.module.apply({"params": params}, tokens_BxL, targets_BxL, method=Llama.next_token_loss)
+
+  def head_loss(self, params, x_BxLxD, targets_BxL):
+    ends = {"final_norm": params["final_norm"], "head": params["head"]}
+    return self.module.apply({"params": ends}, x_BxLxD, targets_BxL, method=Llama.head_loss)
 
   def num_params(self) -> int:
     return num_params(self.config)

@@ -86,3 +86,11 @@ def group_mean_from_pool(tree, pool: Sequence[Groups], index: jax.Array, num_dev
     return jax.tree.map(lambda t: t / n, total)
   branches = [lambda t, g=g: group_mean(t, g, num_devices, message_dtype) for g in pool]
   return jax.lax.switch(index, branches, tree)
+
+
+def group_mean_for_round(tree, pool: Sequence[Groups] | None, route: jax.Array, num_devices: int, message_dtype):
+  """The group mean of a round function `make_round(pool, num_devices)`, whatever the program's plan:
+  `pool` None (one device, `route` = the [n−1, N] source table) or a pool (`route` = the index into it)."""
+  if pool is None:
+    return group_mean_from_table(tree, route, message_dtype)
+  return group_mean_from_pool(tree, pool, route, num_devices, message_dtype)

@@ -72,10 +72,7 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dt
       theta, phi, delta = states.params, states.outer["slow"], states.outer["momentum"]
       metrics = {"pseudo_grad_norm": _pseudo_grad_norm(states)}
       c = rules.noloco_message(theta, phi, beta=beta, gamma=gamma)
-      if pool is None:
-        mean_c = exchange.group_mean_from_table(c, route, message_dtype)
-      else:
-        mean_c = exchange.group_mean_from_pool(c, pool, route, num_devices, message_dtype)
+      mean_c = exchange.group_mean_for_round(c, pool, route, num_devices, message_dtype)
       theta, phi, delta = rules.noloco_update(phi, delta, mean_c, alpha=alpha, gamma=gamma)
       return states.replace(params=theta, outer={"slow": phi, "momentum": delta}), metrics
     return round_fn

@@ -15,10 +15,11 @@ server); `off` never does. Timeouts (seconds): --heartbeat_timeout_s (NOLOCO_HEA
 --initialization_timeout_s (NOLOCO_INITIALIZATION_TIMEOUT_S), --shutdown_timeout_s
 (NOLOCO_SHUTDOWN_TIMEOUT_S).
 
-Failure behaviour: when a process dies, its peers' next collective fails at once (the TCP link
-closes) and `fail_fast` ends them with exit code 1; a peer that is not in a collective is ended by
-the distributed runtime once the dead process has missed heartbeats for heartbeat_timeout_s. A job
-therefore never hangs on a dead process for longer than about heartbeat_timeout_s.
+Failure behaviour: when a process dies, peer_watch.py ends its peers within about a second (exit
+code 1, one `Process i of P failed` line); a collective that fails first ends them through
+`fail_fast`, with the same line. A host that vanishes without closing its connections is ended by the
+distributed runtime once it has missed heartbeats for heartbeat_timeout_s. A job therefore never
+hangs on a dead process for longer than about heartbeat_timeout_s.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from noloco_jax.parallel import job_checks
 from noloco_jax.parallel import mesh as mesh_lib
 
 ENV = {
@@ -239,7 +241,8 @@ def _describe(row: np.ndarray) -> str:
   return repr(text) if text else "hash " + row[:8].tobytes().hex()
 
 
-def _compare_across_processes(fields: dict[str, str]) -> None:
+def _compare_across_processes(fields: dict[str, str], config) -> list[str]:
+  """Collective: one line per fingerprint field on which the processes disagree (empty when they agree)."""
   rows = np.stack([_field_bytes(v) for v in fields.values()])  # [F, 8 + _SHOWN] uint8
   # A host-side all-gather over every device of the job, independent of the training mesh: it works
   # even when the processes disagree on the config (the thing being checked). Runs once, < 1 KB.
@@ -250,13 +253,13 @@ def _compare_across_processes(fields: dict[str, str]) -> None:
     values: dict[bytes, list[int]] = {}
     for p in range(gathered.shape[0]):
       values.setdefault(gathered[p, i].tobytes(), []).append(p)
-    if len(values) > 1:
+    if len(values) > 1 and name == "config":
+      # Every process saw the same gathered hashes, so all of them run this second gather.
+      problems.append(job_checks.describe_config_mismatch(config))
+    elif len(values) > 1:
       groups = "; ".join(f"processes {procs} have {_describe(np.frombuffer(v, np.uint8))}" for v, procs in values.items())
       problems.append(f"{name} differs: {groups}")
-  if problems:
-    raise ConsistencyError(
-        "the processes of this job disagree at start-up: " + " | ".join(problems) + ". Start every "
-        "process with the same config, overrides and code version (each process logs its config hash).")
+  return problems
 
 
 def _leaf_checksums(x_NxD: jax.Array) -> jax.Array:
@@ -319,9 +322,10 @@ def log_layout(config, mesh) -> None:
   logging.info("\n".join(lines))
 
 
-def check_consistency(config, mesh, state, *, identical_replicas: bool = True) -> np.ndarray:
-  """Raises ConsistencyError unless all processes agree on config, seed and layout, and (by default)
-  every replica's state is bit-identical to replica 0's. Returns the [N, 2] replica checksums.
+def check_consistency(config, mesh, state, *, identical_replicas: bool = True, workdir: str | None = None) -> np.ndarray:
+  """Raises ConsistencyError unless all processes agree on config, seed and layout, share `workdir`
+  (when given; job_checks.py), and (by default) every replica's state is bit-identical to replica 0's.
+  Returns the [N, 2] replica checksums.
 
   Call it right after the state is built and before anything (a restore, a step) changes it.
   """
@@ -330,7 +334,14 @@ def check_consistency(config, mesh, state, *, identical_replicas: bool = True) -
   logging.info("Start-up check: process %d has config hash %s, seed %s.", jax.process_index(),
                _digest(fields["config"]).tobytes().hex(), config.seed)
   if jax.process_count() > 1:
-    _compare_across_processes(fields)
+    problems = _compare_across_processes(fields, config)
+    if workdir is not None:
+      problems.append(job_checks.shared_workdir_problem(workdir))
+    problems = [p for p in problems if p]
+    if problems:
+      raise ConsistencyError(
+          "the processes of this job disagree at start-up: " + " | ".join(problems) + ". Start every process "
+          "with the same config, overrides, workdir and code version (each process logs its config hash).")
   sums = replica_checksums(mesh, state)
   logging.info("Start-up check: %d processes agree on config, seed and replica layout; replica 0 state "
                "checksum %s.", jax.process_count(), sums[0].tobytes().hex())

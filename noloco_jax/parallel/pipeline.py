@@ -199,7 +199,7 @@ def make_forward(model: Model, num_stages: int, router: Callable) -> Callable:
   # vmapped over the k local replicas; each reads only the parameters its part owns.
   embed_k = jax.vmap(model.embed)
   layers_k = jax.vmap(model.blocks)  # this stage's slice of the layers
-  loss_k = jax.vmap(lambda p, y, t: inner.cross_entropy(model.head(p, y), t))
+  loss_k = jax.vmap(model.head_loss)  # the head and the loss (model.loss_chunk: never all the logits)
 
   def forward(params, tokens_kxMxbxL1, route_MxB):
     k, M, b, L1 = tokens_kxMxbxL1.shape

@@ -75,7 +75,7 @@ def _devices(n: int) -> list:
   return cpu[:n]
 
 
-def _memory(compiled, host_arguments: int = 0) -> dict[str, int]:
+def program_memory(compiled, host_arguments: int = 0) -> dict[str, int]:
   """Per-device bytes of a compiled program. `host_arguments`: bytes of its arguments that live in
   pinned host memory (outer.offload), subtracted from the device peak when XLA does not report them
   apart (XLA:CPU counts every memory kind as one: its 'device' memory is host RAM)."""
@@ -84,6 +84,8 @@ def _memory(compiled, host_arguments: int = 0) -> dict[str, int]:
          "outputs": m.output_size_in_bytes, "aliased": m.alias_size_in_bytes}
   # Peak of one device while the program runs: its inputs, outputs not written into donated inputs,
   # and its scratch space (XLA's buffer assignment already overlaps temporaries that do not coexist).
+  # The quantity jax.Device.memory_stats()["peak_bytes_in_use"] measures over one step of a process
+  # that holds nothing else (experiments/bench_mfu.py prints both, measured and predicted).
   out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
   host = getattr(m, "host_argument_size_in_bytes", 0) + getattr(m, "host_output_size_in_bytes", 0)
   host -= getattr(m, "host_alias_size_in_bytes", 0)
@@ -116,6 +118,8 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
 
   result: dict[str, Any] = {
       "mesh": dict(mesh.shape), "devices_used": int(mesh.devices.size), "platform": devices[0].platform,
+      # The compiler that produced the figures: XLA for this backend (cpu = an estimate for accelerators).
+      "backend": f"{devices[0].platform} ({devices[0].device_kind})",
       "num_params": setup.model.num_params(), "num_params_counted": counted_params,
       "flops_per_token": setup.model.flops_per_token(config.data.seq_len),
       "state_bytes_per_replica": sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)) // n,
@@ -134,7 +138,7 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
     start = time.time()
     compiled = fn.lower(*args).compile()
     result["compile_s"][name] = time.time() - start
-    result["programs"][name] = _memory(compiled, host_arguments)
+    result["programs"][name] = program_memory(compiled, host_arguments)
     return compiled
 
   resident = result["state_bytes_per_device"] - host_bytes
@@ -185,6 +189,9 @@ def report(config: ml_collections.ConfigDict, topology: Topology, result: dict[s
   lines = [
       f"Dry run on {topology.text}: {topology.num_devices} devices of {topology.bytes_per_device / 2 ** 30:.1f} GiB "
       f"({result['platform']}); mesh {mesh} = {result['devices_used']} devices used.",
+      f"Compiled by XLA for backend {result['backend']}"
+      + (": the CPU compiler's buffer assignment, an estimate of an accelerator's (fusion and scheduling differ)."
+         if result["platform"] == "cpu" else "."),
       f"Model {config.model.preset}: {result['num_params']:,} parameters per replica "
       f"({result['num_params_counted']:,} in the initialised tree); {config.num_replicas} replicas, "
       f"{config.data.batch_size} × {config.data.seq_len} tokens per replica per step, outer {config.outer.kind}.",
@@ -214,6 +221,8 @@ def report(config: ml_collections.ConfigDict, topology: Topology, result: dict[s
     lines.append("outer.offload: XLA:CPU does not report host memory apart, so 'host' and the peaks above are "
                  "derived from the state's shardings: φ and δ are taken off the inner step's device peak, and "
                  "counted on the device during the round (which copies them there).")
+  lines.append("peak = arguments + outputs − aliased + temporaries: what memory_stats()['peak_bytes_in_use'] "
+               "measures during that program (compare: experiments/bench_mfu.py).")
   verdict = "FITS" if result["fits"] else f"DOES NOT FIT ({result['worst']})"
   lines.append(f"{verdict}: peak {result['peak_bytes'] / unit:.2f} {name_} of {result['capacity_bytes'] / unit:.2f} "
                f"{name_} per device ({100 * result['peak_bytes'] / result['capacity_bytes']:.0f}%).")

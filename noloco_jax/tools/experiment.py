@@ -31,13 +31,13 @@ import ml_collections
 import numpy as np
 
 from noloco_jax.outer.paper import PAPER_OUTER
-from noloco_jax.tools import config_files
+from noloco_jax.tools import compile_cache, config_files
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax import training
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE_ENV = "NOLOCO_SMOKE"  # "1" shrinks notebooks and scripts to seconds (tests/test_notebooks.py)
-CACHE_ENV = "NOLOCO_COMPILE_CACHE"  # directory of JAX's persistent compilation cache; "" disables
+CACHE_ENV = compile_cache.ENV  # directory of JAX's persistent compilation cache; "" disables
 
 #: H for the 300-step mini runs: the paper's 50 (NoLoCo) and 100 (DiLoCo) halved, keeping their 1:2
 #: ratio, so that a run has 12 NoLoCo and 6 DiLoCo rounds (the paper: 500 and 250 over 25,000 steps).
@@ -55,15 +55,9 @@ def smoke_from_env() -> bool:
 def enable_compile_cache(path: str | None = None) -> str | None:
   """Turns on JAX's persistent compilation cache (runs of one sweep share most of their programs).
 
-  Only speed changes: the cache is keyed by the program, the devices and the compile options.
+  The same mechanism as main.py's: noloco_jax/tools/compile_cache.py (where, and how to turn it off).
   """
-  path = os.environ.get(CACHE_ENV, os.path.expanduser("~/.cache/noloco_jax/jax_compile_cache")) if path is None else path
-  if not path:
-    return None
-  os.makedirs(path, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-  return path
+  return compile_cache.enable(path)
 
 
 def load_default_config(arg: str | None = None) -> ml_collections.ConfigDict:

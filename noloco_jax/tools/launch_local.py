@@ -12,6 +12,11 @@ prefixed with `[i]`, or written to LOG_DIR/process_i.log with --log_dir.
 
 If one process fails, the launcher gives the others --grace_s seconds to exit on their own (they should:
 see distributed.py) and then kills them; its exit status is the first non-zero status of a process.
+
+SIGTERM, SIGINT (Ctrl-C) and SIGHUP sent to the launcher are passed on to every process, and the launcher
+waits for them to exit before it does: on SIGTERM each saves a checkpoint and exits 0, so stopping the
+launcher stops the job as stopping one training process would. The processes run in their own process
+group, so a Ctrl-C in the terminal reaches them once, through the launcher, not twice.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import sys
 import threading
 import time
 from typing import Sequence
+
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # passed on to the processes (see main)
 
 
 def free_port() -> int:
@@ -71,8 +79,9 @@ class Job:
         out = open(log_path, "w")
       else:
         out = subprocess.PIPE
+      # process_group=0: a group of their own, out of the terminal's reach (module docstring).
       proc = subprocess.Popen(cmd, env=process_env(i, num_processes, devices_per_process, self.port, env),
-                              stdout=out, stderr=subprocess.STDOUT, cwd=cwd, text=True)
+                              stdout=out, stderr=subprocess.STDOUT, cwd=cwd, text=True, process_group=0)
       if log_path:
         out.close()
       else:
@@ -81,6 +90,12 @@ class Job:
         self._threads.append(t)
       self.procs.append(proc)
       self.log_paths.append(log_path)
+
+  def forward(self, signum: int) -> None:
+    """Sends `signum` to every process still running (each reacts as it would to the signal itself)."""
+    for p in self.procs:
+      if p.poll() is None:
+        p.send_signal(signum)
 
   def wait(self, timeout_s: float | None = None, grace_s: float = 60.0) -> list[int]:
     """Waits for all processes; after the first failure, or past `timeout_s`, the rest get `grace_s`."""
@@ -130,8 +145,26 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--grace_s", type=float, default=60.0,
                       help="after a process fails, how long the others may take to exit before being killed")
   opts = parser.parse_args(own)
+  # Installed before the processes start, so no signal can end the launcher and leave them running;
+  # one that arrives while they are being started is passed on once they all exist.
+  pending: list[int] = []
+  job: Job | None = None
+
+  def on_signal(signum, frame):
+    del frame
+    print(f"launch_local: {signal.Signals(signum).name} received; passing it on to the processes and waiting "
+          "for them to exit.", flush=True)
+    if job is None:
+      pending.append(signum)
+    else:
+      job.forward(signum)
+
+  for sig in FORWARDED:
+    signal.signal(sig, on_signal)
   job = Job(opts.num_processes, opts.devices_per_process, rest, module=opts.module, port=opts.port,
             log_dir=opts.log_dir)
+  for signum in pending:
+    job.forward(signum)
   print(f"launch_local: {opts.num_processes} processes × {opts.devices_per_process} CPU devices, coordinator "
         f"127.0.0.1:{job.port}, pids {[p.pid for p in job.procs]}", flush=True)
   codes = job.wait(opts.timeout_s, opts.grace_s)

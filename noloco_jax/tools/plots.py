@@ -1,14 +1,18 @@
 """Plots of experiment sweeps (tools/experiment.py): curves against inner steps, final metrics against a swept value.
 
-Imported only by the notebooks and the experiment scripts: matplotlib is not a dependency of the core.
+Imported only by the notebooks and the experiment scripts: matplotlib is not a dependency of the core
+(the `plots` extra installs it).
 """
 
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-import matplotlib
-import matplotlib.pyplot as plt
+try:
+  import matplotlib
+  import matplotlib.pyplot as plt
+except ImportError as e:  # The core install has no matplotlib (setup.py: extra "plots").
+  raise ImportError("noloco_jax.tools.plots needs matplotlib: pip install -e '.[plots]'") from e
 
 from noloco_jax.tools import experiment
 from noloco_jax.tools.experiment import Run

@@ -103,7 +103,7 @@ def build(config: ml_collections.ConfigDict, mesh=None, vocab_size: int | None =
   else:
     layout = sharding_lib.state_shardings
     step_local = mesh_lib.replica_map(
-        inner.make_inner_step(model.apply, optimizer, method.reduce_grads, config.inner.microbatches), mesh,
+        inner.make_inner_step(model.loss, optimizer, method.reduce_grads, config.inner.microbatches), mesh,
         in_specs=(P(REPLICA), P(REPLICA)), out_specs=(P(REPLICA), P(REPLICA)))
     eval_fn = _replica_eval(model, mesh, config.inner.microbatches)
 
@@ -131,7 +131,7 @@ def build(config: ml_collections.ConfigDict, mesh=None, vocab_size: int | None =
 
 def _replica_eval(model: models.base.Model, mesh, microbatches: int) -> Callable:
   """eval(params [N, ...], batch [B, L+1]) -> loss [N] without pipeline stages."""
-  evaluate_local = inner.make_eval_step(model.apply, microbatches)
+  evaluate_local = inner.make_eval_step(model.loss, microbatches)
 
   def eval_fn(params, batch_BxL1):
     # Every replica scores the same validation batch; inside a replica group its sequences are split

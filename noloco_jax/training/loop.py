@@ -17,40 +17,50 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-from clu import periodic_actions
 
 from noloco_jax.io import checkpoint as checkpoint_lib
 from noloco_jax.io import data as data_lib
 from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.io import workdir_lock
 from noloco_jax.parallel import distributed
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.training import build as build_lib
+from noloco_jax.training import dispatch
 from noloco_jax.training.loop_state import LoopState
 
 NonFiniteLossError = checkpoint_lib.NonFiniteLossError
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains `config.num_replicas` replicas for `config.num_steps` steps; returns the final metrics."""
-  start_time = time.time()
+  """Trains `config.num_replicas` replicas for `config.num_steps` steps; returns the final metrics.
+
+  One run per workdir: the workdir is locked for the whole run (io/workdir_lock.py).
+  """
   os.makedirs(workdir, exist_ok=True)
+  with workdir_lock.hold(workdir):
+    return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  start_time = time.time()
   setup = build_lib.build(config)
   config = setup.config  # validated: renamed fields under their new names
   mesh, n, H = setup.mesh, config.num_replicas, config.outer.inner_steps
   is_main = jax.process_index() == 0
-  if is_main:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
   train_iter, eval_batches = _open_data(setup)
 
   # ---- State, built sharded. ----
   state = setup.init_state()
-  # All processes agree on config/seed/layout and every replica starts bit-identical (before any restore).
-  distributed.check_consistency(config, mesh, state)
+  # All processes agree on config/seed/layout, share the workdir, and every replica starts bit-identical
+  # (before any restore).
+  distributed.check_consistency(config, mesh, state, workdir=workdir)
   # Then the latest checkpoint of this workdir, else the warm start, else this fresh state (io/checkpoint).
   checkpointer = checkpoint_lib.Checkpointer(setup, workdir)
   state, loop = checkpointer.restore(state, train_iter, LoopState())
+  if is_main:  # only now: a refused resume leaves the config that describes the checkpoints
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
   one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
   bytes_per_round = setup.method.bytes_per_round(one_replica)
   bytes_per_step = setup.method.bytes_per_step(one_replica)
@@ -58,10 +68,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   writer = metrics_lib.make_writer(workdir)
   if not loop.resumed:
     writer.write_scalars(0, {"model/num_params": setup.model.num_params()})
-  pairing_log = open(os.path.join(workdir, "pairings.jsonl"), "a") if is_main and setup.schedule else None
-  report = periodic_actions.ReportProgress(num_train_steps=config.num_steps, every_secs=30)
+  pairing_log = checkpoint_lib.JsonlLog(os.path.join(workdir, "pairings.jsonl")) if is_main and setup.schedule else None
+  report = metrics_lib.writers.ProgressLog(num_train_steps=config.num_steps, every_secs=30)
   rate = _StepRate(loop.step, n * config.data.batch_size * config.data.seq_len)
-  guard = checkpoint_lib.RoundGuard(config, mesh)  # active only with nan_policy="skip_round"
+  guard = checkpoint_lib.RoundGuard(config, mesh, loop.history)  # active only with nan_policy="skip_round"
+  # The host stays at most a few steps ahead of the devices: queuing more deadlocks XLA:CPU's
+  # collectives (training/dispatch.py explains how).
+  window = dispatch.DispatchWindow()
   # Round r's program compiles in the background during round r's inner steps (outer/ahead.py).
   round_programs = setup.rounds.ahead(state) if setup.method.has_rounds else None
   if round_programs is not None:
@@ -84,9 +97,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           row = {"round": loop.round, "step": step, "groups": [list(g) for g in setup.schedule.groups(loop.round)]}
           if setup.schedule.mode == "round_robin":
             row["matching"] = setup.schedule.index(loop.round)
-          pairing_log.write(json.dumps(row) + "\n")
+          pairing_log.append(row)
         loop.add_round(round_metrics, setup.weight_std(state.params), bytes_per_round)
       state = guard.end(step, state, loop.history)
+      window.push(step_metrics["loss"])
       report(step)
 
       if step % max(config.log_every, 1) == 0 or step == config.num_steps:
@@ -98,6 +112,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
       preempted = checkpoint_lib.stop_requested(step, config.log_every)  # SIGTERM; agreed by all processes
       if checkpointer.due(step) or preempted:
+        # Every log row up to this step on disk before the checkpoint that covers it (checkpoint/logs.py).
+        writer.flush()
+        if pairing_log is not None:
+          pairing_log.sync()
         checkpointer.save(step, state, loop, train_iter)  # checks the pending losses and the state first
       if preempted:
         logging.warning("Stop requested: saved a checkpoint at step %d; run the same command to resume.", step)
@@ -106,11 +124,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if round_programs is not None:
       round_programs.close()
     # Leave no prefetch thread or open writer behind an error (e.g. a NaN stop in a notebook), and
-    # flush the metrics written so far. The checkpointer is not closed here: in a multi-process job
-    # its close waits for the other processes, which may be the ones that failed.
-    with contextlib.suppress(Exception):
-      train_iter.close()
-      writer.close()
+    # flush the metrics written so far. A save in flight is completed (or, in a multi-process job whose
+    # peers may be the ones that failed, abandoned after a bounded wait, saying so): never lost silently.
+    checkpointer.settle_after_error()
+    for closable in (train_iter, writer, pairing_log):
+      with contextlib.suppress(Exception):
+        if closable is not None:
+          closable.close()
     raise
 
   if round_programs is not None:
@@ -172,7 +192,11 @@ class _StepRate:
 
 def evaluate(setup: build_lib.Setup, state, eval_batches: jax.Array) -> dict[str, float]:
   """eval/loss = mean over replicas of each replica's mean validation loss; eval/ppl = exp of it."""
-  losses = [setup.eval_step(state.params, eval_batches[i]) for i in range(eval_batches.shape[0])]
+  losses = []
+  for i in range(eval_batches.shape[0]):
+    losses.append(setup.eval_step(state.params, eval_batches[i]))
+    if (i + 1) % dispatch.EVAL_CHUNK == 0:  # bounded run-ahead: see training/dispatch.py
+      jax.block_until_ready(losses[-1])
   losses = mesh_lib.fetch(losses)  # per-replica losses live on every process: one all-gather
   per_replica = np.mean(np.stack([np.asarray(x) for x in losses]), axis=0)
   loss = float(np.mean(per_replica))
@@ -201,6 +225,8 @@ def _train_scalars(config, loop: LoopState, rates: dict[str, float]) -> dict[str
       "outer/round": loop.round,
       **rates,
   }
+  if config.nan_policy == "skip_round":
+    scalars["outer/skipped_rounds"] = len(loop.history.get("skipped_rounds", []))
   if rounds:
     scalars["outer/pseudo_grad_norm"] = float(np.mean([np.asarray(m["pseudo_grad_norm"]) for m, _ in rounds]))
     scalars["replicas/weight_std"] = float(rounds[-1][1])
@@ -223,8 +249,14 @@ def _summary(config, loop: LoopState, num_params: int, seconds: float) -> dict[s
       f"replicas/weight_std  {last['replicas/weight_std']:.3e}",
       f"comm/bytes_per_replica  {comm_bytes:,} ({comm_bytes / 2**20:.1f} MiB)",
       f"wall time   {seconds:.1f} s  ({train.get('perf/steps_per_s', float('nan')):.2f} steps/s at the last log)",
-      "=" * 72,
   ]
+  skipped = loop.history.get("skipped_rounds", [])
+  if config.nan_policy == "skip_round":
+    lines.append(f"skipped rounds  {len(skipped)} (nan_policy=skip_round)"
+                 + (f": steps {', '.join(f'{a}-{b}' for a, b in skipped[:8])}{' ...' if len(skipped) > 8 else ''}"
+                    if skipped else ""))
+  lines.append("=" * 72)
   return {"text": "\n".join(lines), "eval/loss": last["eval/loss"], "eval/ppl": last["eval/ppl"],
           "eval/loss_first": first["eval/loss"], "replicas/weight_std": last["replicas/weight_std"],
-          "comm/bytes_per_replica": comm_bytes, "wall_time_s": seconds, "model/num_params": num_params}
+          "comm/bytes_per_replica": comm_bytes, "wall_time_s": seconds, "model/num_params": num_params,
+          "outer/skipped_rounds": len(skipped)}

@@ -13,7 +13,8 @@ Modules, one job each: spec (checks of config.data against files and tokenizer; 
 DataSpec, is in noloco_jax/config/data.py), tokenizer, documents (the Source interface
 and shared helpers), tfds_sources / file_sources (the sources), sources (the one picked by
 config.data.source), stdlib_builder (the embedded TFDS corpus), packing (tokens and caches),
-streams (one replica's resumable sequence stream), iterator (batches + prefetch), train_spm (CLI).
+streams (one replica's sequences as a Grain dataset), iterator (Grain pipelines per replica,
+stacked and prefetched), train_spm (CLI).
 """
 
 from noloco_jax.io.data.iterator import make_eval_batches

@@ -66,15 +66,28 @@ def token_array(source: documents.Source, tok, data_dir: str, vocab_size: int) -
   key = f"v{_FORMAT_VERSION}-{source.fingerprint()}-{tok.fingerprint}-{dtype.name}"
   directory = os.path.join(spec_lib.resolve_data_dir(data_dir), _CACHE_SUBDIR)
   path = os.path.join(directory, key + ".bin")
-  if not os.path.exists(path):
+  if not _is_cached(path):
     with locking.file_lock(path + ".lock"):
-      if not os.path.exists(path):  # Another process may have built it while we waited.
+      if not _is_cached(path):  # Another process may have built it while we waited.
+        # _write_stream raises on a split without tokens, so no empty cache file is ever kept.
         locking.atomic_write(path, lambda tmp: _write_stream(source, tok, tmp, dtype, vocab_size))
   tokens = np.memmap(path, dtype=dtype, mode="r")
-  if tokens.size == 0:
-    raise ValueError(f"{source.name}: no tokens (every document empty or skipped); check the data.")
   check_ids(tokens, vocab_size, f"{source.name} (cached tokens {path})")
   return tokens
+
+
+def _is_cached(path: str) -> bool:
+  # An empty file is never a cache: earlier versions left one for a split without tokens, and
+  # np.memmap cannot map it ("cannot mmap an empty file").
+  return os.path.exists(path) and os.path.getsize(path) > 0
+
+
+def _no_tokens_error(source: documents.Source) -> ValueError:
+  names = [source.unit_name(u) for u in range(min(source.num_units, 3))]
+  more = f" and {source.num_units - len(names)} more" if source.num_units > len(names) else ""
+  skipped = source.log.counts or "none"
+  return ValueError(f"{source.name}: no tokens in {', '.join(names)}{more} (every document empty or skipped; "
+                    f"skipped: {skipped}); check the data.")
 
 
 def _write_stream(source: documents.Source, tok, tmp: str, dtype: np.dtype, vocab_size: int) -> None:
@@ -96,5 +109,7 @@ def _write_stream(source: documents.Source, tok, tmp: str, dtype: np.dtype, voca
           flush(batch)
           batch = []
     flush(batch)
+  if n_tokens == 0:
+    raise _no_tokens_error(source)
   logging.info("Tokenized %s: %d documents, %d tokens (%s); skipped or repaired: %s",
                source.name, n_docs, n_tokens, tok.fingerprint, source.log.counts or "none")

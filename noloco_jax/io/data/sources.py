@@ -2,9 +2,9 @@
 
 The interface and helpers every source shares are in documents.py (re-exported here); the sources
 are in tfds_sources.py (the embedded corpus, TFDS datasets) and file_sources.py (C4 JSON, Parquet,
-text files). Heavy readers are imported only by the source that needs them: TensorFlow inside
-TfdsSource, pyarrow inside ParquetSource; this module only pulls in tensorflow_datasets (via the
-embedded corpus's builder, about 0.3 s).
+text files). Heavy readers are imported only by the source that needs them: Grain's TFRecord
+reader inside TfdsSource, pyarrow inside ParquetSource; this module only pulls in tensorflow_datasets
+(via the embedded corpus's builder, about 0.3 s), which does not import TensorFlow.
 """
 
 from noloco_jax.io.data import file_sources

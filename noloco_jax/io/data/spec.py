@@ -15,7 +15,8 @@ from noloco_jax.io.data import tokenizer as tokenizer_lib
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "noloco_jax", "tensorflow_datasets")
 
-__all__ = ["DEFAULT_DATA_DIR", "DataSpec", "resolve_data_dir", "to_spec", "validate", "validate_with_tokenizer"]
+__all__ = ["DEFAULT_DATA_DIR", "DataSpec", "resolve_data_dir", "to_spec", "validate", "validate_with_tokenizer",
+           "validate_workers"]
 
 
 def resolve_data_dir(data_dir: str) -> str:
@@ -49,6 +50,13 @@ def validate_with_tokenizer(config_data, model_max_seq_len: int = 0, vocab_size:
                       f"more than the model's vocab_size {vocab_size}; valid: a model vocab_size >= "
                       f"{tok.vocab_size} (config.model.vocab_size = 0 takes the tokenizer's).")
   return spec, tok
+
+
+def validate_workers(spec: DataSpec, mode: str) -> None:
+  """A packed stream is sequential: one worker process per replica at most (see iterator.py)."""
+  if mode == "stream" and spec.workers > 1:
+    fail("data.workers", spec.workers, "0 or 1 in stream mode (a replica's packed stream is read by "
+         "one process); any count >= 0 in array mode")
 
 
 def _check_paths(spec: DataSpec) -> None:

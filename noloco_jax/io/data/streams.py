@@ -1,23 +1,28 @@
 """One replica's endless, resumable stream of packed sequences, in two flavours.
 
 Both are pure functions of (seed, replica, num_replicas, data): a process holding any subset of the
-replicas produces exactly the rows a single process holding all of them would. Their state is a
-few integers, so a checkpoint stores it as JSON and a restored stream continues identically.
+replicas produces exactly the rows a single process holding all of them would. Both are Grain
+datasets, so Grain's iterators serve them with its get_state/set_state; the state is a few
+integers, a checkpoint stores it as JSON and a restored stream continues identically.
 
-- `ArrayStream` (mode "array"): the split is one token array cut into sequences of L+1; sequence j
-  belongs to replica j mod R (dealt round-robin: disjoint, balanced within one sequence); each
-  replica visits its own sequences in a fresh permutation every epoch, seeded by (seed, replica,
-  epoch).
+- `ArraySequences` (mode "array", a Grain MapDataset): the split is one token array cut into
+  sequences of L+1; sequence j belongs to replica j mod R (dealt round-robin: disjoint, balanced
+  within one sequence); each replica visits its own sequences in a fresh permutation every epoch,
+  seeded by (seed, replica, epoch). Random access: the state is Grain's next index.
 - `DocStream` (mode "stream"): for corpora too large to tokenize up front. Units (files or record
   ranges) are dealt to replicas (shard_by "file": unit u to replica u mod R) or every replica reads
   every unit and keeps documents d with (u + d) mod R == r (shard_by "document"). Each epoch the
   replica's units come in a fresh seeded order; documents are packed as they arrive, and blocks of
   `shuffle_buffer` consecutive sequences are emitted in a permutation seeded by where the block
   starts. State = the block's start position + how many of its sequences were served.
+  `PackedSequences` serves its batches as a Grain IterDataset (sequential: packing needs the
+  previous documents), built where it is iterated, so a Grain worker process can build its own.
 """
 
 import collections
+import functools
 
+import grain
 import numpy as np
 
 from noloco_jax.io.data import packing
@@ -31,45 +36,65 @@ def seeded_rng(*keys: int) -> np.random.Generator:
   return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) % (1 << 64) for k in keys])))
 
 
-class ArrayStream:
-  """Replica `replica`'s sequences of an in-memory (memory-mapped) token array."""
+class ArraySequences(grain.MapDataset):
+  """Replica `replica`'s endless sequence of rows [L+1] from a (memory-mapped) token array.
+
+  Element i is the replica's i-th sequence counting over all epochs: epoch i // count, position
+  i % count in that epoch's permutation. A pure function of i, so Grain may read elements in any
+  order, on any thread or worker process, and a position is just the next index.
+  """
 
   def __init__(self, tokens: np.ndarray, seq_len1: int, seed: int, replica: int, num_replicas: int):
+    super().__init__()
     self._tokens, self._l1 = tokens, seq_len1
     self._seed, self._r, self._n_rep = seed, replica, num_replicas
     total = len(tokens) // seq_len1
-    self._count = len(range(replica, total, num_replicas))  # Sequences r, r+R, r+2R, ...
     if total < num_replicas:  # Checked for the whole job, so every process fails alike.
       raise ValueError(f"the training split has {len(tokens)} tokens = {total} sequences of "
                        f"seq_len+1 = {seq_len1}, fewer than num_replicas = {num_replicas}: some "
                        "replicas would get none. Use more data or a shorter config.data.seq_len.")
-    self._epoch, self._index = 0, 0
-    self._perm_epoch, self._perm = -1, None
+    self._count = len(range(replica, total, num_replicas))  # Sequences r, r+R, r+2R, ...
+    self._perms = {}  # epoch -> permutation; at most two are alive (see _permutation).
 
-  def _permutation(self) -> np.ndarray:
-    if self._perm_epoch != self._epoch:
-      rng = seeded_rng(self._seed, _TAG_TRAIN_SEQUENCES, self._r, self._epoch)
-      self._perm, self._perm_epoch = rng.permutation(self._count), self._epoch
-    return self._perm
+  def __getstate__(self):
+    # A Grain worker process gets this dataset pickled: send the memory map's file, not its bytes.
+    state = dict(self.__dict__)
+    state.pop("_flat", None)
+    if isinstance(self._tokens, np.memmap):
+      state["_tokens"] = (self._tokens.filename, self._tokens.dtype.str)
+    return state
 
-  def next_batch(self, batch_size: int) -> np.ndarray:
-    starts = np.empty(batch_size, dtype=np.int64)
-    for b in range(batch_size):
-      if self._index == self._count:  # Epoch boundary: continue seamlessly in the next permutation.
-        self._epoch, self._index = self._epoch + 1, 0
-      starts[b] = (self._r + self._n_rep * int(self._permutation()[self._index])) * self._l1
-      self._index += 1
-    return np.asarray(self._tokens[starts[:, None] + np.arange(self._l1)], dtype=np.int32)
+  def __setstate__(self, state):
+    if isinstance(state["_tokens"], tuple):
+      filename, dtype = state["_tokens"]
+      state["_tokens"] = np.memmap(filename, dtype=np.dtype(dtype), mode="r")
+    self.__dict__.update(state)
 
-  def get_state(self) -> dict:
-    return {"epoch": self._epoch, "index": self._index}
+  def __len__(self) -> int:
+    # Endless (the next epoch follows seamlessly), below sys.maxsize so that Grain's length
+    # arithmetic for batches (a float ceil) still fits an index.
+    return 1 << 60
 
-  def set_state(self, state: dict) -> None:
-    epoch, index = int(state["epoch"]), int(state["index"])
-    if epoch < 0 or not 0 <= index <= self._count:
-      raise ValueError(f"data iterator state {state} does not fit this data "
-                       f"({self._count} sequences for replica {self._r}).")
-    self._epoch, self._index = epoch, index
+  def _permutation(self, epoch: int) -> np.ndarray:
+    perm = self._perms.get(epoch)
+    if perm is None:
+      perm = seeded_rng(self._seed, _TAG_TRAIN_SEQUENCES, self._r, epoch).permutation(self._count)
+      # Reader threads may straddle an epoch boundary; older epochs are never read again.
+      self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
+      self._perms[epoch] = perm
+    return perm
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    epoch, j = divmod(int(index), self._count)
+    start = (self._r + self._n_rep * int(self._permutation(epoch)[j])) * self._l1
+    return self._flat[start:start + self._l1].astype(np.int32)
+
+  @functools.cached_property
+  def _flat(self) -> np.ndarray:
+    # A plain ndarray view of the same mapped pages: slicing an np.memmap costs ~3x more per row.
+    return np.asarray(self._tokens)
 
 
 class _TokenReader:
@@ -144,6 +169,14 @@ class _TokenReader:
       self._docs_since_epoch_start += 1
 
 
+def resolve_shard_by(shard_by: str, num_units: int, num_replicas: int) -> str:
+  """"auto" made concrete: whole files when there are enough to go round (each file is then read
+  by one replica only), else documents."""
+  if shard_by != "auto":
+    return shard_by
+  return "file" if num_units >= num_replicas else "document"
+
+
 class DocStream:
   """Replica `replica`'s packed sequences from a streamed source (see module docstring)."""
 
@@ -152,10 +185,7 @@ class DocStream:
     self.source, self.tok, self.vocab_size = source, tok, vocab_size
     self.seed, self.replica, self.num_replicas = seed, replica, num_replicas
     self._l1, self._k = seq_len1, shuffle_buffer
-    if shard_by == "auto":
-      # Whole files when there are enough to go round: each file is read by one replica only.
-      shard_by = "file" if source.num_units >= num_replicas else "document"
-    self.shard_by = shard_by
+    self.shard_by = shard_by = resolve_shard_by(shard_by, source.num_units, num_replicas)
     n = source.num_units
     if shard_by == "file":
       self._units = np.arange(replica, n, num_replicas)
@@ -215,3 +245,36 @@ class DocStream:
     if state.get("filled"):
       self._fill()  # Re-reads the block from its start; the permutation depends only on that start.
       self._served = served
+
+
+class PackedSequences(grain.IterDataset):
+  """A `DocStream` as a Grain IterDataset of batches [B, L+1]; `make_stream()` builds the stream.
+
+  Batches, not rows: the stream packs rows anyway, and handing Grain whole batches saves its
+  per-element overhead (4x on the byte-tokenised corpus). `make_stream` is called in `__iter__`,
+  i.e. in whichever process iterates (a Grain worker when the pipeline runs there), so only a
+  small picklable factory crosses the process boundary.
+  """
+
+  def __init__(self, make_stream, batch_size: int):
+    super().__init__()
+    self._make_stream, self._batch_size = make_stream, batch_size
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return _PackedSequencesIterator(self._make_stream(), self._batch_size)
+
+
+class _PackedSequencesIterator(grain.DatasetIterator):
+
+  def __init__(self, stream: DocStream, batch_size: int):
+    super().__init__()
+    self._stream, self._batch_size = stream, batch_size
+
+  def __next__(self) -> np.ndarray:
+    return self._stream.next_batch(self._batch_size)
+
+  def get_state(self) -> dict:
+    return self._stream.get_state()
+
+  def set_state(self, state: dict) -> None:
+    self._stream.set_state(state)

@@ -1,9 +1,10 @@
 """TFDS-backed sources: the embedded stdlib corpus and any prepared TFDS dataset.
 
-array_record builds are read with `tfds.data_source` (random access, no TensorFlow); a unit is a
-range of `records_per_unit` consecutive records. tfrecord-only builds (e.g. `c4/en` prepared the
-classic way) are read file by file with tf.data; a unit is one file. Nothing is ever downloaded
-here: a dataset that is not prepared in the data dir is an error that says how to prepare it.
+Neither format needs TensorFlow. array_record builds are read with `tfds.data_source` (random
+access); a unit is a range of `records_per_unit` consecutive records. tfrecord builds (e.g. `c4/en`
+prepared the classic way) are read file by file with Grain's TFRecord reader, and each record is
+parsed by TFDS's NumPy example parser; a unit is one file. Nothing is ever downloaded here: a
+dataset that is not prepared in the data dir is an error that says how to prepare it.
 """
 
 import os
@@ -128,13 +129,14 @@ class TfdsSource(documents.Source):
     if self._ranges:
       yield from self._ranges.read(unit, start)
       return
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import grain  # pylint: disable=g-import-not-at-top
 
     path = self._files[unit]
     features = self._builder.info.features
-    # skip() walks the file without parsing the skipped records: cheap resumption mid-file.
-    records = tf.data.TFRecordDataset(path).skip(start).as_numpy_iterator()
-    for i, serialized in enumerate(records, start):
+    # The reader only frames records; skipped records are never parsed: cheap resumption mid-file.
+    for i, serialized in enumerate(iter(grain.experimental.TFRecordIterDataset(path))):
+      if i < start:
+        continue
       value = features.deserialize_example_np(serialized)[self._text_key]
       yield i, _to_document(value, f"{os.path.basename(path)} record {i}", self.log)
 

@@ -1,0 +1,50 @@
+"""launch_local passes SIGTERM, SIGINT and SIGHUP on to its processes and exits only after them
+(issue 18 item 5: killing the launcher used to leave its children training, unattended)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_to_the_launcher_reaches_its_processes_before_it_exits(tmp_path, sig):
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+  launcher = subprocess.Popen(
+      [sys.executable, "-m", "noloco_jax.tools.launch_local", "--num_processes=2", "--module=launch_signal_child",
+       "--", str(tmp_path)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  ready = [tmp_path / f"child_{i}.ready" for i in range(2)]
+  pids = []
+  try:
+    deadline = time.time() + 60
+    while not all(r.exists() and r.read_text() for r in ready):
+      assert time.time() < deadline and launcher.poll() is None, launcher.communicate(timeout=5)[0]
+      time.sleep(0.05)
+    pids = [int(r.read_text()) for r in ready]
+    launcher.send_signal(sig)
+    output = launcher.communicate(timeout=60)[0]
+    # When the launcher is gone, so are its processes, and each of them received the signal.
+    assert [_alive(pid) for pid in pids] == [False, False], f"children outlived the launcher:\n{output}"
+    for i in range(2):
+      signals = tmp_path / f"child_{i}.signals"
+      assert signals.exists() and signals.read_text().split() == [sig.name], output
+    assert launcher.returncode == 0, output  # the children saved and exited 0
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+    for pid in pids:
+      if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
