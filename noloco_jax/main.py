@@ -14,6 +14,7 @@ from noloco_jax.io import checkpoint
 from noloco_jax.io import failures
 from noloco_jax import config as config_lib
 from noloco_jax.config import cli
+from noloco_jax.outer import stability
 from noloco_jax.parallel import distributed, peer_watch
 from noloco_jax.tools import compile_cache, dryrun
 from noloco_jax import training
@@ -51,6 +52,7 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   try:  # an invalid config is one line and exit status 2, before anything starts
     config = config_lib.validate(FLAGS.config)
+    stability.check_config(config)  # an unstable NoLoCo (α, γ, n, N), unless outer.allow_unstable
   except config_lib.ConfigError as e:
     cli.exit_usage(str(e))
   if not FLAGS.workdir and not FLAGS.dry_run:

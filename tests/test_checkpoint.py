@@ -3,8 +3,8 @@ restoring onto fewer devices, warm start.
 
 Every run is the smoke config (8 replicas of a tiny Llama on 8 fake CPU devices) for STEPS steps.
 Compilation dominates the cost, so the module shares one persistent compilation cache (in-process and
-with its subprocesses) and one uninterrupted reference run that the resumed runs must reproduce; a
-pool of 4 pairings (not 32) keeps the outer step's program small. Where a test needs only what a
+with its subprocesses) and one uninterrupted reference run that the resumed runs must reproduce; the
+round_robin pairing keeps one outer program for all twelve rounds (fresh compiles one per round). Where a test needs only what a
 restore returns, it restores onto an abstract state (no compilation) and stops there: the exactness
 of training on from a restore is checked once, by the SIGKILL test.
 """
@@ -31,13 +31,13 @@ from noloco_jax.training import build as build_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 36  # H = 3, logs every 3 steps, evaluates every 6: twelve rounds
-FLAGS = [f"--config.num_steps={STEPS}", "--config.checkpoint_every=2", "--config.outer.pairing_pool=4"]
+FLAGS = [f"--config.num_steps={STEPS}", "--config.checkpoint_every=2", "--config.outer.pairing=round_robin"]
 START_TIMEOUT_S = 300  # a cold start compiles everything; the machine may be shared
 
 
 def smoke(**fields):
   config = default.get_config("smoke")
-  config.num_steps, config.checkpoint_every, config.outer.pairing_pool = STEPS, 2, 4
+  config.num_steps, config.checkpoint_every, config.outer.pairing = STEPS, 2, "round_robin"
   for dotted, value in fields.items():
     *parents, leaf = dotted.split("__")
     node = config
@@ -188,7 +188,7 @@ def test_sigterm_saves_the_step_reached_and_exits_0(reference, cache, tmp_path):
   with open(os.path.join(workdir, "checkpoints", str(saved), "meta", "metadata")) as f:
     meta = json.load(f)
   assert meta["step"] == saved and meta["round"] == saved // 3
-  assert meta["pairing"]["mode"] == "pool" and meta["pairing"]["round"] == saved // 3
+  assert meta["pairing"]["mode"] == "round_robin" and meta["pairing"]["round"] == saved // 3
 
   _, _, resume = restore_only(workdir, checkpoint_every=0)
   assert resume.step == saved and resume.pending_steps == list(range(saved // 3 * 3 + 1, saved + 1))

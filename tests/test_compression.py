@@ -185,7 +185,8 @@ def _round(method, pool, index, theta, outer, num_devices=N):
   mesh = mesh_lib.make_mesh(N, num_devices)
   state = TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer)
   state = jax.device_put(state, mesh_lib.replica_sharding(mesh))
-  new_state, _ = rounds_lib.make_round_fn(method, mesh, pool)(state, jnp.int32(index))
+  route = jnp.asarray(index) if isinstance(index, np.ndarray) else jnp.int32(index)  # a source table, or a pool index
+  new_state, _ = rounds_lib.make_round_fn(method, mesh, pool)(state, route)
   return jax.tree.map(np.asarray, new_state)
 
 
@@ -224,11 +225,14 @@ def test_feedback_off_keeps_no_residual_in_the_state():
 def test_coded_mesh_and_simulator_paths_agree_bitwise(compression, num_devices):
   theta, phi, delta, residual = _replicas(5)
   method = outer_lib.make_method(_outer_cfg(compression=compression, compression_chunk=128, topk_density=0.05))
-  schedule = pairing.PairingSchedule(seed=3, num_replicas=N, group_size=2, mode="pool", pool_size=3)
+  schedule = pairing.PairingSchedule(seed=3, num_replicas=N, group_size=2, mode="round_robin")
   outer = {"slow": phi, "momentum": delta, "residual": residual}
   results = {d: _round(method, schedule.pool, schedule.index(5), theta, outer, num_devices=d)
              for d in (N, num_devices, 1)}
-  for d in (num_devices, 1):
+  # One device with the grouping as data (the simulator's one program for every round).
+  key, table = schedule.plan(5, 1)
+  results["table"] = _round(method, key, table, theta, outer, num_devices=1)
+  for d in (num_devices, 1, "table"):
     for a, b in zip(jax.tree.leaves(results[d]), jax.tree.leaves(results[N])):
       np.testing.assert_array_equal(a, b)
 
@@ -297,7 +301,7 @@ def test_bad_compression_and_fanout_settings_name_the_field(overrides, field):
 def test_compressed_training_resumes_exactly_with_its_residual(tmp_path, caplog):
   config = default.get_config("smoke")
   config.num_steps, config.checkpoint_every, config.checkpoint.keep = 6, 3, 3
-  config.outer.update(compression="topk", topk_density=0.03, topk_bits=2, pairing_pool=2)
+  config.outer.update(compression="topk", topk_density=0.03, topk_bits=2)
   workdir = str(tmp_path / "run")
   # A persistent compilation cache for the two runs: the resumed run reuses the first one's programs.
   options = {"jax_compilation_cache_dir": str(tmp_path / "jax_cache"), "jax_persistent_cache_min_compile_time_secs": 0,

@@ -96,9 +96,12 @@ def test_epidemic_round_matches_numpy(fanout):
 
 def test_epidemic_mesh_and_simulator_paths_agree_bitwise():
   theta = _theta(3)
-  schedule = epidemic.EpidemicSchedule(seed=2, num_replicas=N, fanout=2, mode="pool", pool_size=4)
+  schedule = epidemic.EpidemicSchedule(seed=2, num_replicas=N, fanout=2, mode="fresh")
   method = _method(2)
-  results = {d: _round(method, schedule.pool, schedule.index(3), theta, num_devices=d) for d in (N, 4, 1)}
+  results = {}
+  for d in (N, 4, 1):
+    key, route = schedule.plan(3, d)
+    results[d] = _round(method, key, int(route), theta, num_devices=d)
   for d in (4, 1):
     for k in theta:
       np.testing.assert_array_equal(results[d].params[k], results[N].params[k])
@@ -129,7 +132,7 @@ def test_epidemic_training_saves_and_resumes_exactly(tmp_path, caplog):
 
   config = default.get_config("smoke")
   config.num_steps, config.checkpoint_every = 6, 3
-  config.outer.update(kind="epidemic", fanout=2, pairing_pool=2)
+  config.outer.update(kind="epidemic", fanout=2)
   workdir = str(tmp_path / "run")
   options = {"jax_compilation_cache_dir": str(tmp_path / "jax_cache"), "jax_persistent_cache_min_compile_time_secs": 0,
              "jax_persistent_cache_min_entry_size_bytes": -1}

@@ -42,8 +42,20 @@ def _group_mean(own_f32, payload, decode, groups: Groups, num_devices: int):
   return jax.tree.map(lambda t: t / n, total)
 
 
-def group_mean_coded(own_f32, payload, decode, pool: Sequence[Groups], index, num_devices: int):
-  """exchange.group_mean_from_pool for payload pytrees (any dtypes) and a [k, ...]-stacked `decode`."""
+def group_mean_coded(own_f32, payload, decode, pool: Sequence[Groups] | None, route, num_devices: int):
+  """exchange.group_mean_for_round for payload pytrees (any dtypes) and a [k, ...]-stacked `decode`.
+
+  `route` is the traced index into `pool`, or, with pool=None on one device, the round's [n−1, N] source
+  table (pairing.source_table): the grouping as data, one program for every round.
+  """
+  if pool is None:
+    if num_devices != 1:
+      raise ValueError("a grouping passed as data (pool=None) needs one device; a mesh needs static groupings.")
+    total = own_f32
+    for s in range(route.shape[0]):  # n − 1 static shifts; each row gathers one partner per replica
+      total = jax.tree.map(jnp.add, total, decode(jax.tree.map(lambda x, src=route[s]: x[src], payload)))
+    return jax.tree.map(lambda t: t / (route.shape[0] + 1), total)
+  index = route
   if len(pool) == 1:
     return _group_mean(own_f32, payload, decode, pool[0], num_devices)
   if num_devices == 1:  # routes are gathers; index their tables with the traced pool index
@@ -104,7 +116,7 @@ class CodedMessage:
 def make_round(coded: CodedMessage, *, alpha: float, beta: float, gamma: float, pool, num_devices: int):
   """The NoLoCo round of methods._noloco with a coded exchange; states.outer may hold 'residual'."""
 
-  def round_fn(states, pool_index):
+  def round_fn(states, route):
     theta, phi, delta = states.params, states.outer["slow"], states.outer["momentum"]
     residual = states.outer.get("residual")
     metrics = {"pseudo_grad_norm": jax.vmap(optax.tree.norm)(rules.pseudo_gradient(theta, phi))}
@@ -115,7 +127,7 @@ def make_round(coded: CodedMessage, *, alpha: float, beta: float, gamma: float, 
     one = jax.tree.map(lambda x: x[0], theta)
     decode = jax.vmap(lambda p: coded.decode(p, one))
     own = rules.noloco_message(theta, phi, beta=beta, gamma=gamma)
-    mean_c = group_mean_coded(own, payload, decode, pool, pool_index, num_devices)
+    mean_c = group_mean_coded(own, payload, decode, pool, route, num_devices)
     theta, phi, delta = rules.noloco_update(phi, delta, mean_c, alpha=alpha, gamma=gamma)
     outer = {"slow": phi, "momentum": delta}
     if residual is not None:

@@ -11,8 +11,10 @@ is one `exchange.route`: a partial permutation sent with ppermutes. Replicas tha
 matching route to themselves, which is a local copy (no bytes) and is masked out of the sum. Every
 edge is sent exactly once, so each replica puts s model copies on the wire per round.
 
-Graphs are a pure function of (seed, round) computed on the host, like pairing.py, with the same modes:
-`pool` (K graphs drawn up front, one program with `lax.switch`), `fresh` (one compile per graph), `fixed`.
+Graphs are a pure function of (seed, round) computed on the host, like pairing.py, with the modes
+`fresh` (a new graph every round: one program per graph, compiled one round ahead by outer/ahead.py)
+and `fixed` (graph 0 every round, the ablation). `round_robin` is a pairing of replicas, not a graph
+with a fan-out, so it does not apply here.
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ import numpy as np
 import optax
 
 from noloco_jax.outer import exchange, rules
-from noloco_jax.outer.pairing import MODES
 from noloco_jax.parallel.mesh import REPLICA
 
 Graph = tuple[tuple[int, ...], ...]  # matchings; matching[g] = the replica g receives from, or −1
-_TARGETS_STREAM = 0xE91  # domain separators for the seed, as in pairing.py
-_POOL_INDEX_STREAM = 0xE92
+_TARGETS_STREAM = 0xE91  # domain separator for the seed, as in pairing.py
+MODES = ("fresh", "fixed")
 
 
 def draw_targets(seed: int, draw: int, num_replicas: int, fanout: int) -> np.ndarray:
@@ -57,26 +58,28 @@ def matchings(targets: np.ndarray) -> Graph:
 
 
 class EpidemicSchedule:
-  """The graph of each round; the same interface as pairing.PairingSchedule (`pool`, `index`, `groups`)."""
+  """The graph of each round; the interface of pairing.PairingSchedule (`groups`, `plan`, `record`)."""
 
-  def __init__(self, *, seed: int, num_replicas: int, fanout: int, mode: str = "pool", pool_size: int = 32):
+  def __init__(self, *, seed: int, num_replicas: int, fanout: int, mode: str = "fresh"):
     if mode not in MODES:
-      raise ValueError(f"config.outer.pairing={mode!r} is not valid: one of {MODES}.")
+      raise ValueError(f"config.outer.pairing={mode!r} is not valid with outer.kind='epidemic': one of {MODES}.")
     self.seed, self.num_replicas, self.fanout, self.mode = seed, num_replicas, fanout, mode
-    num_draws = pool_size if mode == "pool" else 1
-    self.pool: tuple[Graph, ...] = tuple(self._graph(k) for k in range(num_draws))
 
   def _graph(self, draw: int) -> Graph:
     return matchings(draw_targets(self.seed, draw, self.num_replicas, self.fanout))
 
-  def index(self, round_: int) -> int:
-    if self.mode != "pool":
-      return 0
-    return int(np.random.default_rng([_POOL_INDEX_STREAM, self.seed, round_]).integers(len(self.pool)))
-
   def groups(self, round_: int) -> Graph:
     """This round's graph (named `groups` so that the training loop treats both schedules alike)."""
-    return self._graph(round_) if self.mode == "fresh" else self.pool[self.index(round_)]
+    return self._graph(round_ if self.mode == "fresh" else 0)
+
+  def plan(self, round_: int, num_devices: int) -> tuple[tuple[Graph, ...], np.ndarray]:
+    """(program key, route): the round's graph is static (its matchings are ppermutes), route unused."""
+    del num_devices  # one device or a mesh: the same static routes (gathers on one device)
+    return (self.groups(round_),), np.asarray(0, np.int32)
+
+  def record(self) -> dict:
+    """The schedule's parameters, for logs and checkpoint metadata."""
+    return {"mode": self.mode, "seed": int(self.seed), "fanout": self.fanout, "num_replicas": self.num_replicas}
 
 
 def _local(table_N: np.ndarray, k: int, num_devices: int):
@@ -106,16 +109,14 @@ def graph_mean(tree, graph: Graph, num_devices: int, message_dtype):
 
 
 def make_round(pool, num_devices: int, message_dtype):
-  def round_fn(states, pool_index):
+  (graph,) = pool  # EpidemicSchedule.plan: one static graph per program
+
+  def round_fn(states, route):
+    del route  # the graph is static
     theta = states.params
     metrics = {"pseudo_grad_norm": jax.vmap(optax.tree.norm)(rules.pseudo_gradient(theta, states.outer["slow"]))}
-    if len(pool) == 1:
-      mean = graph_mean(theta, pool[0], num_devices, message_dtype)
-    else:  # one branch of static routes per graph; only the chosen one sends
-      mean = jax.lax.switch(pool_index, [lambda t, g=g: graph_mean(t, g, num_devices, message_dtype) for g in pool],
-                            theta)
+    mean = graph_mean(theta, graph, num_devices, message_dtype)
     new = jax.tree.map(lambda m, t: m.astype(t.dtype), mean, theta)
     return states.replace(params=new, outer={"slow": new}), metrics
 
   return round_fn
-

@@ -43,8 +43,10 @@ class OuterMethod:
   uses_pairing: bool  # whether rounds need a PairingSchedule
   init: Callable  # params of one replica -> outer state of one replica
   reduce_grads: Callable | None  # inside shard_map, on the [k, ...] gradient stack (ddp only)
-  # make_round(pool, num_devices) -> round(states_k, pool_index) -> (states_k, metrics_k)
-  make_round: Callable[[tuple[Groups, ...], int], Callable] | None
+  # make_round(pool, num_devices) -> round(states_k, route) -> (states_k, metrics_k). `route` is the
+  # int32 index into `pool` (the groupings the program covers), or, with pool=None on one device, the
+  # round's [n−1, N] source table (pairing.source_table): the grouping as data, one program for all.
+  make_round: Callable[[tuple[Groups, ...] | None, int], Callable] | None
   bytes_per_round: Callable  # params of one replica -> bytes each replica puts into collectives per round
   bytes_per_step: Callable  # params of one replica -> bytes per inner step (ddp)
 
@@ -77,11 +79,14 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dt
         bytes_per_step=lambda params: 0)
 
   def make_round(pool, num_devices):
-    def round_fn(states: TrainState, pool_index):
+    if pool is None and num_devices != 1:
+      raise ValueError("a grouping passed as data (pool=None) needs one device; a mesh needs static groupings.")
+
+    def round_fn(states: TrainState, route):
       theta, phi, delta = states.params, states.outer["slow"], states.outer["momentum"]
       metrics = {"pseudo_grad_norm": _pseudo_grad_norm(states)}
       c = rules.noloco_message(theta, phi, beta=beta, gamma=gamma)
-      mean_c = exchange.group_mean_from_pool(c, pool, pool_index, num_devices, message_dtype)
+      mean_c = exchange.group_mean_for_round(c, pool, route, num_devices, message_dtype)
       theta, phi, delta = rules.noloco_update(phi, delta, mean_c, alpha=alpha, gamma=gamma)
       return states.replace(params=theta, outer={"slow": phi, "momentum": delta}), metrics
     return round_fn
@@ -114,8 +119,8 @@ def _diloco(lr: float, momentum: float, nesterov: bool) -> OuterMethod:
   def make_round(pool, num_devices):
     del pool, num_devices  # an all-reduce needs no pairing
 
-    def round_fn(states: TrainState, pool_index):
-      del pool_index
+    def round_fn(states: TrainState, route):
+      del route
       theta, phi = states.params, states.outer["slow"]
       metrics = {"pseudo_grad_norm": _pseudo_grad_norm(states)}
       # The one global collective of DiLoCo: every replica contributes its float32 pseudo-gradient.
@@ -180,8 +185,6 @@ def make_method(outer_cfg: ml_collections.ConfigDict | OuterConfig) -> OuterMeth
 def make_schedule(config: ml_collections.ConfigDict) -> PairingSchedule | epidemic.EpidemicSchedule:
   if config.outer.kind == "epidemic":
     return epidemic.EpidemicSchedule(seed=config.seed, num_replicas=config.num_replicas,
-                                     fanout=config.outer.fanout, mode=config.outer.pairing,
-                                     pool_size=config.outer.pairing_pool)
+                                     fanout=config.outer.fanout, mode=config.outer.pairing)
   return PairingSchedule(seed=config.seed, num_replicas=config.num_replicas,
-                         group_size=config.outer.group_size, mode=config.outer.pairing,
-                         pool_size=config.outer.pairing_pool)
+                         group_size=config.outer.group_size, mode=config.outer.pairing)

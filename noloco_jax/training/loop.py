@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -76,6 +75,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   # The host stays at most a few steps ahead of the devices: queuing more deadlocks XLA:CPU's
   # collectives (training/dispatch.py explains how).
   window = dispatch.DispatchWindow()
+  # Round r's program compiles in the background during round r's inner steps (outer/ahead.py).
+  round_programs = setup.rounds.ahead(state) if setup.method.has_rounds else None
+  if round_programs is not None:
+    round_programs.prefetch(loop.round)
   if not loop.resumed:
     _evaluate_and_log(setup, state, eval_batches, writer, loop, 0)  # step 0: the untrained baseline
 
@@ -88,11 +91,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       loop.add_step(step, step_metrics, bytes_per_step)
 
       if setup.method.has_rounds and step % H == 0:
-        round_fn, pool_index = setup.outer_round(loop.round)
-        state, round_metrics = round_fn(state, jnp.int32(pool_index))
+        round_fn, route = round_programs.program(loop.round)  # also starts compiling the next round's
+        state, round_metrics = round_fn(state, route)
         if pairing_log is not None:
-          pairing_log.append({"round": loop.round, "step": step, "pool_index": pool_index,
-                              "groups": [list(g) for g in setup.schedule.groups(loop.round)]})
+          row = {"round": loop.round, "step": step, "groups": [list(g) for g in setup.schedule.groups(loop.round)]}
+          if setup.schedule.mode == "round_robin":
+            row["matching"] = setup.schedule.index(loop.round)
+          pairing_log.append(row)
         loop.add_round(round_metrics, setup.weight_std(state.params), bytes_per_round)
       state = guard.end(step, state, loop.history)
       window.push(step_metrics["loss"])
@@ -116,6 +121,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         logging.warning("Stop requested: saved a checkpoint at step %d; run the same command to resume.", step)
         break
   except BaseException:
+    if round_programs is not None:
+      round_programs.close()
     # Leave no prefetch thread or open writer behind an error (e.g. a NaN stop in a notebook), and
     # flush the metrics written so far. A save in flight is completed (or, in a multi-process job whose
     # peers may be the ones that failed, abandoned after a bounded wait, saying so): never lost silently.
@@ -126,6 +133,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
           closable.close()
     raise
 
+  if round_programs is not None:
+    round_programs.close()
   checkpointer.close()  # the last (asynchronous) save is complete before the run reports
   writer.flush()
   train_iter.close()

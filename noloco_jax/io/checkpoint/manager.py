@@ -264,7 +264,7 @@ class Checkpointer:
     if meta["pairing"] != expected:
       raise IncompatibleCheckpointError(
           f"{where} was saved under another pairing schedule; {fields}. Resume with the same seed and "
-          "outer.pairing / pairing_pool / group_size.")
+          "outer.pairing / group_size.")
     if changed:
       logging.warning("resume: the config differs from the checkpoint's in %s; the resumed run is exact "
                       "only for changes of layout (num_devices) or checkpointing.", changed)
