@@ -48,7 +48,7 @@ def _run_round(method, groups_pool, index, theta, outer_state, num_devices=N):
   return jax.tree.map(np.asarray, new_state), jax.tree.map(np.asarray, metrics)
 
 
-# ---- NumPy references (float64), written from PAPER.md section 1, not from the implementation ----
+# ---- NumPy references (float64), written from docs/method.md §1, not from the implementation ----
 
 
 def np_noloco(theta, phi, delta, groups, alpha, beta, gamma):

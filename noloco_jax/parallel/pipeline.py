@@ -28,7 +28,7 @@ Because every parameter lives on exactly one stage (shard), everything outside t
 unchanged: outer rounds (manual over `replica` only, `stage` automatic) exchange each stage's own
 shards with the same stage of the partner replica, so a replica's message is the sum over its stages
 of its shards, exactly one model (comm/bytes_per_replica unchanged); weight std is computed on the
-logical [N, ...] arrays, i.e. Σ over stages, replicas and parameters as in PAPER.md; checkpoints store
+logical [N, ...] arrays, i.e. Σ over stages, replicas and parameters as in docs/method.md §9; checkpoints store
 the same tree as an unpipelined run (a run can resume with another num_stages).
 With fsdp > 1 as well, `stage` and `fsdp` split different dimensions of a leaf (or one jointly,
 stage-major); that combination trains (a NoLoCo smoke run: 2 replicas × 2 stages × 2 fsdp), but
