@@ -1,4 +1,4 @@
-"""C4 English with the paper's small model (PAPER.md section 2): NoLoCo on 8 replicas.
+"""C4 English with the paper's small model (docs/method.md §10): NoLoCo on 8 replicas.
 
 Prepare the data once (README.md, "Real datasets"), then, with C4's JSON-lines files and a
 SentencePiece model trained on them:

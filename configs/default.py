@@ -25,7 +25,8 @@ from noloco_jax import config as schema
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Every field at its default. Each field's meaning, default and valid values are written beside it
   # in the schema, one module per section: noloco_jax/config/run.py (top level: seed, num_steps,
-  # num_replicas, num_devices, fsdp, num_stages, eval_every, log_every, checkpoint_every, log_barrier, nan_policy),
+  # num_replicas, num_devices, fsdp, num_stages, eval_every, log_every, checkpoint_every, log_barrier,
+  # nan_policy, nan_max_skipped_rounds),
   # model.py, data.py, inner.py, outer.py, checkpoint.py and pipeline.py. The defaults are this job:
   # 8 replicas of the tiny Llama, NoLoCo with α=0.5, β=γ=0.7, n=2, H=50, on the embedded corpus as bytes.
   config = schema.default_config_dict()

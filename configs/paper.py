@@ -1,4 +1,4 @@
-"""The NoLoCo paper's experiment grid (PAPER.md sections 2–3) as one parameterised config.
+"""The NoLoCo paper's experiment grid (docs/method.md §10–11) as one parameterised config.
 
 One run = a model size × a row (GPUs, DP, PP) of the paper's results table × a method × a dataset:
 
@@ -20,7 +20,7 @@ not fit. Measured for every row in experiments/RESULTS.md ("Paper-scale dry runs
 `pp_as=fsdp` every row fits 80 GB; with pipeline stages (the default) 4 of the 7 PP rows do not yet,
 because the GPipe schedule keeps every micro-batch's activations until the backward pass.
 
-Expected (PAPER.md section 3): final validation perplexity e.g. 33.1 (NoLoCo) / 34.0 (DiLoCo) /
+Expected (docs/method.md §11): final validation perplexity e.g. 33.1 (NoLoCo) / 34.0 (DiLoCo) /
 29.1 (FSDP) for small, 16 GPUs, DP 8, PP 2 on C4, after 25,000 steps.
 
 Arguments (comma-separated `key=value`):
@@ -56,7 +56,7 @@ import ml_collections
 from noloco_jax.outer.paper import paper_outer
 from noloco_jax.tools import config_files
 
-# The rows of PAPER.md section 3: (model, GPUs, DP, PP).
+# The rows of docs/method.md §11: (model, GPUs, DP, PP).
 ROWS = (
     ("small", 8, 8, 1), ("small", 8, 4, 2), ("small", 16, 8, 2), ("small", 32, 16, 2),
     ("medium", 16, 8, 2), ("medium", 32, 16, 2), ("medium", 64, 16, 4),
@@ -66,7 +66,7 @@ METHODS = ("ddp", "diloco", "noloco")
 DATASETS = ("c4", "reddit")
 
 SEQ_LEN = 1024
-# Per model size: inner peak learning rate, global batch in tokens (PAPER.md section 2), and whether
+# Per model size: inner peak learning rate, global batch in tokens (docs/method.md §10), and whether
 # layers are recomputed in the backward pass (the larger models' activations would not fit otherwise).
 # `device_seqs`: sequences each device processes at once without pipeline stages (gradient
 # accumulation over the rest, inner.microbatches): the paper's batches of 64–128 sequences per

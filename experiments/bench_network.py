@@ -46,7 +46,7 @@ from noloco_jax.tools import launch_local  # noqa: E402
 def _flags(workdir: str, method: str, processes: int, steps: int, inner_steps: int) -> list[str]:
   return ["--config=configs/default.py:smoke", f"--workdir={workdir}", f"--config.outer.kind={method}",
           f"--config.num_replicas={processes}", f"--config.num_steps={steps}",
-          f"--config.outer.inner_steps={inner_steps}", "--config.outer.pairing_pool=4",
+          f"--config.outer.inner_steps={inner_steps}",
           f"--config.log_every={inner_steps}", "--config.eval_every=0"]
 
 

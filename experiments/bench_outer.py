@@ -12,7 +12,8 @@ CPU devices, P processes × N/P devices over loopback (P = 1: one process, no ja
 Time: median over --repeats calls of the slowest process's wall time; before each call all processes
 meet at a barrier, so a call is timed from a common start. Bytes: operand bytes of the collectives in
 each compiled program (noloco_jax/tools/hlo.py), i.e. what each replica puts into a collective; NoLoCo's
-round uses one fixed pairing (outer.pairing=fixed: the pool mode's lax.switch runs one such branch).
+round uses one fixed pairing (outer.pairing=fixed: a fresh round is one such program; round_robin's
+lax.switch runs one such branch).
 
     python experiments/bench_outer.py --json                                  # tiny preset, P = 1, 2, 4
     python experiments/bench_outer.py --preset=small --set model.num_layers=2 --processes=1,2 --json

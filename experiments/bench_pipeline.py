@@ -10,7 +10,7 @@ every device shares the same cores (the bubble slots still compute, on ignored v
     python experiments/bench_pipeline.py --json
     python experiments/bench_pipeline.py --json --set model.num_layers=8 --set data.batch_size=8
 
-Routing ablation (`--ablation`, PAPER.md section 1): no outer steps (outer.kind=none), 2 stages ×
+Routing ablation (`--ablation`, docs/method.md §8): no outer steps (outer.kind=none), 2 stages ×
 4 replicas, the same steps with routing random and fixed; reports the cross-replica weight std and
 the validation loss of each (through training.train_and_evaluate, so the figures are the trainer's own).
 

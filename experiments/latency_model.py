@@ -1,4 +1,4 @@
-"""Latency and α–β communication models of PAPER.md section 4: all-reduce vs NoLoCo's pair exchange.
+"""Latency and α–β communication models of docs/method.md §6: all-reduce vs NoLoCo's pair exchange.
 
 The models live in noloco_jax/tools/latency.py (pure functions, importable from notebooks); this script
 only parses flags, calls `latency.summary`, and prints tables, a JSON line and/or a plot.
@@ -189,7 +189,7 @@ def plot(r: dict, path: str) -> None:
   ax.legend(fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.12))
   ax.grid(True, which="major", alpha=0.3)
 
-  fig.suptitle("NoLoCo pair exchange vs all-reduce (PAPER.md §4); experiments/latency_model.py"
+  fig.suptitle("NoLoCo pair exchange vs all-reduce (docs/method.md §6); experiments/latency_model.py"
                f" seed {r['seed']}", fontsize=11)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -11,8 +11,10 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from noloco_jax.io import checkpoint
+from noloco_jax.io import failures
 from noloco_jax import config as config_lib
 from noloco_jax.config import cli
+from noloco_jax.outer import stability
 from noloco_jax.parallel import distributed, peer_watch
 from noloco_jax.tools import compile_cache, dryrun
 from noloco_jax import training
@@ -50,6 +52,7 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   try:  # an invalid config is one line and exit status 2, before anything starts
     config = config_lib.validate(FLAGS.config)
+    stability.check_config(config)  # an unstable NoLoCo (α, γ, n, N), unless outer.allow_unstable
   except config_lib.ConfigError as e:
     cli.exit_usage(str(e))
   if not FLAGS.workdir and not FLAGS.dry_run:
@@ -74,7 +77,8 @@ def main(argv):
   # SIGTERM (preemption): finish the current step, save a checkpoint, exit 0. Installed after
   # jax.distributed, so that this handler, not the runtime's, receives the signal.
   checkpoint.install_preemption_handler()
-  with distributed.fail_fast():
+  # A failure ends in its cause and one last line saying what to do, exit status 1 (io/failures.py).
+  with failures.exit_on_failure(FLAGS.workdir), distributed.fail_fast():
     watch = None
     if multi_process:  # a dead peer ends this process within a second, with one line (peer_watch.py)
       host = options.coordinator_address.rsplit(":", 1)[0] if options.coordinator_address else None

@@ -3,8 +3,8 @@ restoring onto fewer devices, warm start.
 
 Every run is the smoke config (8 replicas of a tiny Llama on 8 fake CPU devices) for STEPS steps.
 Compilation dominates the cost, so the module shares one persistent compilation cache (in-process and
-with its subprocesses) and one uninterrupted reference run that the resumed runs must reproduce; a
-pool of 4 pairings (not 32) keeps the outer step's program small. Where a test needs only what a
+with its subprocesses) and one uninterrupted reference run that the resumed runs must reproduce; the
+round_robin pairing keeps one outer program for all twelve rounds (fresh compiles one per round). Where a test needs only what a
 restore returns, it restores onto an abstract state (no compilation) and stops there: the exactness
 of training on from a restore is checked once, by the SIGKILL test.
 """
@@ -23,6 +23,7 @@ import pytest
 
 from configs import default
 from noloco_jax.io import checkpoint
+from noloco_jax.io.checkpoint import logs
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax import training
@@ -30,13 +31,13 @@ from noloco_jax.training import build as build_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 36  # H = 3, logs every 3 steps, evaluates every 6: twelve rounds
-FLAGS = [f"--config.num_steps={STEPS}", "--config.checkpoint_every=2", "--config.outer.pairing_pool=4"]
+FLAGS = [f"--config.num_steps={STEPS}", "--config.checkpoint_every=2", "--config.outer.pairing=round_robin"]
 START_TIMEOUT_S = 300  # a cold start compiles everything; the machine may be shared
 
 
 def smoke(**fields):
   config = default.get_config("smoke")
-  config.num_steps, config.checkpoint_every, config.outer.pairing_pool = STEPS, 2, 4
+  config.num_steps, config.checkpoint_every, config.outer.pairing = STEPS, 2, "round_robin"
   for dotted, value in fields.items():
     *parents, leaf = dotted.split("__")
     node = config
@@ -165,6 +166,9 @@ def test_sigkill_then_restart_reproduces_the_uninterrupted_metrics(reference, ki
   if late:  # rows the killed run wrote after its last checkpoint: dropped, never silently
     assert f"dropped {len(late)} row(s)" in caplog.text
   assert rows(workdir) == rows(reference[0])  # bitwise: every loss, eval and comm figure
+  # Every round's pairing exactly once (issue 18: rows buffered at the kill were lost for good).
+  assert pairing_rows(workdir) == pairing_rows(reference[0])
+  assert [p["round"] for p in pairing_rows(workdir)] == list(range(STEPS // 3))
 
 
 def test_sigterm_saves_the_step_reached_and_exits_0(reference, cache, tmp_path):
@@ -184,7 +188,7 @@ def test_sigterm_saves_the_step_reached_and_exits_0(reference, cache, tmp_path):
   with open(os.path.join(workdir, "checkpoints", str(saved), "meta", "metadata")) as f:
     meta = json.load(f)
   assert meta["step"] == saved and meta["round"] == saved // 3
-  assert meta["pairing"]["mode"] == "pool" and meta["pairing"]["round"] == saved // 3
+  assert meta["pairing"]["mode"] == "round_robin" and meta["pairing"]["round"] == saved // 3
 
   _, _, resume = restore_only(workdir, checkpoint_every=0)
   assert resume.step == saved and resume.pending_steps == list(range(saved // 3 * 3 + 1, saved + 1))
@@ -279,6 +283,9 @@ def test_skip_round_undoes_the_round_and_goes_on(cache, monkeypatch, tmp_path, c
   np.testing.assert_array_equal(np.asarray(state.step), STEPS - 3)
   logged = {r["step"]: r for r in rows(str(tmp_path)) if "train/loss" in r}
   assert logged[6]["train/loss"] == "nan" and np.isfinite(logged[9]["train/loss"])
+  # Reported, not only in history (issue 18): the train rows' running count and the summary.
+  assert [logged[s]["outer/skipped_rounds"] for s in (3, 6, 9)] == [0, 1, 1]
+  assert "skipped rounds  1 (nan_policy=skip_round): steps 4-6" in result["text"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -356,10 +363,114 @@ def test_unlogged_metrics_round_trip_bitwise_through_json():
     assert a.dtype == b.dtype and np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
 
 
-def test_drop_rows_after_keeps_earlier_rows_and_counts_a_cut_line(tmp_path):
+def test_rewrite_for_resume_keeps_earlier_rows_and_counts_a_cut_line(tmp_path):
   path = str(tmp_path / "metrics.jsonl")
   with open(path, "w") as f:
     f.write('{"step": 0, "a": 1}\n{"step": 3, "a": 2}\n{"step": 6, "a": 3}\n{"step": 9, "a"')
-  assert checkpoint.drop_rows_after(path, 3) == 2
+  assert logs.rewrite_for_resume(path, 3) == (2, 0)
   assert [r["step"] for r in metrics_lib.read_jsonl(path)] == [0, 3]
-  assert checkpoint.drop_rows_after(path, 3) == 0
+  assert logs.rewrite_for_resume(path, 3) == (0, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reliability (issue 18): each test reproduces a failure seen by hand before its fix.
+# ---------------------------------------------------------------------------------------------------
+
+
+def pairing_rows(workdir) -> list[dict]:
+  path = os.path.join(workdir, "pairings.jsonl")
+  return metrics_lib.read_jsonl(path) if os.path.exists(path) else []
+
+
+def test_every_log_row_is_on_disk_before_the_checkpoint_that_covers_it(killed):
+  """kill -9 mid-run: every row of every log up to the last complete checkpoint survives."""
+  latest = checkpoint_steps(killed)[-1]
+  assert [p["round"] for p in pairing_rows(killed) if p["step"] <= latest] == list(range(latest // 3))
+  metric_rows = rows(killed)
+  assert [r["step"] for r in metric_rows if "train/loss" in r and r["step"] <= latest] == list(range(3, latest + 1, 3))
+  assert [r["step"] for r in metric_rows if "eval/loss" in r and r["step"] <= latest] == list(range(0, latest + 1, 6))
+
+
+def workdir_contents(workdir) -> dict[str, bytes]:
+  out = {}
+  for root, _, files in os.walk(workdir):
+    for name in files:
+      with open(os.path.join(root, name), "rb") as f:
+        out[os.path.relpath(os.path.join(root, name), workdir)] = f.read()
+  return out
+
+
+def test_a_refused_resume_changes_nothing_in_the_workdir(reference, tmp_path):
+  workdir = copy_run(reference[0], tmp_path / "run")
+  before = workdir_contents(workdir)
+  with pytest.raises(checkpoint.IncompatibleCheckpointError):
+    training.train_and_evaluate(smoke(model__d_model=64), workdir)
+  after = workdir_contents(workdir)
+  assert sorted(after) == sorted(before)
+  assert [name for name in before if after[name] != before[name]] == []  # config.json included
+
+
+def test_a_refused_resume_names_the_config_fields_that_differ(reference, tmp_path):
+  workdir = copy_run(reference[0], tmp_path / "run")
+  with pytest.raises(checkpoint.IncompatibleCheckpointError, match=r"inner\.grad_clip: 1\.0 -> 0\.0"):
+    restore_only(workdir, inner__grad_clip=0.0)
+  with pytest.raises(checkpoint.IncompatibleCheckpointError, match=r"model\.d_model: 32 -> 64"):
+    restore_only(workdir, model__d_model=64)
+
+
+def test_resuming_with_another_outer_kind_is_an_error_naming_it(reference, tmp_path):
+  workdir = copy_run(reference[0], tmp_path / "run")  # noloco; gossip's state has the same shapes
+  with pytest.raises(checkpoint.IncompatibleCheckpointError, match=r"outer\.kind: 'noloco' -> 'gossip'"):
+    restore_only(workdir, outer__kind="gossip")
+  assert checkpoint_steps(workdir) == checkpoint_steps(reference[0])  # an error, not a fallback
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_its_logs_afresh(reference, killed, tmp_path, caplog):
+  workdir = copy_run(killed, tmp_path / "run")
+  shutil.rmtree(os.path.join(workdir, "checkpoints"))  # as if killed before the first save completed
+  held = len(rows(workdir))
+  assert held
+  with caplog.at_level("WARNING"):
+    training.train_and_evaluate(smoke(), workdir)
+  assert f"held {held} row(s) of an earlier run" in caplog.text
+  assert rows(workdir) == rows(reference[0])  # every step once, as in the uninterrupted run
+  assert pairing_rows(workdir) == pairing_rows(reference[0])
+
+
+def test_a_silently_corrupted_state_file_is_detected_and_set_aside(reference, tmp_path, caplog):
+  """8 bytes overwritten inside the latest step's state data: restored without complaint before."""
+  workdir = copy_run(reference[0], tmp_path / "run")
+  steps = checkpoint_steps(workdir)
+  latest, previous = steps[-1], steps[-2]
+  data = os.path.join(workdir, "checkpoints", str(latest), "state", "ocdbt.process_0", "d")
+  biggest = max((os.path.join(data, n) for n in os.listdir(data)), key=os.path.getsize)
+  with open(biggest, "r+b") as f:
+    f.seek(os.path.getsize(biggest) // 2)
+    original = f.read(8)
+    f.seek(os.path.getsize(biggest) // 2)
+    f.write(bytes(255 - b for b in original))
+  with caplog.at_level("INFO"):
+    _, _, resume = restore_only(workdir)
+  assert f"step {latest} in {os.path.join(workdir, 'checkpoints')} is not readable" in caplog.text
+  assert resume.step == previous
+  assert [n.split("-")[0] for n in os.listdir(os.path.join(workdir, "checkpoints_corrupt"))] == [str(latest)]
+
+
+def stderr_of(log: str) -> list[str]:
+  with open(log) as f:
+    return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def test_falling_back_from_a_corrupt_checkpoint_prints_no_tracebacks(killed, cache, tmp_path):
+  """It printed one `Event loop is closed` traceback per pending read (~29,500 lines for a large model)."""
+  workdir = copy_run(killed, tmp_path / "run")
+  data = os.path.join(workdir, "checkpoints", str(checkpoint_steps(workdir)[-1]), "state", "d")
+  biggest = max((os.path.join(data, n) for n in os.listdir(data)), key=os.path.getsize)
+  with open(biggest, "r+b") as f:
+    f.truncate(os.path.getsize(biggest) // 2)
+  proc, log = launch(workdir, cache)
+  assert proc.wait(timeout=START_TIMEOUT_S) == 0, open(log).read()[-3000:]
+  lines = stderr_of(log)
+  assert "is not readable" in "\n".join(lines)
+  assert not [l for l in lines if "Traceback" in l or "Event loop is closed" in l], "\n".join(lines[-40:])
+  assert len(lines) < 150, len(lines)

@@ -14,6 +14,7 @@ import pytest
 
 from configs import default
 from noloco_jax import config as config_lib
+from noloco_jax.outer import stability
 from noloco_jax.training import build as build_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,12 +75,10 @@ BAD_VALUES = [
     ("outer.consensus_weight", 0.0, "> 0"),
     ("outer.message_dtype", "int8", "bfloat16"),
     ("outer.pairing", "random", "fresh"),
-    ("outer.pairing_pool", 0, "≥ 1"),
     ("outer.state_dtype", "float16", "bfloat16"),
     # Pipeline stages.
     ("pipeline.routing", "x", "random"),
     ("pipeline.clip", "x", "per_stage"),
-    ("pipeline.route_pool", 0, "≥ 1"),
     ("pipeline.microbatches", -1, "≥ 0"),
     ("pipeline.microbatches", 3, "divisor of data.batch_size=2"),
     # Data (validated by noloco_jax.io.data, called from build before anything is compiled).
@@ -227,9 +226,9 @@ def test_more_devices_than_exist_is_an_error():
 
 def test_a_missing_field_or_section_takes_the_schema_s_default():
   config = smoke().to_dict()
-  del config["checkpoint"], config["outer"]["pairing_pool"], config["model"]["arch"]
+  del config["checkpoint"], config["outer"]["pairing"], config["model"]["arch"]
   resolved = config_lib.validate(ml_collections.ConfigDict(config))
-  assert (resolved.checkpoint.keep, resolved.outer.pairing_pool, resolved.model.arch) == (3, 32, "llama")
+  assert (resolved.checkpoint.keep, resolved.outer.pairing, resolved.model.arch) == (3, "fresh", "llama")
 
 
 def test_the_config_package_imports_nothing_else_from_noloco_jax():
@@ -280,16 +279,32 @@ def test_skip_round_needs_checkpoints_at_round_ends():
   config_lib.validate(config)
 
 
-def test_gamma_outside_the_stability_bound_warns(caplog):
-  config = smoke()  # n = 2, α = 0.5: the bound is 0.5 < γ < 1.5
+def test_an_unstable_gamma_is_refused_unless_allowed(caplog):
+  """The issue's examples: α = 0.9, γ = 1.2 (inside the paper's interval) diverges; γ = 0.3 is fine."""
+  config = smoke()
+  config.outer.outer_momentum, config.outer.consensus_weight = 0.9, 0.3  # outside the paper's interval, stable
   with caplog.at_level(logging.WARNING):
     config_lib.validate(config)
-  assert not [r for r in caplog.records if "stability bound" in r.getMessage()]
-  config.outer.consensus_weight = 2.0
+  assert not [r for r in caplog.records if "unstable" in r.getMessage()]
+  stability.check_config(config_lib.validate(config))  # what train.build runs after the schema
+  config.outer.consensus_weight = 1.2
+  with pytest.raises(config_lib.ConfigError, match=r"outer.consensus_weight=1.2 .*grows by 11.4% per round") as error:
+    stability.check_config(config_lib.validate(config))
+  assert "outer.allow_unstable=True" in str(error.value) and "\n" not in str(error.value)
+  message = build_error(config)  # refused by train.build before anything is compiled
+  assert "consensus_weight=1.2" in message and "unstable" in message, message
+  config.outer.allow_unstable = True
   with caplog.at_level(logging.WARNING):
+    stability.check_config(config_lib.validate(config))
+  warnings = [r.getMessage() for r in caplog.records if "unstable" in r.getMessage()]
+  assert len(warnings) == 1 and "11.4% per round" in warnings[0], warnings
+
+
+def test_round_robin_needs_pairs():
+  config = smoke()
+  config.outer.pairing, config.outer.group_size = "round_robin", 4
+  with pytest.raises(config_lib.ConfigError, match="outer.pairing='round_robin'.*group_size 2 only"):
     config_lib.validate(config)
-  warnings = [r.getMessage() for r in caplog.records if "stability bound" in r.getMessage()]
-  assert len(warnings) == 1 and "outer.consensus_weight=2" in warnings[0] and "1.500" in warnings[0], warnings
 
 
 # ---------------------------------------------------------------- the command line (issue 18, item 11)
@@ -304,7 +319,7 @@ CLI_ERRORS = [
     ([SMOKE, "--config.outer.momentum=1.5"],  # the old name, mapped (one warning line), then checked
      "noloco_jax: config.outer.outer_momentum=1.5 is not valid: a number in [0, 1)."),
     ([SMOKE, "--config.outer.kind=fedavg"],
-     "noloco_jax: config.outer.kind='fedavg' is not valid: one of noloco | diloco | gossip | ddp | none."),
+     "noloco_jax: config.outer.kind='fedavg' is not valid: one of noloco | diloco | gossip | epidemic | ddp | none."),
     ([SMOKE, "--config.num_steps=abc"], "noloco_jax: config.num_steps='abc' is not valid: an integer."),
     ([SMOKE, "--config.outer.lr=0.5", "--config.outer.outer_lr=0.6"],
      "noloco_jax: config.outer.lr=0.5 and config.outer.outer_lr=0.6 are both set; lr is the old name of "

@@ -1,4 +1,4 @@
-"""Model: shapes, causality, parameter counts against the analytic formula and PAPER.md section 2."""
+"""Model: shapes, causality, parameter counts against the analytic formula and docs/method.md §10."""
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,7 @@ def test_param_count_matches_analytic_count(remat):
 
 
 def test_presets_match_the_paper_table():
-  # PAPER.md section 2: hidden / layers / MLP; heads 12 (reference code) / 32 / 32.
+  # docs/method.md §10: hidden / layers / MLP; heads 12 (reference code) / 32 / 32.
   assert model_lib.PRESETS["small"] == dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=3072)
   assert model_lib.PRESETS["medium"] == dict(d_model=2048, num_layers=24, num_heads=32, mlp_dim=8192)
   assert model_lib.PRESETS["large"] == dict(d_model=4096, num_layers=32, num_heads=32, mlp_dim=16384)

@@ -92,10 +92,11 @@ def test_noloco_round_only_permutes_between_the_rounds_partners():
   assert found and {op for op, _ in found} == {"collective-permute"}
   for _, pairs in found:
     assert set(pairs) == _pairs(grouping)
-  # The loop's round (a switch over the pairing pool): every permute is one of the pool's groupings.
-  round_fn, index = setup.outer_round(0)
-  found = hlo_lib.collective_groups(round_fn.lower(state, jnp.int32(index)).compile().as_text())
-  allowed = [_pairs(g) for g in setup.schedule.pool]
+  # The loop's round 0 (one program per grouping with `fresh` pairings; a switch over the pool with
+  # round_robin): every permute is one of the groupings that program covers.
+  round_fn, route = setup.outer_round(0)
+  found = hlo_lib.collective_groups(round_fn.lower(state, jnp.asarray(route)).compile().as_text())
+  allowed = [_pairs(g) for g in setup.schedule.pool] or [_pairs(setup.schedule.groups(0))]
   assert {op for op, _ in found} == {"collective-permute"}
   assert all(set(pairs) in allowed for _, pairs in found)
 
@@ -105,8 +106,8 @@ def test_diloco_round_is_a_global_all_reduce():
   cfg = _smoke()
   cfg.outer.kind = "diloco"
   setup = build_lib.build(cfg, vocab_size=257)
-  round_fn, index = setup.outer_round(0)
-  found = hlo_lib.collective_groups(round_fn.lower(setup.init_state(), jnp.int32(index)).compile().as_text())
+  round_fn, route = setup.outer_round(0)
+  found = hlo_lib.collective_groups(round_fn.lower(setup.init_state(), jnp.asarray(route)).compile().as_text())
   assert any(op == "all-reduce" and (groups == [] or len(groups[0]) == 8) for op, groups in found), found
 
 
@@ -204,7 +205,7 @@ def _run_two(workdir, log_barrier: bool, delay_s: float):
   # NoLoCo with H = num_steps: the only round is at the last step, after the log steps at 2 and 4;
   # evaluation only at the end. Anything that makes process 0 wait before then is the logging path.
   flags = ["--config=configs/default.py:smoke", f"--workdir={workdir}", "--config.num_steps=6",
-           "--config.outer.inner_steps=6", "--config.outer.pairing_pool=2", "--config.log_every=2", "--config.eval_every=0",
+           "--config.outer.inner_steps=6", "--config.log_every=2", "--config.eval_every=0",
            f"--config.log_barrier={log_barrier}"]
   job = launch_local.Job(2, 4, flags, log_dir=str(workdir) + "_logs", cwd=REPO,
                          env={"NOLOCO_FAULTS": f"delay:process=1,seconds={delay_s}",
@@ -241,7 +242,7 @@ def test_a_process_killed_at_step_8_ends_the_job_and_the_survivors_resume(tmp_pa
   from noloco_jax import training  # pylint: disable=g-import-not-at-top
   workdir = tmp_path / "run"
   flags = ["--config=configs/default.py:smoke", f"--workdir={workdir}", "--config.checkpoint_every=3",
-           "--config.checkpoint.async_save=False", "--config.outer.pairing_pool=2"]
+           "--config.checkpoint.async_save=False"]
   job = launch_local.Job(2, 4, flags, log_dir=str(tmp_path / "logs"), cwd=REPO,
                          env={"NOLOCO_FAULTS": "kill:process=1,step=8", "NOLOCO_HEARTBEAT_TIMEOUT_S": "10"})
   codes = job.wait(timeout_s=300, grace_s=60)
@@ -251,7 +252,7 @@ def test_a_process_killed_at_step_8_ends_the_job_and_the_survivors_resume(tmp_pa
   assert steps[-1] == 6, steps  # the last checkpoint before the kill
   # The survivor's devices (this process, 8 devices) resume the same 8 replicas from step 6.
   cfg = default.get_config("smoke")
-  cfg.checkpoint_every, cfg.outer.pairing_pool = 3, 2
+  cfg.checkpoint_every = 3
   result = training.train_and_evaluate(cfg, str(workdir))
   assert [e["step"] for e in result["history"]["eval"]][-1] == 12
   rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))

@@ -44,11 +44,11 @@ def _run_round(method, groups_pool, index, theta, outer_state, num_devices=N):
   state = TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer_state)
   state = jax.device_put(state, sharding)
   round_fn = rounds_lib.make_round_fn(method, mesh, groups_pool)
-  new_state, metrics = round_fn(state, jnp.int32(index))
+  new_state, metrics = round_fn(state, jnp.asarray(index, jnp.int32))
   return jax.tree.map(np.asarray, new_state), jax.tree.map(np.asarray, metrics)
 
 
-# ---- NumPy references (float64), written from PAPER.md section 1, not from the implementation ----
+# ---- NumPy references (float64), written from docs/method.md §1, not from the implementation ----
 
 
 def np_noloco(theta, phi, delta, groups, alpha, beta, gamma):
@@ -177,13 +177,16 @@ def test_gossip_with_zero_learning_rate_keeps_the_mean_and_shrinks_the_spread():
 def test_mesh_and_simulator_paths_agree(kind, num_devices):
   theta, phi, delta = _random_replicas(7, same_phi=(kind == "diloco"))
   method = outer_lib.make_method(_outer_cfg(kind=kind, group_size=2, message_dtype="bfloat16"))
-  schedule = pairing.PairingSchedule(seed=3, num_replicas=N, group_size=2, mode="pool", pool_size=5)
+  schedule = pairing.PairingSchedule(seed=3, num_replicas=N, group_size=2, mode="round_robin")
   outer_state = ({"slow": phi, "momentum": delta} if kind != "diloco"
                  else jax.tree.map(np.asarray, jax.vmap(method.init)({k: jnp.asarray(v) for k, v in phi.items()})))
   index = schedule.index(4)
   results = {d: _run_round(method, schedule.pool, index, theta, outer_state, num_devices=d)[0]
              for d in (N, num_devices, 1)}
-  for d in (num_devices, 1):
+  # One device with the grouping as data (the simulator's program for every round and mode).
+  results["table"] = _run_round(method, None, pairing.source_table(schedule.groups(4)), theta, outer_state,
+                                num_devices=1)[0]
+  for d in (num_devices, 1, "table"):
     for k in theta:
       if kind == "diloco":  # the all-reduce may sum in another order than the one-device mean
         np.testing.assert_allclose(results[d].params[k], results[N].params[k], atol=1e-6)
@@ -204,12 +207,12 @@ def test_pairings_partition_the_replicas_into_groups_of_n():
 
 
 def test_pairings_differ_across_rounds_and_are_reproducible_across_hosts():
-  for mode in ("fresh", "pool"):
-    a = pairing.PairingSchedule(seed=7, num_replicas=8, group_size=2, mode=mode, pool_size=32)
-    b = pairing.PairingSchedule(seed=7, num_replicas=8, group_size=2, mode=mode, pool_size=32)  # "another host"
+  for mode, distinct in (("fresh", 10), ("round_robin", 5)):
+    a = pairing.PairingSchedule(seed=7, num_replicas=8, group_size=2, mode=mode)
+    b = pairing.PairingSchedule(seed=7, num_replicas=8, group_size=2, mode=mode)  # "another host"
     rounds_a = [a.groups(t) for t in range(20)]
     assert rounds_a == [b.groups(t) for t in range(20)]
-    assert len(set(rounds_a)) >= 10, mode  # re-drawn: 20 rounds give many distinct pairings
+    assert len(set(rounds_a)) >= distinct, mode  # re-drawn (round_robin: among its 7 matchings)
   c = pairing.PairingSchedule(seed=8, num_replicas=8, group_size=2, mode="fresh")
   assert [c.groups(t) for t in range(5)] != [a.groups(t) for t in range(5)]
   fixed = pairing.PairingSchedule(seed=7, num_replicas=8, group_size=2, mode="fixed")
@@ -254,22 +257,45 @@ def test_counted_bytes_match_the_compiled_collectives(kind, message_dtype, group
     assert reduced == counted == 17 * 4 and permuted == 0
 
 
-# ---- Compilation: the pool mode never recompiles in steady state ----
+# ---- Compilation: one program per pooled or single-device run; fresh compiles ahead ----
 
 
-@pytest.mark.parametrize("mode", ["pool", "fresh"])
-def test_outer_rounds_compile_once_per_pairing_program(mode):
+@pytest.mark.parametrize("mode,num_devices", [("round_robin", 0), ("fresh", 0), ("fresh", 1)])
+def test_outer_rounds_compile_once_per_pairing_program(mode, num_devices):
   cfg = default.get_config("smoke")
-  cfg.outer.pairing, cfg.outer.pairing_pool = mode, 4
+  cfg.outer.pairing, cfg.num_devices = mode, num_devices
   setup = build_lib.build(cfg, vocab_size=257)
   state = setup.init_state()
-  indices = []
+  routes = []
   for round_ in range(6):
-    round_fn, index = setup.outer_round(round_)
-    state, _ = round_fn(state, jnp.int32(index))
-    indices.append(index)
-  if mode == "pool":
+    round_fn, route = setup.outer_round(round_)
+    state, _ = round_fn(state, route)
+    routes.append(np.asarray(route).tobytes())
+  if mode == "round_robin" or num_devices == 1:
     assert len(setup.rounds) == 1 and round_fn._cache_size() == 1  # one program for all six rounds
-    assert len(set(indices)) > 1  # ... yet the rounds used different pairings
+    assert len(set(routes)) > 1  # ... yet the rounds used different pairings
   else:
     assert len(setup.rounds) == len({setup.schedule.groups(r) for r in range(6)})
+
+
+def test_compiled_ahead_rounds_equal_jitted_rounds():
+  """Rounds.ahead (AOT, background) runs the same programs as Setup.outer_round: bitwise equal states."""
+  cfg = default.get_config("smoke")
+  setup = build_lib.build(cfg, vocab_size=257)
+  a = setup.init_state()
+  b = setup.init_state()
+  programs = setup.rounds.ahead(a)
+  try:
+    for round_ in range(3):
+      compiled, route = programs.program(round_)
+      a, _ = compiled(a, route)
+      jitted, route_b = setup.outer_round(round_)
+      b, _ = jitted(b, route_b)
+      assert np.array_equal(route, route_b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    stats = programs.compiler.stats
+    # Rounds 0-2 compiled and waited for at most once each; round 3's may still be compiling.
+    assert len(stats.waits_s) == 3 and stats.compiles >= 3 and len(programs.compiler) == 4
+  finally:
+    programs.close()

@@ -68,6 +68,6 @@ def test_parameter_count_matches_an_abstract_init(preset, data):
   shapes = jax.eval_shape(model_lib.Llama(model_cfg).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
   counted = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
   assert counted == model_lib.num_params(model_cfg)
-  # PAPER.md section 2: ≈310M / 2.14B / 9.64B with the reference's 128,002-token vocabulary.
+  # docs/method.md §10: ≈310M / 2.14B / 9.64B with the reference's 128,002-token vocabulary.
   expected = {"small": 310e6, "medium": 2.14e9, "large": 9.64e9}[preset]
   assert abs(counted - expected) / expected < 0.01

@@ -39,7 +39,6 @@ def _config(num_replicas=4, num_stages=2, routing_mode="fixed", **pipeline_kw):
   cfg.model.num_layers = 2 * num_stages  # two layers per stage: the layer slice is a real slice
   cfg.data.batch_size = 4
   cfg.pipeline.routing = routing_mode
-  cfg.pipeline.route_pool = 4  # small pool: fewer switch branches to compile
   for key, value in pipeline_kw.items():
     cfg.pipeline[key] = value
   return cfg
@@ -156,30 +155,25 @@ def test_random_routing_equals_the_routed_reference(grads_setup):
 
 def test_random_routes_are_balanced_reproducible_and_change_across_steps():
   N, S, M = 8, 4, 6
-  schedule = routing.RouteSchedule(seed=3, num_replicas=N, num_stages=S, num_microbatches=M, pool_size=16)
+  schedule = routing.RouteSchedule(seed=3, num_replicas=N, num_stages=S, num_microbatches=M)
   for step in range(20):
     paths = schedule.paths(step)
     assert (paths[:, :, 0] == np.arange(N)).all()  # every micro-batch starts in its own replica
     for m in range(M):
       for s in range(S):  # each replica of a stage gets exactly one micro-batch of each index m
         assert sorted(paths[m, :, s]) == list(range(N))
-    # GPipe slot t: boundary b carries micro-batch t − b; the permutations of a slot map every replica
-    # of stage b to a distinct replica of stage b+1 (one micro-batch per replica per slot).
     for b in range(S - 1):
       for m in range(M):
         assert sorted(schedule.permutation(step, m, b)) == list(range(N))
-  again = routing.RouteSchedule(seed=3, num_replicas=N, num_stages=S, num_microbatches=M, pool_size=16)
-  other = routing.RouteSchedule(seed=4, num_replicas=N, num_stages=S, num_microbatches=M, pool_size=16)
+  again = routing.RouteSchedule(seed=3, num_replicas=N, num_stages=S, num_microbatches=M)
+  other = routing.RouteSchedule(seed=4, num_replicas=N, num_stages=S, num_microbatches=M)
   assert all((schedule.paths(t) == again.paths(t)).all() for t in range(20))
   assert any((schedule.paths(t) != other.paths(t)).any() for t in range(20))
-  distinct = {schedule.paths(t).tobytes() for t in range(20)}
-  assert len(distinct) >= 10, len(distinct)  # the route changes from step to step
-  # Within a step, the M·(S−1) ≤ K crossings use distinct pool entries.
-  assert len({schedule.pool_index(0, m, b) for m in range(M) for b in range(S - 1)}) == min(16, M * (S - 1))
-  # The traced offset is the host's, bit for bit.
+  assert len({schedule.paths(t).tobytes() for t in range(20)}) == 20  # the route changes from step to step
+  # The traced table is the host's, bit for bit.
   steps = np.arange(50, dtype=np.int32)
-  traced = jax.jit(jax.vmap(schedule.offset_traced))(steps)
-  assert list(np.asarray(traced)) == [schedule.offset(int(t)) for t in steps]
+  traced = np.asarray(jax.jit(jax.vmap(schedule.indices_traced))(steps))
+  assert all((traced[t] == schedule.indices(int(t))).all() for t in steps)
   fixed = routing.RouteSchedule(seed=3, num_replicas=N, num_stages=S, num_microbatches=M, mode="fixed")
   assert (fixed.paths(7) == np.arange(N)[None, :, None]).all()
 
@@ -192,26 +186,26 @@ def test_router_delivers_what_the_schedule_says(num_replicas, num_stages):
   D = mesh.shape[REPLICA]
   k = num_replicas // D
   M = 3
-  schedule = routing.RouteSchedule(seed=0, num_replicas=num_replicas, num_stages=num_stages, num_microbatches=M,
-                                    pool_size=5)
+  schedule = routing.RouteSchedule(seed=0, num_replicas=num_replicas, num_stages=num_stages, num_microbatches=M)
   router = routing.make_slot_router(schedule, D)
   T = M + num_stages - 1
 
-  def local(offset):
+  def local(step):
     s = jax.lax.axis_index(STAGE)
     g = jax.lax.axis_index(REPLICA) * k + jnp.arange(k)
     label = (g * 100 + s).astype(jnp.int32)  # who sent it: replica, stage
-    return jnp.stack([router(label, jnp.int32(t), offset) for t in range(T)], axis=1)[:, :, None]
+    table = schedule.indices_traced(step)
+    return jnp.stack([router(label, jnp.int32(t), table) for t in range(T)], axis=1)[:, :, None]
 
   fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P(REPLICA, None, STAGE),
                              axis_names={REPLICA, STAGE}))
   step = 11
-  got = np.asarray(fn(jnp.int32(schedule.offset(step))))  # [N, T, S]: what (replica, stage) received in slot t
+  got = np.asarray(fn(jnp.int32(step)))  # [N, T, S]: what (replica, stage) received in slot t
+  table = schedule.indices(step)
   for t in range(T):
     for b in range(num_stages - 1):
-      m = t - b
-      dest = schedule.permutation(step, m % M, b) if 0 <= m < M else schedule.slot_permutations(
-          (schedule.offset(step) + t * (num_stages - 1)) % schedule.pool_size)[b]
+      m = min(max(t - b, 0), M - 1)  # bubble slots use the clipped micro-batch's draw
+      dest = schedule.family.member(table[m, b])
       for g in range(num_replicas):
         assert got[dest[g], t, b + 1] == g * 100 + b, (t, b, g)
     assert (got[:, t, 0] == 0).all()  # stage 0 receives nothing
@@ -226,8 +220,6 @@ def trained(tmp_path_factory):
   cfg = default.get_config("smoke")
   cfg.num_replicas, cfg.num_stages = 4, 2
   cfg.model.num_layers = 2
-  cfg.pipeline.route_pool = 4
-  cfg.outer.pairing_pool = 4  # fewer switch branches to compile
   workdir = str(tmp_path_factory.mktemp("pipeline_noloco"))
   return cfg, workdir, training.train_and_evaluate(cfg, workdir)
 
@@ -271,8 +263,8 @@ def test_outer_round_sends_one_model_per_replica_with_stages(grads_setup):
   from noloco_jax.tools import hlo  # pylint: disable=g-import-not-at-top
   setup = grads_setup[0]
   assert setup.method.kind == "noloco"
-  # One grouping (no switch over the pool, whose branches would all be counted).
-  round_fn = rounds_lib.make_round_fn(setup.method, setup.mesh, (setup.schedule.pool[0],), setup.state_shardings)
+  # One grouping (no switch over a pool, whose branches would all be counted).
+  round_fn = rounds_lib.make_round_fn(setup.method, setup.mesh, (setup.schedule.groups(0),), setup.state_shardings)
   state = setup.init_state()
   text = round_fn.lower(state, jnp.int32(0)).compile().as_text()
   one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)

@@ -23,6 +23,7 @@ if REPO not in sys.path:
 from noloco_jax.tools import experiment  # noqa: E402
 from noloco_jax.tools import plots  # noqa: E402
 from noloco_jax import config as config_lib  # noqa: E402
+from noloco_jax.outer import stability  # noqa: E402
 
 experiment.enable_compile_cache()
 SMOKE = experiment.smoke_from_env()
@@ -48,4 +49,4 @@ def save(fig, name):
     fig.savefig(os.path.join(PLOTS, f"ablation_{name}.png"), dpi=120)
 
 
-__all__ = ["BASE", "PLOTS", "REPO", "SEEDS", "SMOKE", "config_lib", "experiment", "method", "noloco", "plots", "save"]
+__all__ = ["BASE", "PLOTS", "REPO", "SEEDS", "SMOKE", "config_lib", "experiment", "method", "noloco", "plots", "save", "stability"]

@@ -26,7 +26,6 @@ import ml_collections
 from noloco_jax.config.checks import check_across_sections
 from noloco_jax.config.data import DataSpec
 from noloco_jax.config.fields import ConfigError, Section
-from noloco_jax.config.outer import stability_interval
 from noloco_jax.config.run import Config
 
 
@@ -48,5 +47,4 @@ def default_config_dict() -> ml_collections.ConfigDict:
   return Config().to_config_dict(renamed_placeholders=True)
 
 
-__all__ = ["Config", "ConfigError", "DataSpec", "Section", "default_config_dict", "load", "stability_interval",
-           "validate"]
+__all__ = ["Config", "ConfigError", "DataSpec", "Section", "default_config_dict", "load", "validate"]

@@ -32,3 +32,6 @@ def check_across_sections(config: Config) -> None:
   if c.outer.kind in ("noloco", "gossip") and c.num_replicas % c.outer.group_size:
     fail("outer.group_size", c.outer.group_size,
          f"a divisor of num_replicas={c.num_replicas} (the replicas are cut into equal groups)")
+  if c.outer.kind == "epidemic" and c.outer.fanout >= c.num_replicas:
+    fail("outer.fanout", c.outer.fanout, f"an integer in [1, num_replicas − 1] = [1, {c.num_replicas - 1}] "
+         "(each replica sends to that many distinct other replicas)")

@@ -6,22 +6,25 @@ weights θ, slow weights φ and outer momentum δ:
     δ_i ← α·δ_i + β·mean_G(θ − φ) + γ·(mean_G φ − φ_i);   φ_i ← φ_i + δ_i;   θ_i ← φ_i
 
 α = `outer_momentum`, β = `outer_lr`, γ = `consensus_weight`. DiLoCo uses α and β (outer SGD with
-momentum on the all-reduced pseudo-gradient); gossip fixes α=0, β=γ=1; ddp and none have no outer step.
+momentum on the all-reduced pseudo-gradient); gossip fixes α=0, β=γ=1; epidemic averages θ with
+the models of `fanout` random senders (Epidemic Learning); ddp and none have no outer step.
 Before these names the fields were `momentum`, `lr` and `gamma`: those still work (RENAMED), with a warning.
 """
 
 import dataclasses
-import functools
-import logging
-import math
 
 from noloco_jax.config.fields import Section, at_least, fail, one_of
 
-KINDS = ("noloco", "diloco", "gossip", "ddp", "none")
+KINDS = ("noloco", "diloco", "gossip", "epidemic", "ddp", "none")
 MESSAGE_DTYPES = ("float32", "bfloat16")
 STATE_DTYPES = ("", "float32", "bfloat16")
-PAIRINGS = ("pool", "fresh", "fixed")
+PAIRINGS = ("fresh", "round_robin", "fixed")
 GROUP_KINDS = ("noloco", "gossip")  # the kinds that average within random groups of group_size
+# Compressed messages (noloco_jax/outer/compression.py, docs/compression.md).
+COMPRESSIONS = ("none", "int8", "int4", "topk")
+TOPK_BITS = (2, 3, 4, 5, 6, 7, 8)  # bits per kept top-k value (packed); int8 / int4 imply 8 / 4
+SLOW_CODECS = ("float32", "bfloat16", "int8", "int4")  # how the γ·φ part of a top-k message travels
+MAX_CHUNK = 65536  # top-k offsets within a chunk travel as uint16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +32,7 @@ class OuterConfig(Section):
   PATH = "outer"
   RENAMED = {"momentum": "outer_momentum", "lr": "outer_lr", "gamma": "consensus_weight"}
 
-  kind: str = "noloco"  # noloco | diloco | gossip | ddp | none
+  kind: str = "noloco"  # noloco | diloco | gossip | epidemic | ddp | none
   inner_steps: int = 50  # H: inner steps per outer round.
   group_size: int = 2  # n: replicas per averaging group (noloco, gossip).
   # α: momentum of the outer step, δ ← α·δ + ... (noloco, diloco; NoLoCo reference 0.5, DiLoCo 0.3).
@@ -46,12 +49,28 @@ class OuterConfig(Section):
   # Keep φ and δ in pinned host memory between rounds (they are read once per round): the device then
   # holds three model-sized copies (θ, Adam m, v) instead of five. Costs two host<->device copies per round.
   offload: bool = False
-  # How a fresh random pairing is chosen every round with a static ppermute:
-  #   pool  = `pairing_pool` pairings drawn up front, one picked per round by a traced index (one compile);
-  #   fresh = a new pairing drawn on the host every round, compiled on first use and cached.
-  #   fixed = the same pairing every round (ablation).
-  pairing: str = "pool"
-  pairing_pool: int = 32
+  # How the groups are drawn each round (noloco_jax/outer/pairing.py):
+  #   fresh       = a new uniformly random grouping every round (the method); on a mesh the next round's
+  #                 program is compiled while the current round's inner steps run (outer/ahead.py);
+  #   round_robin = one of the N-1 round-robin matchings (relabelled once), uniform per round; one program;
+  #                 every pair meets equally often, but only N-1 matchings occur (group_size 2 only);
+  #   fixed       = the same grouping every round (ablation).
+  pairing: str = "fresh"
+  # Validation refuses an (α, γ) whose cross-replica spread is mean-square unstable for this update
+  # (docs/stability.md, checked in config/checks.py); True runs it anyway, with a warning.
+  allow_unstable: bool = False
+  # Compressed messages (noloco, gossip; docs/compression.md): none | int8 | int4 | topk. int8 / int4
+  # quantise the whole message per chunk; topk sends, per chunk, the largest topk_density of the fresh
+  # part β·(θ − φ) (topk_bits-bit values, uint16 offsets) and the γ·φ part with slow_codec.
+  compression: str = "none"
+  compression_chunk: int = 4096  # values per chunk (one float32 scale each); at most 65536
+  topk_density: float = 0.01  # fraction of each chunk kept, in (0, 1]
+  topk_bits: int = 2  # bits per kept value, 2..8
+  slow_codec: str = "int8"  # float32 | bfloat16 | int8 | int4: the γ·φ part of a topk message
+  # Error feedback: what a compressed message did not carry, times this decay, is added to the next
+  # round's message (to whichever partner that goes). 0 = no feedback (and no residual in the state).
+  feedback_decay: float = 1.0
+  fanout: int = 1  # epidemic: s, the random peers each replica sends its model to per round (< num_replicas)
 
   def check(self) -> None:
     one_of("outer.kind", self.kind, KINDS)
@@ -59,31 +78,31 @@ class OuterConfig(Section):
     one_of("outer.message_dtype", self.message_dtype, MESSAGE_DTYPES)
     one_of("outer.state_dtype", self.state_dtype, STATE_DTYPES)
     one_of("outer.pairing", self.pairing, PAIRINGS)
-    at_least("outer.pairing_pool", self.pairing_pool, 1)
+    if self.pairing == "round_robin" and self.kind in GROUP_KINDS and self.group_size != 2:
+      fail("outer.pairing", self.pairing, f"'fresh' or 'fixed' with group_size={self.group_size} ('round_robin' "
+           "pairs replicas: group_size 2 only)")
     if not 0 <= self.outer_momentum < 1:
       fail("outer.outer_momentum", self.outer_momentum, "a number in [0, 1)")
     if not self.outer_lr > 0:
       fail("outer.outer_lr", self.outer_lr, "a number > 0")
     if self.kind in GROUP_KINDS and self.group_size < 2:
       fail("outer.group_size", self.group_size, "an integer ≥ 2 (a group averages at least two replicas)")
+    one_of("outer.compression", self.compression, COMPRESSIONS)
+    if self.compression != "none" and self.kind not in GROUP_KINDS:
+      fail("outer.compression", self.compression,
+           f"'none' with outer.kind={self.kind!r} (compressed messages exist for noloco and gossip)")
+    if not 8 <= self.compression_chunk <= MAX_CHUNK:
+      fail("outer.compression_chunk", self.compression_chunk, f"an integer in [8, {MAX_CHUNK}] (offsets travel as uint16)")
+    if not 0 < self.topk_density <= 1:
+      fail("outer.topk_density", self.topk_density, "a number in (0, 1]")
+    one_of("outer.topk_bits", self.topk_bits, TOPK_BITS)
+    one_of("outer.slow_codec", self.slow_codec, SLOW_CODECS)
+    if not 0 <= self.feedback_decay <= 1:
+      fail("outer.feedback_decay", self.feedback_decay, "a number in [0, 1] (0 turns error feedback off)")
+    if self.kind == "epidemic":
+      at_least("outer.fanout", self.fanout, 1)
+      one_of("outer.pairing", self.pairing, ("fresh", "fixed"))  # a graph per round, not a matching
     if self.kind == "noloco":
       if not self.consensus_weight > 0:
         fail("outer.consensus_weight", self.consensus_weight, "a number > 0")
-      warn_if_unstable(self.outer_momentum, self.consensus_weight, self.group_size)
-
-
-def stability_interval(alpha: float, n: int) -> tuple[float, float]:
-  """The paper's bound on γ for bounded cross-replica variance: √(n/(2(n−1)))·α < γ < √(n(2+α²)/(2(n−1)))."""
-  return math.sqrt(n / (2 * (n - 1))) * alpha, math.sqrt(n * (2 + alpha ** 2) / (2 * (n - 1)))
-
-
-@functools.cache  # once per process and setting: main.py and train.build both validate the config
-def warn_if_unstable(alpha: float, gamma: float, n: int) -> None:
-  """A warning (not an error: the bound is from a model problem) when γ lies outside stability_interval."""
-  low, high = stability_interval(alpha, n)
-  if not low < gamma < high:
-    logging.warning(
-        "outer.consensus_weight=%g (gamma) lies outside the stability bound of the NoLoCo paper (noisy "
-        "quadratic model): sqrt(n/(2(n-1)))*alpha < gamma < sqrt(n(2+alpha^2)/(2(n-1))), i.e. %.3f < gamma "
-        "< %.3f for n=%d, alpha=outer_momentum=%g. The spread of weights across replicas may grow without "
-        "bound.", gamma, low, high, n, alpha)
+      # The stability of (α, γ) depends on num_replicas too: checked across sections (config/checks.py).

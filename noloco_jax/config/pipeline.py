@@ -15,15 +15,14 @@ CLIPS = ("per_stage", "global")
 class PipelineConfig(Section):
   PATH = "pipeline"
 
-  # Where stage s sends a micro-batch: "random" = stage s+1 of a random replica, a fresh permutation per
-  # micro-batch and boundary (NoLoCo's implicit mixing); "fixed" = its own replica. Eval always uses fixed.
+  # Where stage s sends a micro-batch: "random" = stage s+1 of a random replica, drawn per micro-batch and
+  # boundary with every destination equally likely (NoLoCo's implicit mixing; parallel/routing.py);
+  # "fixed" = its own replica. Eval always uses fixed.
   routing: str = "random"
   microbatches: int = 0  # M micro-batches per step (must divide data.batch_size); 0 = one sequence each.
-  route_pool: int = 16  # K permutations drawn from the seed, picked per crossing by a traced index.
   clip: str = "per_stage"  # inner.grad_clip per stage (reference) | "global" (whole replica, as without stages).
 
   def check(self) -> None:
     one_of("pipeline.routing", self.routing, ROUTINGS)
     one_of("pipeline.clip", self.clip, CLIPS)
-    at_least("pipeline.route_pool", self.route_pool, 1)
     at_least("pipeline.microbatches", self.microbatches, 0)

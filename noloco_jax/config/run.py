@@ -48,6 +48,10 @@ class Config(Section):
   # replica (the last good checkpoint stays as it was); "skip_round" undoes the round it happened in
   # and goes on (see noloco_jax/io/checkpoint/guard.py: RoundGuard).
   nan_policy: str = "error"
+  # With "skip_round": how many rounds in a row may be undone before the run stops with an error
+  # (a run whose every round diverges is not training). Skipped rounds are counted in the train rows
+  # of metrics.jsonl (outer/skipped_rounds) and in the summary.
+  nan_max_skipped_rounds: int = 3
 
   checkpoint: CheckpointConfig = _section(CheckpointConfig)  # noloco_jax/config/checkpoint.py
   model: ModelConfig = _section(ModelConfig)  # noloco_jax/config/model.py
@@ -58,7 +62,7 @@ class Config(Section):
 
   def check(self) -> None:
     """The top-level fields alone (the sections have checked themselves when they were parsed)."""
-    for name in ("num_steps", "num_replicas", "fsdp", "num_stages"):
+    for name in ("num_steps", "num_replicas", "fsdp", "num_stages", "nan_max_skipped_rounds"):
       at_least(name, getattr(self, name), 1)
     for name in ("num_devices", "eval_every", "log_every", "checkpoint_every"):
       at_least(name, getattr(self, name), 0)

@@ -2,7 +2,8 @@
 
 Names: train/loss, train/grad_norm, eval/loss, eval/ppl, replicas/weight_std,
 outer/pseudo_grad_norm, outer/round, comm/bytes_per_replica (cumulative), perf/steps_per_s,
-perf/tokens_per_s, model/num_params (logged once, per replica).
+perf/tokens_per_s, model/num_params (logged once, per replica), outer/skipped_rounds (cumulative;
+only with nan_policy="skip_round").
 The writers themselves (TensorBoard, JSON lines, log) are in writers.py.
 """
 

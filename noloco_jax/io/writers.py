@@ -112,7 +112,9 @@ class JsonlWriter(MetricWriter):
     self._file.write(json.dumps(row) + "\n")
 
   def flush(self):
+    # Durable, not only handed to the OS: the loop flushes before every checkpoint (io/checkpoint/logs.py).
     self._file.flush()
+    os.fsync(self._file.fileno())
 
   def close(self):
     self._file.close()

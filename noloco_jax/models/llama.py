@@ -1,5 +1,5 @@
 """A Llama decoder in Flax: RMSNorm, rotary embeddings, SwiGLU MLP, causal multi-head attention, untied
-embeddings. Sizes come from presets (PAPER.md section 2) and can be overridden field by field.
+embeddings. Sizes come from presets (docs/method.md §10) and can be overridden field by field.
 `LlamaModel` (at the end) is its implementation of the model interface (models/base.py).
 
 The layers are stacked with `nn.scan`, so every layer parameter carries a leading `num_layers` axis:

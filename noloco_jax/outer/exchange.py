@@ -51,6 +51,20 @@ def group_mean(tree, groups: Groups, num_devices: int, message_dtype):
   return jax.tree.map(lambda t: t / n, total)
 
 
+def group_mean_from_table(tree, sources: jax.Array, message_dtype):
+  """group_mean on ONE device with the grouping as data: `sources` [n−1, N] (pairing.source_table), traced.
+
+  The grouping is data, not code, so one compiled program serves every grouping (the simulator needs no
+  compile per round). On a mesh this cannot work: a ppermute's routing is static.
+  """
+  n = sources.shape[0] + 1
+  total = jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+  message = jax.tree.map(lambda x: x.astype(message_dtype), tree)
+  for s in range(n - 1):
+    total = jax.tree.map(lambda t, m: t + m[sources[s]].astype(jnp.float32), total, message)
+  return jax.tree.map(lambda t: t / n, total)
+
+
 def group_mean_from_pool(tree, pool: Sequence[Groups], index: jax.Array, num_devices: int, message_dtype):
   """group_mean with the grouping pool[index], `index` traced: one compiled program for the whole pool.
 
@@ -72,3 +86,11 @@ def group_mean_from_pool(tree, pool: Sequence[Groups], index: jax.Array, num_dev
     return jax.tree.map(lambda t: t / n, total)
   branches = [lambda t, g=g: group_mean(t, g, num_devices, message_dtype) for g in pool]
   return jax.lax.switch(index, branches, tree)
+
+
+def group_mean_for_round(tree, pool: Sequence[Groups] | None, route: jax.Array, num_devices: int, message_dtype):
+  """The group mean of a round function `make_round(pool, num_devices)`, whatever the program's plan:
+  `pool` None (one device, `route` = the [n−1, N] source table) or a pool (`route` = the index into it)."""
+  if pool is None:
+    return group_mean_from_table(tree, route, message_dtype)
+  return group_mean_from_pool(tree, pool, route, num_devices, message_dtype)

@@ -4,6 +4,7 @@
 |----------|-------------------------|----------------------------------------------------------|-------------------------|
 | `noloco` | local Adam              | group mean of c = βθ + (γ−β)φ over a random group of n   | (n−1) × model, ppermute |
 | `gossip` | local Adam              | NoLoCo with α=0, β=γ=1: φ ← mean_G θ (pairwise averaging) | (n−1) × model, ppermute |
+| `epidemic` | local Adam            | θ ← mean of own θ and those from random senders (epidemic.py) | s × model, ppermute   |
 | `diloco` | local Adam              | all-reduce of φ − θ, outer SGD heavy-ball or Nesterov     | model, all-reduce       |
 | `ddp`    | Adam on averaged grads  | nothing                                                   | model every step        |
 | `none`   | local Adam              | nothing (independent replicas)                            | nothing                 |
@@ -27,7 +28,7 @@ import optax
 
 from noloco_jax.config.outer import KINDS, OuterConfig
 from noloco_jax.parallel.mesh import REPLICA
-from noloco_jax.outer import exchange, rules
+from noloco_jax.outer import coded as coded_lib, compression, epidemic, exchange, rules
 from noloco_jax.outer.pairing import Groups, PairingSchedule
 from noloco_jax.inner.state import TrainState
 
@@ -42,8 +43,10 @@ class OuterMethod:
   uses_pairing: bool  # whether rounds need a PairingSchedule
   init: Callable  # params of one replica -> outer state of one replica
   reduce_grads: Callable | None  # inside shard_map, on the [k, ...] gradient stack (ddp only)
-  # make_round(pool, num_devices) -> round(states_k, pool_index) -> (states_k, metrics_k)
-  make_round: Callable[[tuple[Groups, ...], int], Callable] | None
+  # make_round(pool, num_devices) -> round(states_k, route) -> (states_k, metrics_k). `route` is the
+  # int32 index into `pool` (the groupings the program covers), or, with pool=None on one device, the
+  # round's [n−1, N] source table (pairing.source_table): the grouping as data, one program for all.
+  make_round: Callable[[tuple[Groups, ...] | None, int], Callable] | None
   bytes_per_round: Callable  # params of one replica -> bytes each replica puts into collectives per round
   bytes_per_step: Callable  # params of one replica -> bytes per inner step (ddp)
 
@@ -61,13 +64,29 @@ def _slow_and_momentum(params):
   return {"slow": params, "momentum": jax.tree.map(jnp.zeros_like, params)}
 
 
-def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dtype, kind: str) -> OuterMethod:
+def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dtype, kind: str,
+            coded: coded_lib.CodedMessage | None = None) -> OuterMethod:
+  if coded is not None:  # outer.compression != none: see coded.py and docs/compression.md
+    def init(params):
+      residual = coded.init_residual(params)
+      return {**_slow_and_momentum(params), **({"residual": residual} if residual is not None else {})}
+
+    return OuterMethod(
+        kind=kind, has_rounds=True, uses_pairing=True, init=init, reduce_grads=None,
+        make_round=lambda pool, num_devices: coded_lib.make_round(
+            coded, alpha=alpha, beta=beta, gamma=gamma, pool=pool, num_devices=num_devices),
+        bytes_per_round=lambda params: (group_size - 1) * coded.payload_bytes(params),
+        bytes_per_step=lambda params: 0)
+
   def make_round(pool, num_devices):
-    def round_fn(states: TrainState, pool_index):
+    if pool is None and num_devices != 1:
+      raise ValueError("a grouping passed as data (pool=None) needs one device; a mesh needs static groupings.")
+
+    def round_fn(states: TrainState, route):
       theta, phi, delta = states.params, states.outer["slow"], states.outer["momentum"]
       metrics = {"pseudo_grad_norm": _pseudo_grad_norm(states)}
       c = rules.noloco_message(theta, phi, beta=beta, gamma=gamma)
-      mean_c = exchange.group_mean_from_pool(c, pool, pool_index, num_devices, message_dtype)
+      mean_c = exchange.group_mean_for_round(c, pool, route, num_devices, message_dtype)
       theta, phi, delta = rules.noloco_update(phi, delta, mean_c, alpha=alpha, gamma=gamma)
       return states.replace(params=theta, outer={"slow": phi, "momentum": delta}), metrics
     return round_fn
@@ -77,6 +96,13 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dt
       make_round=make_round,
       bytes_per_round=lambda params: (group_size - 1) * tree_bytes(params, message_dtype),
       bytes_per_step=lambda params: 0)
+
+
+def _epidemic(fanout: int, message_dtype) -> OuterMethod:
+  return OuterMethod(
+      kind="epidemic", has_rounds=True, uses_pairing=True, init=lambda params: {"slow": params},
+      reduce_grads=None, make_round=lambda pool, num_devices: epidemic.make_round(pool, num_devices, message_dtype),
+      bytes_per_round=lambda params: fanout * tree_bytes(params, message_dtype), bytes_per_step=lambda params: 0)
 
 
 def _mean_over_replicas(x_k):
@@ -93,8 +119,8 @@ def _diloco(lr: float, momentum: float, nesterov: bool) -> OuterMethod:
   def make_round(pool, num_devices):
     del pool, num_devices  # an all-reduce needs no pairing
 
-    def round_fn(states: TrainState, pool_index):
-      del pool_index
+    def round_fn(states: TrainState, route):
+      del route
       theta, phi = states.params, states.outer["slow"]
       metrics = {"pseudo_grad_norm": _pseudo_grad_norm(states)}
       # The one global collective of DiLoCo: every replica contributes its float32 pseudo-gradient.
@@ -125,16 +151,28 @@ def _none() -> OuterMethod:
       make_round=None, bytes_per_round=lambda params: 0, bytes_per_step=lambda params: 0)
 
 
+def _coded(outer_cfg: OuterConfig) -> coded_lib.CodedMessage | None:
+  """The compressed-message codec of `outer.compression`, or None for plain `message_dtype` messages."""
+  if outer_cfg.compression == "none":
+    return None
+  return coded_lib.CodedMessage(
+      compression_kind=outer_cfg.compression, chunk=outer_cfg.compression_chunk, density=outer_cfg.topk_density,
+      bits=outer_cfg.topk_bits, slow_codec=outer_cfg.slow_codec, feedback_decay=outer_cfg.feedback_decay)
+
+
 def make_method(outer_cfg: ml_collections.ConfigDict | OuterConfig) -> OuterMethod:
   """The method of `config.outer` (read through its schema: old field names map to the new ones)."""
   outer_cfg = OuterConfig.parse(outer_cfg)
   kind = outer_cfg.kind
   if kind == "noloco":
     return _noloco(outer_cfg.outer_momentum, outer_cfg.outer_lr, outer_cfg.consensus_weight, outer_cfg.group_size,
-                   MESSAGE_DTYPES[outer_cfg.message_dtype], kind)
+                   MESSAGE_DTYPES[outer_cfg.message_dtype], kind, _coded(outer_cfg))
   if kind == "gossip":
     # The momentum ablation: pure pairwise averaging of the fast weights, φ ← mean_G θ.
-    return _noloco(0.0, 1.0, 1.0, outer_cfg.group_size, MESSAGE_DTYPES[outer_cfg.message_dtype], kind)
+    return _noloco(0.0, 1.0, 1.0, outer_cfg.group_size, MESSAGE_DTYPES[outer_cfg.message_dtype], kind,
+                   _coded(outer_cfg))
+  if kind == "epidemic":
+    return _epidemic(outer_cfg.fanout, MESSAGE_DTYPES[outer_cfg.message_dtype])
   if kind == "diloco":
     return _diloco(outer_cfg.outer_lr, outer_cfg.outer_momentum, outer_cfg.nesterov)
   if kind == "ddp":
@@ -144,7 +182,9 @@ def make_method(outer_cfg: ml_collections.ConfigDict | OuterConfig) -> OuterMeth
   raise ValueError(f"outer.kind={kind!r} is not valid; choose one of {KINDS}.")
 
 
-def make_schedule(config: ml_collections.ConfigDict) -> PairingSchedule:
+def make_schedule(config: ml_collections.ConfigDict) -> PairingSchedule | epidemic.EpidemicSchedule:
+  if config.outer.kind == "epidemic":
+    return epidemic.EpidemicSchedule(seed=config.seed, num_replicas=config.num_replicas,
+                                     fanout=config.outer.fanout, mode=config.outer.pairing)
   return PairingSchedule(seed=config.seed, num_replicas=config.num_replicas,
-                         group_size=config.outer.group_size, mode=config.outer.pairing,
-                         pool_size=config.outer.pairing_pool)
+                         group_size=config.outer.group_size, mode=config.outer.pairing)

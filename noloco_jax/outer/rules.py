@@ -1,4 +1,4 @@
-"""The arithmetic of the outer updates, for one replica, with no communication (PAPER.md section 1).
+"""The arithmetic of the outer updates, for one replica, with no communication (docs/method.md §1).
 
 Every function is elementwise over a pytree, so it applies unchanged to a stack of replicas. Updates
 run in float32 whatever the parameter dtype; results are cast back to the dtypes they came in.

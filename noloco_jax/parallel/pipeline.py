@@ -28,7 +28,7 @@ Because every parameter lives on exactly one stage (shard), everything outside t
 unchanged: outer rounds (manual over `replica` only, `stage` automatic) exchange each stage's own
 shards with the same stage of the partner replica, so a replica's message is the sum over its stages
 of its shards, exactly one model (comm/bytes_per_replica unchanged); weight std is computed on the
-logical [N, ...] arrays, i.e. Σ over stages, replicas and parameters as in PAPER.md; checkpoints store
+logical [N, ...] arrays, i.e. Σ over stages, replicas and parameters as in docs/method.md §9; checkpoints store
 the same tree as an unpipelined run (a run can resume with another num_stages).
 With fsdp > 1 as well, `stage` and `fsdp` split different dimensions of a leaf (or one jointly,
 stage-major); that combination trains (a NoLoCo smoke run: 2 replicas × 2 stages × 2 fsdp), but
@@ -42,8 +42,8 @@ time slots; in slot t stage s processes micro-batch m = t − s (idle when m is 
 embeds its replica's own tokens, the others take what the previous stage sent; the last stage applies
 the final norm and head and adds the micro-batch's mean cross-entropy / M to the loss of the replica
 it runs on. At the end of each slot every stage but the last sends its output (and the micro-batch's
-targets, so that the last stage can score whatever arrives) to the next stage, all with ONE ppermute
-over the (replica, stage) devices (routing.py). The backward pass is `jax.grad` through the scan: all forwards,
+targets, so that the last stage can score whatever arrives) to the next stage: one ppermute per
+boundary over the (replica, stage) devices (routing.py), each device sending in one of them. The backward pass is `jax.grad` through the scan: all forwards,
 then all backwards in reverse slot order, the cotangents travelling back through the transposed
 ppermutes, i.e. along exactly the path each micro-batch took (random routing included).
 Bubble: a stage is busy M of the T slots, so the idle fraction is (S − 1)/(M + S − 1), in the forward
@@ -58,8 +58,8 @@ the backward pass sends the same cotangents back; plus one all-gather of the end
 one reduce-scatter of their gradients, both inside the replica.
 
 Routing (routing.py): `fixed` keeps a micro-batch in its replica; `random` sends it to stage s+1 of
-a random replica, a fresh permutation per (step, micro-batch, boundary) drawn from a seeded pool and
-picked by a traced index. Training uses config.pipeline.routing; evaluation always uses fixed routing.
+a random replica: per (step, micro-batch, boundary) an independent uniform draw, inside the step, of
+one of N relabelled cyclic shifts (every destination equally likely; one compile). Training uses config.pipeline.routing; evaluation always uses fixed routing.
 With random routing, a replica's reported loss is that of the micro-batches its last stage scored.
 A step's routes are a pure function of (seed, state.step): a resumed run replays them exactly, and
 `routing.RouteSchedule.paths(step)` lists them on the host (no log file needed).
@@ -188,7 +188,9 @@ def _gather_ends(params_k, stage_dims, roles_):
 
 
 def make_forward(model: Model, num_stages: int, router: Callable) -> Callable:
-  """forward(params_k, tokens_kxMxbxL1, offset) -> loss_k: the GPipe forward of one device.
+  """forward(params_k, tokens_kxMxbxL1, route_MxB) -> loss_k: the GPipe forward of one device.
+
+  route_MxB: the step's routing table (RouteSchedule.indices_traced), None with fixed routing.
 
   params_k: layer leaves are this stage's [k, L/S, ...] slices, the ends whole (gathered). loss_k is
   the mean over micro-batches of the loss scored on this device, non-zero on the last stage only.
@@ -199,7 +201,7 @@ def make_forward(model: Model, num_stages: int, router: Callable) -> Callable:
   layers_k = jax.vmap(model.blocks)  # this stage's slice of the layers
   loss_k = jax.vmap(model.head_loss)  # the head and the loss (model.loss_chunk: never all the logits)
 
-  def forward(params, tokens_kxMxbxL1, offset):
+  def forward(params, tokens_kxMxbxL1, route_MxB):
     k, M, b, L1 = tokens_kxMxbxL1.shape
     s = jax.lax.axis_index(STAGE)
     first, last = s == 0, s == S - 1
@@ -217,7 +219,7 @@ def make_forward(model: Model, num_stages: int, router: Callable) -> Callable:
                           lambda: _vary(jnp.zeros((k,), jnp.float32)))
       loss = jnp.where(valid, loss, 0.0)
       # Hand the output to the next stage (of the same or a random replica): the slot's only collective.
-      return router((y, targets), t, offset), loss
+      return router((y, targets), t, route_MxB), loss
 
     x_spec = jax.eval_shape(embed_k, params, tokens_kxMxbxL1[:, 0, :, :-1])  # [k, b, L, D] activations
     init = (_vary(jnp.zeros(x_spec.shape, x_spec.dtype)),
@@ -273,8 +275,7 @@ def num_microbatches(config: ml_collections.ConfigDict) -> int:
 
 def route_schedule(config: ml_collections.ConfigDict, mode: str | None = None) -> routing.RouteSchedule:
   return routing.RouteSchedule(seed=config.seed, num_replicas=config.num_replicas, num_stages=config.num_stages,
-                               num_microbatches=num_microbatches(config), mode=mode or config.pipeline.routing,
-                               pool_size=config.pipeline.route_pool)
+                               num_microbatches=num_microbatches(config), mode=mode or config.pipeline.routing)
 
 
 def make_grads_fn(config: ml_collections.ConfigDict, model: Model, mesh: Mesh,
@@ -293,12 +294,12 @@ def make_grads_fn(config: ml_collections.ConfigDict, model: Model, mesh: Mesh,
     stage_dims, roles_ = _stage_dims(global_shapes, S, F, model), roles(global_shapes, model)
     k, B, L1 = batch_kxBxL1.shape
     tokens = batch_kxBxL1.reshape(k, M, B // M, L1)
-    # The route of this step: every replica has taken the same number of steps, so every device
-    # computes the same offset (and takes the same switch branches) without communicating.
-    offset = schedule.offset_traced(step_k[0])
+    # The routes of this step: every replica has taken the same number of steps, so every device
+    # draws the same table (and takes the same switch branches) without communicating.
+    route_MxB = schedule.indices_traced(step_k[0])
 
     def loss_fn(p):
-      loss_k = forward(_gather_ends(p, stage_dims, roles_), tokens, offset)
+      loss_k = forward(_gather_ends(p, stage_dims, roles_), tokens, route_MxB)
       return jnp.sum(loss_k), loss_k
 
     (_, loss_k), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -360,7 +361,7 @@ def make_eval_step(config: ml_collections.ConfigDict, model: Model, mesh: Mesh) 
     b = micro if B % micro == 0 else 1
     tokens = jnp.broadcast_to(batch_BxL1.reshape(1, B // b, b, L1), (k, B // b, b, L1))
     ends = _gather_ends(params, _stage_dims(global_shapes, S, F, model), roles(global_shapes, model))
-    loss_k = forward(ends, tokens, jnp.int32(0))
+    loss_k = forward(ends, tokens, None)
     return jax.lax.psum(loss_k, STAGE)
 
   def evaluate(params, batch_BxL1):

@@ -42,7 +42,7 @@ def model_bytes(num_params: int, dtype: str) -> int:
 # α–β cost model
 # ----------------------------------------------------------------------------------------------------
 # A message of m bytes costs α + m·β (α: per-message latency in s, β: s per byte = 8 / link bits/s).
-# P workers, S bytes per model copy. Formulas as in PAPER.md section 4:
+# P workers, S bytes per model copy. Formulas as in docs/method.md §6:
 #   ring all-reduce   2(P−1)·α + 2(P−1)/P·S·β   (each worker sends and receives ≈ 2·S)
 #   tree all-reduce   2·log2(P)·(α + S·β)        (whole copies up and down the tree)
 #   pair exchange     α + S·β                    (lean: each member sends one copy, both directions at

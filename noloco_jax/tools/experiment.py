@@ -9,7 +9,7 @@ of width 64 (~140k parameters per replica), 8 replicas × 4 sequences × 64 toke
 300 inner steps. One to three minutes per run on two shared CPU cores. `smoke=True` swaps in the
 `configs/default.py:smoke` sizes (seconds per run) so that tests can execute every notebook.
 
-Per-method outer hyperparameters are the paper's (PAPER.md section 2): NoLoCo α=0.5, β=γ=0.7, n=2;
+Per-method outer hyperparameters are the paper's (docs/method.md §10): NoLoCo α=0.5, β=γ=0.7, n=2;
 DiLoCo α=0.3, β=0.7, heavy-ball. H is scaled to the short runs (see `MINI_INNER_STEPS`).
 """
 

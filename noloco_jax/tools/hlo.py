@@ -90,10 +90,25 @@ def stablehlo_collective_bytes(mlir_text: str, op: str = "collective_permute") -
   return total
 
 
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def permute_pair_bytes(hlo_text: str) -> int:
+  """Σ over collective-permutes of operand bytes × number of (source, target) pairs: the bytes that all
+  devices together put on the wire. A permute whose pairs cover only some devices (epidemic.py's
+  partial matchings) counts only the devices that really send."""
+  total, sizes = 0, iter(collective_ops(hlo_text, "collective-permute"))
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m and m.group(3) in ("collective-permute", "collective-permute-start"):
+      pairs = _PAIRS.search(line)
+      total += next(sizes) * (pairs.group(1).count("{") if pairs else 0)
+  return total
+
+
 # ---- Who talks to whom: the device groups of each collective (tests of "no global barrier") ----
 
 _GROUPS = re.compile(r"replica_groups=(\{[\d,{}\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
-_PAIRS = re.compile(r"source_target_pairs=\{([\d,{}\s]*)\}")
 
 
 def _iota_groups(text: str) -> list[tuple[int, ...]]:

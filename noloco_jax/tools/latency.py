@@ -1,4 +1,4 @@
-"""Latency and α–β communication models for NoLoCo vs all-reduce (PAPER.md section 4).
+"""Latency and α–β communication models for NoLoCo vs all-reduce (docs/method.md §6).
 
 Why this module exists: NoLoCo's claim is that replacing the global all-reduce of DiLoCo by an exchange
 inside random pairs saves wall time, because (1) a pair exchange has a constant number of messages

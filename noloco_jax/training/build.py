@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from noloco_jax import config as config_lib
@@ -24,6 +25,7 @@ from noloco_jax.io import data as data_lib
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.outer import methods as outer_lib
 from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.outer import stability
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import pipeline
 from noloco_jax.parallel import sharding as sharding_lib
@@ -42,13 +44,13 @@ class Setup:
   inner_step: Callable  # jitted: (state, batch [N, B, L+1]) -> (state, {"loss": [N], "grad_norm": [N]})
   eval_step: Callable  # jitted: (params, batch [B, L+1]) -> loss [N]
   weight_std: Callable  # jitted: params -> scalar
-  rounds: rounds_lib.Rounds  # round r -> (jitted round function, pool index), compiled once per pool
+  rounds: rounds_lib.Rounds  # round r -> (jitted round function, route); .ahead(state) for the loop
   # Per-leaf NamedShardings of the state where it lives between steps (replica, fsdp; φ and δ in host
   # memory with outer.offload).
   state_shardings: Any = None
 
-  def outer_round(self, round_: int) -> tuple[Callable, int]:
-    """(jitted round function, pool index) for round `round_`. `fresh` pairings compile once each."""
+  def outer_round(self, round_: int) -> tuple[Callable, np.ndarray]:
+    """(jitted round function, route) for round `round_`, compiled on first use (the loop compiles ahead)."""
     return self.rounds(round_)
 
   @property
@@ -64,6 +66,7 @@ def build(config: ml_collections.ConfigDict, mesh=None, vocab_size: int | None =
   vocabulary is given (`vocab_size` or config.model.vocab_size).
   """
   config = config_lib.validate(config)  # every field present, under its current name
+  stability.check_config(config)  # an unstable NoLoCo (α, γ, n, N) is refused unless outer.allow_unstable
   if vocab_size is None:
     from_config = config.model.vocab_size if not check_data else 0
     vocab_size = from_config or data_lib.make_tokenizer(config.data).vocab_size

@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -23,6 +22,7 @@ from noloco_jax.io import checkpoint as checkpoint_lib
 from noloco_jax.io import data as data_lib
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.io import process_metrics
+from noloco_jax.io import workdir_lock
 from noloco_jax.parallel import distributed
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
@@ -35,16 +35,21 @@ NonFiniteLossError = checkpoint_lib.NonFiniteLossError
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains `config.num_replicas` replicas for `config.num_steps` steps; returns the final metrics."""
-  start_time = time.time()
+  """Trains `config.num_replicas` replicas for `config.num_steps` steps; returns the final metrics.
+
+  One run per workdir: the workdir is locked for the whole run (io/workdir_lock.py).
+  """
   os.makedirs(workdir, exist_ok=True)
+  with workdir_lock.hold(workdir):
+    return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  start_time = time.time()
   setup = build_lib.build(config)
   config = setup.config  # validated: renamed fields under their new names
   mesh, n, H = setup.mesh, config.num_replicas, config.outer.inner_steps
   is_main = jax.process_index() == 0
-  if is_main:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
   train_iter, eval_batches = _open_data(setup)
 
   # ---- State, built sharded. ----
@@ -55,6 +60,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # Then the latest checkpoint of this workdir, else the warm start, else this fresh state (io/checkpoint).
   checkpointer = checkpoint_lib.Checkpointer(setup, workdir)
   state, loop = checkpointer.restore(state, train_iter, LoopState())
+  if is_main:  # only now: a refused resume leaves the config that describes the checkpoints
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
   one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
   bytes_per_round = setup.method.bytes_per_round(one_replica)
   bytes_per_step = setup.method.bytes_per_step(one_replica)
@@ -71,13 +79,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   fault = faults.from_env()  # NOLOCO_FAULTS (tests, experiments/bench_network.py); else nothing
   if not loop.resumed:
     writer.write_scalars(0, {"model/num_params": setup.model.num_params()})
-  pairing_log = open(os.path.join(workdir, "pairings.jsonl"), "a") if is_main and setup.schedule else None
+  pairing_log = checkpoint_lib.JsonlLog(os.path.join(workdir, "pairings.jsonl")) if is_main and setup.schedule else None
   report = metrics_lib.writers.ProgressLog(num_train_steps=config.num_steps, every_secs=30)
   rate = _StepRate(loop.step, n * config.data.batch_size * config.data.seq_len)
-  guard = checkpoint_lib.RoundGuard(config, mesh)  # active only with nan_policy="skip_round"
+  guard = checkpoint_lib.RoundGuard(config, mesh, loop.history)  # active only with nan_policy="skip_round"
   # The host stays at most a few steps ahead of the devices: queuing more deadlocks XLA:CPU's
   # collectives (training/dispatch.py explains how).
   window = dispatch.DispatchWindow()
+  # Round r's program compiles in the background during round r's inner steps (outer/ahead.py).
+  round_programs = setup.rounds.ahead(state) if setup.method.has_rounds else None
+  if round_programs is not None:
+    round_programs.prefetch(loop.round)
   if not loop.resumed:
     _evaluate_and_log(setup, state, eval_batches, writer, loop, 0)  # step 0: the untrained baseline
 
@@ -91,11 +103,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
       if setup.method.has_rounds and step % H == 0:
         fault.before_round(state)
-        round_fn, pool_index = setup.outer_round(loop.round)
-        state, round_metrics = round_fn(state, jnp.int32(pool_index))
+        round_fn, route = round_programs.program(loop.round)  # also starts compiling the next round's
+        state, round_metrics = round_fn(state, route)
         if pairing_log is not None:
-          pairing_log.write(json.dumps({"round": loop.round, "step": step, "pool_index": pool_index,
-                                        "groups": [list(g) for g in setup.schedule.groups(loop.round)]}) + "\n")
+          row = {"round": loop.round, "step": step, "groups": [list(g) for g in setup.schedule.groups(loop.round)]}
+          if setup.schedule.mode == "round_robin":
+            row["matching"] = setup.schedule.index(loop.round)
+          pairing_log.append(row)
         loop.add_round(round_metrics, setup.weight_std(state.params) if job_wide else None, bytes_per_round)
       state = guard.end(step, state, loop.history)
       window.push(step_metrics["loss"])
@@ -112,20 +126,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
       preempted = checkpoint_lib.stop_requested(step, stop_every)  # SIGTERM; agreed by all processes
       if checkpointer.due(step) or preempted:
+        # Every log row up to this step on disk before the checkpoint that covers it (checkpoint/logs.py).
+        writer.flush()
+        if pairing_log is not None:
+          pairing_log.sync()
         checkpointer.save(step, state, loop, train_iter)  # checks the pending losses and the state first
       if preempted:
         logging.warning("Stop requested: saved a checkpoint at step %d; run the same command to resume.", step)
         break
   except BaseException:
+    if round_programs is not None:
+      round_programs.close()
     # Leave no prefetch thread or open writer behind an error (e.g. a NaN stop in a notebook), and
-    # flush the metrics written so far. The checkpointer is not closed here: in a multi-process job
-    # its close waits for the other processes, which may be the ones that failed.
-    with contextlib.suppress(Exception):
-      train_iter.close()
-      plog.close()
-      writer.close()
+    # flush the metrics written so far. A save in flight is completed (or, in a multi-process job whose
+    # peers may be the ones that failed, abandoned after a bounded wait, saying so): never lost silently.
+    checkpointer.settle_after_error()
+    for closable in (train_iter, plog, writer, pairing_log):
+      with contextlib.suppress(Exception):
+        if closable is not None:
+          closable.close()
     raise
 
+  if round_programs is not None:
+    round_programs.close()
   checkpointer.close()  # the last (asynchronous) save is complete before the run reports
   plog.close()  # process 0 merges the rows that have arrived (all of them after the final evaluation)
   writer.flush()
@@ -226,6 +249,8 @@ def _train_scalars(config, loop: LoopState, rates: dict[str, float], local_ids=N
       "outer/round": loop.round,
       **rates,
   }
+  if config.nan_policy == "skip_round":
+    scalars["outer/skipped_rounds"] = len(loop.history.get("skipped_rounds", []))
   if rounds:
     scalars["outer/pseudo_grad_norm"] = float(np.mean([np.asarray(m["pseudo_grad_norm"]) for m, _ in rounds]))
     if rounds[-1][1] is not None:  # None: not computed (a global all-reduce; see log_barrier)
@@ -249,8 +274,14 @@ def _summary(config, loop: LoopState, num_params: int, seconds: float) -> dict[s
       f"replicas/weight_std  {last['replicas/weight_std']:.3e}",
       f"comm/bytes_per_replica  {comm_bytes:,} ({comm_bytes / 2**20:.1f} MiB)",
       f"wall time   {seconds:.1f} s  ({train.get('perf/steps_per_s', float('nan')):.2f} steps/s at the last log)",
-      "=" * 72,
   ]
+  skipped = loop.history.get("skipped_rounds", [])
+  if config.nan_policy == "skip_round":
+    lines.append(f"skipped rounds  {len(skipped)} (nan_policy=skip_round)"
+                 + (f": steps {', '.join(f'{a}-{b}' for a, b in skipped[:8])}{' ...' if len(skipped) > 8 else ''}"
+                    if skipped else ""))
+  lines.append("=" * 72)
   return {"text": "\n".join(lines), "eval/loss": last["eval/loss"], "eval/ppl": last["eval/ppl"],
           "eval/loss_first": first["eval/loss"], "replicas/weight_std": last["replicas/weight_std"],
-          "comm/bytes_per_replica": comm_bytes, "wall_time_s": seconds, "model/num_params": num_params}
+          "comm/bytes_per_replica": comm_bytes, "wall_time_s": seconds, "model/num_params": num_params,
+          "outer/skipped_rounds": len(skipped)}

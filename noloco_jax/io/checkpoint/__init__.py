@@ -5,7 +5,8 @@ One module per job:
   manager.py     the Checkpointer: save, restore, warm start, compatibility checks (orbax)
   records.py     what the meta item holds (loop state, pairing, shapes, config) and its JSON forms
   data_item.py   the per-process data item (stream positions of each process's replicas)
-  logs.py        rows of metrics.jsonl / pairings.jsonl past the restored step dropped on resume
+  logs.py        metrics.jsonl / pairings.jsonl: durable rows, each once after a resume
+  checksum.py    a checksum of every replica's state, stored at save and verified on restore
   quarantine.py  unreadable steps moved to workdir/checkpoints_corrupt/
   preemption.py  the SIGTERM flag, agreed by all processes
   guard.py       no NaN is saved; nan_policy "error" and "skip_round" (RoundGuard)
@@ -23,21 +24,27 @@ Where a run starts, first match wins:
 Orbax writes a step into a temporary directory and renames it only when every item is complete;
 steps beyond `config.checkpoint.keep` are deleted only after a newer step is complete. An unreadable
 step is quarantined and the previous one taken; when no step is readable the run stops with an
-error rather than silently training from scratch. A checkpoint saved with another replica count,
-model, optimizer, outer method or pairing schedule is an error, not a fallback. Another device count
-or process count is fine: arrays are resharded on restore.
+error rather than silently training from scratch; a step whose state does not match its stored
+checksums counts as unreadable. A checkpoint saved with another replica count, model, optimizer,
+outer method (`outer.kind`) or pairing schedule is an error naming the config fields that differ,
+not a fallback. Another device count or process count is fine: arrays are resharded on restore.
+A failed save (disk full) is one error naming the step, the cause and the intact previous step; a
+save in flight when the loop raises is completed first (`Checkpointer.settle_after_error`).
 """
 
 from noloco_jax.io.checkpoint.guard import NonFiniteLossError
 from noloco_jax.io.checkpoint.guard import NonFiniteStateError
 from noloco_jax.io.checkpoint.guard import RoundGuard
+from noloco_jax.io.checkpoint.guard import TooManySkippedRoundsError
 from noloco_jax.io.checkpoint.guard import check_finite
 from noloco_jax.io.checkpoint.guard import nonfinite_replicas
 from noloco_jax.io.checkpoint.logs import LOG_FILES
-from noloco_jax.io.checkpoint.logs import drop_rows_after
+from noloco_jax.io.checkpoint.logs import JsonlLog
 from noloco_jax.io.checkpoint.manager import CHECKPOINT_DIR
+from noloco_jax.io.checkpoint.manager import CheckpointSaveError
 from noloco_jax.io.checkpoint.manager import Checkpointer
 from noloco_jax.io.checkpoint.manager import IncompatibleCheckpointError
+from noloco_jax.io.checkpoint.manager import NoReadableCheckpointError
 from noloco_jax.io.checkpoint.preemption import install_preemption_handler
 from noloco_jax.io.checkpoint.preemption import stop_requested
 from noloco_jax.io.checkpoint.quarantine import CORRUPT_DIR

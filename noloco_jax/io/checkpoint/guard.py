@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from noloco_jax.inner.state import TrainState
+from noloco_jax.io import failures
 from noloco_jax.io.checkpoint import records
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
@@ -24,8 +25,12 @@ class NonFiniteLossError(FloatingPointError):
   """A training loss is NaN or Inf (nan_policy="error")."""
 
 
-class NonFiniteStateError(FloatingPointError):
+class NonFiniteStateError(failures.ReportedError, FloatingPointError):
   """The state holds NaN or Inf; raised instead of saving it."""
+
+
+class TooManySkippedRoundsError(failures.ReportedError, FloatingPointError):
+  """nan_policy="skip_round" undid more consecutive rounds than config.nan_max_skipped_rounds."""
 
 
 def check_finite(losses_SxN: np.ndarray, steps: list[int], replica_ids: list[int] | None = None) -> None:
@@ -67,17 +72,29 @@ class RoundGuard:
     schedule does not advance), φ and δ return to their values at the round's start;
   - the round's batches stay consumed (the data moves on), the loop step and round counters
     advance, and the bytes the outer step sent stay counted: they were sent;
-  - the round's metrics are logged as they were (possibly "nan"), a warning names the round, and
-    `history["skipped_rounds"]` records [first step, last step] of every skipped round.
+  - the round's metrics are logged as they were (possibly "nan"), a warning names the round,
+    `history["skipped_rounds"]` records [first step, last step] of every skipped round, and the
+    train rows of metrics.jsonl carry their running count, `outer/skipped_rounds`;
+  - more than `config.nan_max_skipped_rounds` skipped rounds in a row stop the run
+    (TooManySkippedRoundsError): a run whose every round diverges is not training, and must not
+    end with status 0 as if it were. The last checkpoint (saved before those rounds) is left as is.
 
   With any other policy the guard does nothing. After resuming in the middle of a round (from a
   preemption save), a skip returns to the resumed state rather than the round's start.
   """
 
-  def __init__(self, config, mesh):
+  def __init__(self, config, mesh, history: dict | None = None):
     self.enabled = config.nan_policy == "skip_round"
     self._H, self._mesh = config.outer.inner_steps, mesh
+    self._max_in_a_row = config.nan_max_skipped_rounds
     self._snapshot, self._losses, self._first = None, [], 0
+    # Skips in a row carry over a resume: count the trailing skipped rounds that end one after another.
+    self._in_a_row = 0
+    skipped = (history or {}).get("skipped_rounds", [])
+    for (_, last), nxt in zip(reversed(skipped), [None] + list(reversed(skipped))[:-1]):
+      if nxt is not None and nxt[0] != last + 1:
+        break
+      self._in_a_row += 1
 
   def begin(self, step: int, state: TrainState) -> None:
     if self.enabled and (self._snapshot is None or (step - 1) % self._H == 0):
@@ -97,9 +114,17 @@ class RoundGuard:
     bad_loss, bad_state = np.argwhere(~np.isfinite(losses)), nonfinite_replicas(state, self._mesh)
     snapshot, self._snapshot = self._snapshot, None
     if not len(bad_loss) and not bad_state:
+      self._in_a_row = 0
       return state
     why = (f"loss {losses[tuple(bad_loss[0])]} at step {self._first + bad_loss[0][0]} on replica {bad_loss[0][1]}"
            if len(bad_loss) else f"non-finite state on replica(s) {bad_state}")
+    self._in_a_row += 1
+    if self._in_a_row > self._max_in_a_row:
+      raise TooManySkippedRoundsError(
+          f"nan_policy=skip_round: {self._in_a_row} rounds in a row diverged (the last: steps {self._first}-{step}, "
+          f"{why}), more than nan_max_skipped_rounds={self._max_in_a_row}; the run is not training. Lower "
+          "inner.lr or outer.lr (or raise nan_max_skipped_rounds), and start again from the last checkpoint "
+          "or a new workdir.")
     logging.warning("nan_policy=skip_round: undoing the round of steps %d-%d (%s); training goes on from the "
                     "state at step %d with the next round's batches.", self._first, step, why, self._first - 1)
     history.setdefault("skipped_rounds", []).append([self._first, step])

@@ -8,9 +8,11 @@ the package docstring (io/checkpoint/__init__.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging as py_logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -21,6 +23,8 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from noloco_jax.inner.state import TrainState
+from noloco_jax.io import failures
+from noloco_jax.io.checkpoint import checksum
 from noloco_jax.io.checkpoint import guard
 from noloco_jax.io.checkpoint import logs
 from noloco_jax.io.checkpoint import quarantine
@@ -28,10 +32,19 @@ from noloco_jax.io.checkpoint import records
 from noloco_jax.io.checkpoint.data_item import PerProcessJsonRestore, PerProcessJsonSave, merge_data_states
 
 CHECKPOINT_DIR = "checkpoints"
+SETTLE_TIMEOUT_S = 60  # multi-process jobs: how long a failed run waits for its save in flight
 
 
-class IncompatibleCheckpointError(ValueError):
+class IncompatibleCheckpointError(failures.ReportedError, ValueError):
   """The checkpoint is readable but was saved by a different setup: never a reason to fall back."""
+
+
+class CheckpointSaveError(failures.ReportedError, OSError):
+  """Writing a checkpoint failed (disk full, permissions, ...); the previous checkpoint is intact."""
+
+
+class NoReadableCheckpointError(failures.ReportedError, RuntimeError):
+  """The workdir holds checkpoints, none of which can be read."""
 
 
 def _everywhere(ok: bool) -> bool:
@@ -41,14 +54,7 @@ def _everywhere(ok: bool) -> bool:
   return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
 
 
-class _QuietOrbax(py_logging.Filter):
-  """Drops orbax's INFO lines (some thirty per save) from absl's log; its warnings and errors stay."""
-
-  def filter(self, record: py_logging.LogRecord) -> bool:
-    return record.levelno >= py_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
-
-
-_QUIET_ORBAX = _QuietOrbax()
+_QUIET_ORBAX = failures.QuietOrbaxLog()  # orbax's INFO lines dropped, its errors cut to one line
 
 
 class Checkpointer:
@@ -60,6 +66,8 @@ class Checkpointer:
     self.directory = os.path.join(self._workdir, CHECKPOINT_DIR)
     ck = self._config.checkpoint
     py_logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # a no-op when already added
+    failures.quiet_orbax_noise()  # the closed-event-loop tracebacks of a failed read (io/failures.py)
+    self._in_flight: int | None = None  # the step of an asynchronous save not yet known complete
     self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=ck.keep, enable_async_checkpointing=ck.async_save, create=True,
         cleanup_tmp_directories=True))  # leftovers of an interrupted write are never restored
@@ -97,24 +105,86 @@ class Checkpointer:
         "num_replicas": self._config.num_replicas, "process_count": jax.process_count(),
         "pairing": records.schedule_record(self._setup.schedule, record["round"]),
         "state_shapes": records.shapes(state), "config": json.loads(self._config.to_json_best_effort()),
+        # Verified on restore: a data file changed after the save is caught, not trained on.
+        "state_checksums": checksum.state_checksums(state, self._setup.mesh),
     }
     data = {"process_index": jax.process_index(), "process_count": jax.process_count(),
             "iterator": data_iter.get_state()}
     start = time.time()
-    self._manager.save(step, force=True, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta), data=PerProcessJsonSave(data)))
+    # orbax first waits for the previous (asynchronous) save, and raises its error if it failed.
+    with self._save_errors(step):
+      self._manager.save(step, force=True, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta), data=PerProcessJsonSave(data)))
+    self._in_flight = step if self._config.checkpoint.async_save else None
     logging.info("checkpoint: step %d %s in %.2f s -> %s", step,
                  "started (async)" if self._config.checkpoint.async_save else "saved",
                  time.time() - start, self.directory)
 
+  @contextlib.contextmanager
+  def _save_errors(self, step: int):
+    """Turns a failed write (this save's or the previous asynchronous one's) into one clear error."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      failed = self._in_flight if self._in_flight is not None else step
+      self._in_flight = None
+      raise CheckpointSaveError(
+          f"writing checkpoint step {failed} to {self.directory} failed: {failures.first_line(e)}. "
+          f"{self._intact(failed)}; fix the cause (e.g. free disk space) and run the same command to "
+          f"{'resume' if self._intact_step(failed) is not None else 'start again'}.") from None
+
+  def _intact_step(self, failed: int) -> int | None:
+    steps = [s for s in self._manager.all_steps() if s != failed]
+    return max(steps) if steps else None
+
+  def _intact(self, failed: int) -> str:
+    step = self._intact_step(failed)
+    return "No earlier checkpoint exists" if step is None else f"The previous checkpoint (step {step}) is intact"
+
   def wait_until_finished(self) -> None:
     """Blocks until every save started so far is complete on disk."""
-    self._manager.wait_until_finished()
+    with self._save_errors(-1):
+      self._manager.wait_until_finished()
+    self._in_flight = None
 
   def close(self) -> None:
     """Waits for the last asynchronous save to be complete."""
-    self._manager.wait_until_finished()
+    self.wait_until_finished()
     self._manager.close()
+
+  def settle_after_error(self, timeout_s: float | None = None) -> None:
+    """After the loop raised: completes the save in flight, or abandons it saying so; never raises.
+
+    Without this, the exception unwinds to interpreter exit while orbax's background thread is still
+    writing, and the step is left as a temporary directory (a rerun goes back one checkpoint further).
+    Single-process jobs wait for it (`timeout_s=None`). In a multi-process job the write's commit
+    waits for the other processes, which may be the ones that failed: a bounded wait.
+    """
+    step, self._in_flight = self._in_flight, None
+    if step is None:
+      return
+    if timeout_s is None and jax.process_count() > 1:
+      timeout_s = SETTLE_TIMEOUT_S
+    errors: list[BaseException] = []
+
+    def wait():
+      try:
+        self._manager.wait_until_finished()
+      except BaseException as e:  # pylint: disable=broad-except
+        errors.append(e)
+
+    waiter = threading.Thread(target=wait, name="noloco-checkpoint-settle", daemon=True)
+    waiter.start()
+    waiter.join(timeout_s)
+    if waiter.is_alive() or errors:
+      why = f"did not complete within {timeout_s} s" if waiter.is_alive() else f"failed ({failures.first_line(errors[0])})"
+      logging.warning("checkpoint: the save of step %d, in flight when the run failed, %s and is abandoned. "
+                      "%s.", step, why, self._intact(step))
+      return
+    logging.warning("checkpoint: the save of step %d, in flight when the run failed, was completed: "
+                    "rerunning the same command resumes from it.", step)
+    with contextlib.suppress(Exception):
+      self._manager.close()
 
   # ---- restore ----
 
@@ -149,8 +219,10 @@ class Checkpointer:
       logging.info("checkpoint: resumed from step %d (round %d) in %s.", step, meta["round"], self.directory)
       return state, type(loop_state).from_record(records.loop_record(meta))
     if bad:
-      raise RuntimeError(f"no readable checkpoint in {self.directory} (steps {bad} all failed, see the "
-                         "warnings above); move the directory away to start this workdir from scratch.")
+      raise NoReadableCheckpointError(
+          f"no readable checkpoint in {self.directory} (steps {bad} all failed, see the warnings above); "
+          "move the directory away to start this workdir from scratch.")
+    logs.start_logs_afresh(self._workdir)  # a run killed before its first checkpoint completed left rows
     if self._config.checkpoint.warm_start:
       return self._warm_start(state, abstract), loop_state
     return state, loop_state
@@ -167,26 +239,32 @@ class Checkpointer:
     try:
       items = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract), data=PerProcessJsonRestore()))
+      checksum.verify(meta, items["state"], self._setup.mesh)
       return meta, items["state"], merge_data_states(items["data"]), None
     except Exception as e:  # pylint: disable=broad-except
       return meta, None, None, e
 
   def _check_compatible(self, meta: dict, abstract, step: int) -> None:
     where = f"checkpoint step {step} in {self.directory}"
+    changed = records.config_changes(meta.get("config", {}), json.loads(self._config.to_json_best_effort()))
+    fields = f"config fields that differ: {_listed(changed)}" if changed else "no config field differs"
+    remedy = ("Resume with the checkpoint's values (WORKDIR/config.json), use a new workdir, or start from its "
+              "weights with config.checkpoint.warm_start.")
+    kind = [c for c in changed if c.startswith("outer.kind:")]
+    if kind:  # the outer state of another method means something else, even where its shapes agree
+      raise IncompatibleCheckpointError(f"{where} was saved by another outer method ({kind[0]}); {fields}. {remedy}")
     saved, now = meta["state_shapes"], records.shapes(abstract)
     if saved != now:
       diff = [f"{k}: saved {saved.get(k)}, now {now.get(k)}" for k in sorted(set(saved) | set(now))
               if saved.get(k) != now.get(k)]
       raise IncompatibleCheckpointError(
           f"{where} holds a state of another shape (num_replicas, model, optimizer or outer method "
-          f"changed): {diff[:5]}{' ...' if len(diff) > 5 else ''}. Use a new workdir, or start from its "
-          "weights with config.checkpoint.warm_start.")
+          f"changed); {fields}; state leaves: {diff[:3]}{' ...' if len(diff) > 3 else ''}. {remedy}")
     expected = records.schedule_record(self._setup.schedule, meta["round"])
     if meta["pairing"] != expected:
       raise IncompatibleCheckpointError(
-          f"{where} was saved under another pairing schedule: saved {meta['pairing']}, now {expected}. "
-          "Resume with the same seed and outer.pairing / pairing_pool / group_size.")
-    changed = records.config_changes(meta.get("config", {}), json.loads(self._config.to_json_best_effort()))
+          f"{where} was saved under another pairing schedule; {fields}. Resume with the same seed and "
+          "outer.pairing / group_size.")
     if changed:
       logging.warning("resume: the config differs from the checkpoint's in %s; the resumed run is exact "
                       "only for changes of layout (num_devices) or checkpointing.", changed)
@@ -212,6 +290,10 @@ class Checkpointer:
     outer = jax.jit(jax.vmap(self._setup.method.init), out_shardings=sharding)(params)
     logging.info("checkpoint: warm start from the weights of step %d in %s.", step, root)
     return state.replace(params=params, outer=outer)
+
+
+def _listed(changes: list[str], shown: int = 6) -> str:
+  return "; ".join(changes[:shown]) + (f"; and {len(changes) - shown} more" if len(changes) > shown else "")
 
 
 def _resolve_warm_start(path: str) -> tuple[str, int]:

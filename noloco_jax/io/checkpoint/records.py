@@ -5,7 +5,7 @@ The `meta/` item (written by process 0) is one JSON object:
     format, step, round, comm_bytes, history, pending   (the loop state, `LoopState.to_record()`)
     num_replicas, process_count, pairing, state_shapes, config
 
-`pairing` is the pairing schedule's parameters (mode, seed, group size, pool size) and the grouping
+`pairing` is the pairing schedule's parameters (mode, seed, group size, replicas) and the grouping
 of the next round; `pending` the host values of training metrics fetched but not yet logged (so a
 save between two log steps still resumes to the same logged means); `state_shapes` the shape and
 dtype of every state leaf. Arrays travel as {"dtype", "shape", "values"}: float32 → Python float →
@@ -70,9 +70,7 @@ def schedule_record(schedule, round_: int) -> dict | None:
   """The pairing schedule's parameters and the grouping of round `round_` (None without pairing)."""
   if schedule is None:
     return None
-  return {"mode": schedule.mode, "seed": int(schedule.seed), "group_size": schedule.group_size,
-          "num_replicas": schedule.num_replicas, "pool_size": len(schedule.pool), "round": int(round_),
-          "groups": [list(g) for g in schedule.groups(round_)]}
+  return {**schedule.record(), "round": int(round_), "groups": [list(g) for g in schedule.groups(round_)]}
 
 
 def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:

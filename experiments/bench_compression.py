@@ -1,0 +1,74 @@
+"""Bytes per replica per round of each message setting, relative to float32 dense (docs/compression.md).
+
+For the model of the mini setting (noloco_jax/tools/experiment.py; or --preset), prints one JSON line
+per setting: the counted bytes (method.bytes_per_round, from the payload shapes) and, with --hlo, the
+operand bytes of the collective-permutes in the compiled round (8 fake CPU devices, one replica each),
+which must be equal. bfloat16 messages are widened to float32 by XLA:CPU after lowering (tools/hlo.py),
+so their compiled figure is not compared.
+
+    python experiments/bench_compression.py [--hlo] [--preset tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from noloco_jax.outer import methods as outer_lib, pairing, rounds as rounds_lib  # noqa: E402
+from noloco_jax.parallel import mesh as mesh_lib  # noqa: E402
+from noloco_jax.tools import experiment, hlo as hlo_lib  # noqa: E402
+from noloco_jax.training import build as build_lib  # noqa: E402
+
+SETTINGS = {
+    "float32": {},
+    "bfloat16": dict(message_dtype="bfloat16"),
+    "int8": dict(compression="int8"),
+    "int4": dict(compression="int4"),
+    "topk 1% 2-bit, slow int8": dict(compression="topk", topk_density=0.01, topk_bits=2, slow_codec="int8"),
+    "topk 3% 2-bit, slow int8": dict(compression="topk", topk_density=0.03, topk_bits=2, slow_codec="int8"),
+    "topk 1% 2-bit, slow int4": dict(compression="topk", topk_density=0.01, topk_bits=2, slow_codec="int4"),
+}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--hlo", action="store_true", help="also compile each round and read its collectives")
+  parser.add_argument("--preset", default="", help="model.preset instead of the mini model")
+  args = parser.parse_args(argv)
+  base = experiment.base_config()
+  if args.preset:
+    base.model.preset = args.preset
+    base.model.d_model = base.model.num_layers = base.model.num_heads = base.model.mlp_dim = 0
+  dense = None
+  for name, outer in SETTINGS.items():
+    config = experiment.method_config(base, "noloco", **outer)
+    setup = build_lib.build(config, vocab_size=257)
+    state = jax.eval_shape(setup.init_state)
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
+    counted = setup.method.bytes_per_round(one)
+    dense = dense or counted
+    row = {"setting": name, "params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(one))),
+           "bytes_per_round": counted, "vs_float32": round(counted / dense, 5)}
+    if args.hlo:
+      mesh = mesh_lib.make_mesh(config.num_replicas, config.num_replicas)
+      groups = pairing.groups_from_permutation(np.arange(config.num_replicas), config.outer.group_size)
+      shardings = jax.tree.map(lambda _: mesh_lib.replica_sharding(mesh), state)
+      lowered = rounds_lib.make_round_fn(setup.method, mesh, (groups,)).lower(
+          jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings), jnp.int32(0))
+      row["compiled_permute_bytes"] = hlo_lib.collective_bytes(lowered.compile().as_text(), "collective-permute")
+      row["compiled_equals_counted"] = None if name == "bfloat16" else row["compiled_permute_bytes"] == counted
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+  main()

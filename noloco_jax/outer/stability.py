@@ -1,0 +1,128 @@
+"""Mean-square stability of NoLoCo's outer update under random group averaging (docs/stability.md).
+
+Pure NumPy. Per coordinate, with x_i = φ_i − mean φ and y_i = δ_i − mean δ (deviations from the replica
+mean) and A the round's averaging matrix (A_ij = 1/n when i and j share a group), the implemented rule
+(outer/rules.py: δ ← α·δ + β·mean_G(θ − φ) + γ·(mean_G φ − φ_i), φ ← φ + δ) gives
+
+    y' = γ(A − I)x + αy + βA·u,      x' = x + y',
+
+where u = θ − φ is the round's local progress. Model of the inner steps: u_i = −λ·x_i + ξ_i, with ξ_i
+independent noise of variance σ² per coordinate (independent across replicas and rounds) and λ ∈ [0, 1]
+the contraction the inner steps apply to a deviation (λ = 1 − (1 − ηh)^H for curvature h and learning
+rate η; λ = 0, the default, is a flat direction where only noise acts). So, with c = γ − βλ,
+
+    (x', y') = (B0 ⊗ I + B1 ⊗ A)(x, y) + β·(1, 1) ⊗ Aξ,   B0 = [[1−γ, α], [−γ, α]],   B1 = c·[[1, 0], [1, 0]].
+
+For uniformly random groups of n out of N, E[A] = J + a·Q and A² = A, where J = 11ᵀ/N, Q = I − J and
+
+    a = (N − n) / (n (N − 1))        (the expected shrink of the variance in one gossip round),
+
+and the law of A is invariant under relabelling the replicas, so the second moments stay of the form
+E[(x, y)(x, y)ᵀ] = C ⊗ Q with C a symmetric 2×2 matrix, and one round maps
+
+    C ← B0 C B0ᵀ + a·(B0 C B1ᵀ + B1 C B0ᵀ + B1 C B1ᵀ) + a·β²σ²·[[1, 1], [1, 1]].
+
+The spread is mean-square stable iff the spectral radius ρ of the linear part is < 1 (a positive map:
+its spectral radius is reached on the exchangeable second moments, so nothing is lost by the reduction).
+The cross-replica variance of φ is C_xx·(N − 1)/N; it changes by the factor ρ per round in the long run
+(the weight std by √ρ). Without λ, β only scales the noise: stability depends on α, γ, n and N.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from noloco_jax.config.fields import ConfigError
+
+
+def averaging_shrink(group_size: int, num_replicas: int) -> float:
+  """a = (N − n)/(n(N − 1)): E[AQA] = a·Q for uniformly random groups of n out of N."""
+  n, N = group_size, num_replicas
+  return (N - n) / (n * (N - 1))
+
+
+def _blocks(alpha: float, beta: float, gamma: float, inner_contraction: float) -> tuple[np.ndarray, np.ndarray]:
+  c = gamma - beta * inner_contraction
+  return np.array([[1 - gamma, alpha], [-gamma, alpha]]), np.array([[c, 0.0], [c, 0.0]])
+
+
+def second_moment_map(alpha: float, gamma: float, group_size: int, num_replicas: int, *, beta: float = 0.0,
+                      inner_contraction: float = 0.0) -> np.ndarray:
+  """[4, 4]: vec(C) ↦ vec(C') of one round, without the noise (row-major vec of the 2×2 C)."""
+  B0, B1 = _blocks(alpha, beta, gamma, inner_contraction)
+  a = averaging_shrink(group_size, num_replicas)
+  return np.kron(B0, B0) + a * (np.kron(B0, B1) + np.kron(B1, B0) + np.kron(B1, B1))
+
+
+def spectral_radius(alpha: float, gamma: float, group_size: int, num_replicas: int, *, beta: float = 0.0,
+                    inner_contraction: float = 0.0) -> float:
+  """ρ: the long-run factor per round of the cross-replica variance. Stable iff ρ < 1."""
+  L = second_moment_map(alpha, gamma, group_size, num_replicas, beta=beta, inner_contraction=inner_contraction)
+  return float(np.max(np.abs(np.linalg.eigvals(L))))
+
+
+def spread_growth_per_round(alpha: float, gamma: float, group_size: int, num_replicas: int, **kwargs) -> float:
+  """√ρ: the long-run factor per round of the (root-mean-square) weight std across replicas."""
+  return math.sqrt(spectral_radius(alpha, gamma, group_size, num_replicas, **kwargs))
+
+
+def second_moments(rounds: int, C0: np.ndarray, *, alpha: float, beta: float, gamma: float, group_size: int,
+                   num_replicas: int, noise_var: float = 0.0, inner_contraction: float = 0.0) -> np.ndarray:
+  """[rounds + 1, 2, 2]: the exact C after 0 … rounds rounds, from C0 (E[(x, y)(x, y)ᵀ] = C ⊗ Q)."""
+  B0, B1 = _blocks(alpha, beta, gamma, inner_contraction)
+  a = averaging_shrink(group_size, num_replicas)
+  noise = a * beta ** 2 * noise_var * np.ones((2, 2))
+  out = [np.asarray(C0, np.float64)]
+  for _ in range(rounds):
+    C = out[-1]
+    out.append(B0 @ C @ B0.T + a * (B0 @ C @ B1.T + B1 @ C @ B0.T + B1 @ C @ B1.T) + noise)
+  return np.stack(out)
+
+
+def stationary_second_moments(*, alpha: float, beta: float, gamma: float, group_size: int, num_replicas: int,
+                              noise_var: float = 1.0, inner_contraction: float = 0.0) -> np.ndarray | None:
+  """The fixed point C* of the noise-driven recursion (None when unstable): the spread it settles at."""
+  L = second_moment_map(alpha, gamma, group_size, num_replicas, beta=beta, inner_contraction=inner_contraction)
+  if np.max(np.abs(np.linalg.eigvals(L))) >= 1:
+    return None
+  noise = averaging_shrink(group_size, num_replicas) * beta ** 2 * noise_var * np.ones(4)
+  return np.linalg.solve(np.eye(4) - L, noise).reshape(2, 2)
+
+
+def paper_interval(alpha: float, group_size: int) -> tuple[float, float]:
+  """The NoLoCo paper's bound (noisy quadratic model): √(n/(2(n−1)))·α < γ < √(n(2+α²)/(2(n−1)))."""
+  n = group_size
+  return math.sqrt(n / (2 * (n - 1))) * alpha, math.sqrt(n * (2 + alpha ** 2) / (2 * (n - 1)))
+
+
+def instability(alpha: float, gamma: float, group_size: int, num_replicas: int) -> str | None:
+  """None if the spread is mean-square stable (λ = 0), else one line saying why, for config validation."""
+  rho = spectral_radius(alpha, gamma, group_size, num_replicas)
+  if rho < 1:
+    return None
+  low, high = paper_interval(alpha, group_size)
+  inside = "inside" if low < gamma < high else "outside"
+  return (f"with outer.outer_momentum={alpha:g} (α), outer.consensus_weight={gamma:g} (γ), group_size={group_size}, "
+          f"num_replicas={num_replicas} the cross-replica weight spread is unstable: it grows by "
+          f"{100 * (math.sqrt(rho) - 1):.1f}% per round (spectral radius {rho:.3f} ≥ 1; docs/stability.md; "
+          f"the paper's interval {low:.3f} < γ < {high:.3f}, which γ is {inside}, does not apply here)")
+
+
+def check_config(config) -> None:
+  """Refuses a NoLoCo config whose spread is unstable (ConfigError, one line) unless outer.allow_unstable.
+
+  Run by training/build.py right after the schema's validation, before anything is compiled. (It is not
+  in config/checks.py only because config/ imports nothing from the rest of the package.)
+  """
+  o = config.outer
+  if o.kind != "noloco":
+    return
+  problem = instability(o.outer_momentum, o.consensus_weight, o.group_size, config.num_replicas)
+  if problem and not o.allow_unstable:
+    raise ConfigError(f"config.outer.consensus_weight={o.consensus_weight!r} is not valid: {problem}. Lower γ "
+                      "or α, or set outer.allow_unstable=True to run it anyway.")
+  if problem:
+    logging.warning("outer.allow_unstable=True: %s.", problem)

@@ -1,0 +1,200 @@
+"""Reliability (issue 18): a save in flight when the loop raises, two runs on one workdir, a diverging
+run under nan_policy="skip_round", a full disk; and the small modules behind the fixes.
+
+Each end-to-end test reproduces a failure first seen by hand. They reuse test_checkpoint.py's smoke
+config, helpers and compilation cache; the runs that must be real processes (to see what a user sees
+on stderr, or a second process holding the workdir) are launched like main.py.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from noloco_jax import training
+from noloco_jax.io import checkpoint
+from noloco_jax.io import workdir_lock
+from noloco_jax.io.checkpoint import logs
+from test_checkpoint import (FLAGS, REPO, START_TIMEOUT_S, cache, checkpoint_steps, launch, rows,  # noqa: F401
+                                   smoke, stderr_of, wait_for_train_row)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2: an exception while an asynchronous save is in flight.
+# ---------------------------------------------------------------------------------------------------
+
+# main.py, with the data item of every save slowed by 2 s (so that the save of step 4 is surely still
+# being written) and an exception raised by the inner step of step 5, right after that save started.
+_FAIL_AFTER_SAVE = textwrap.dedent("""
+    import asyncio, sys
+    from absl import app
+    from noloco_jax import main
+    from noloco_jax.io.checkpoint import data_item
+    from noloco_jax.training import build as build_lib
+
+    slow_save = data_item.PerProcessJsonHandler._save_fn
+    async def _save_fn(self, x, directory):
+      await asyncio.sleep(2)
+      return await slow_save(self, x, directory)
+    data_item.PerProcessJsonHandler._save_fn = _save_fn
+
+    real_build = build_lib.build
+    def build(config, *args, **kwargs):
+      setup = real_build(config, *args, **kwargs)
+      real_step, calls = setup.inner_step, [0]
+      def inner_step(state, batch):
+        calls[0] += 1
+        if calls[0] == 5:
+          raise ValueError("token id 99999 at step 5 is outside the vocabulary (injected)")
+        return real_step(state, batch)
+      setup.inner_step = inner_step
+      return setup
+    build_lib.build = build
+    app.run(main.main, flags_parser=main.cli.parse_flags)
+""")
+
+
+def test_an_error_while_a_save_is_in_flight_completes_that_save(cache, tmp_path):
+  workdir = str(tmp_path / "run")
+  log = str(tmp_path / "run.log")
+  with open(log, "w") as out:
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAIL_AFTER_SAVE, "--config=configs/default.py:smoke", f"--workdir={workdir}",
+         *FLAGS, "--config.checkpoint_every=4"], cwd=REPO, env=cache, stdout=out, stderr=subprocess.STDOUT,
+        timeout=START_TIMEOUT_S)
+  lines = stderr_of(log)
+  assert proc.returncode == 1, lines[-30:]
+  assert checkpoint_steps(workdir) == [4], os.listdir(os.path.join(workdir, "checkpoints"))
+  assert not [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if "tmp" in n]
+  assert "the save of step 4, in flight when the run failed, was completed" in "\n".join(lines)
+  assert not [l for l in lines if "cannot schedule new futures" in l]
+  assert lines[-1].startswith("noloco_jax: error: the run failed with ValueError: token id 99999"), lines[-1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# 7: two runs on one workdir; a stale lock.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_second_run_on_a_workdir_refuses_naming_the_first(cache, tmp_path, caplog):
+  workdir = str(tmp_path / "run")
+  proc, log = launch(workdir, cache, "--config.checkpoint_every=0")
+  try:
+    wait_for_train_row(workdir, proc, log, min_step=3)
+    proc.send_signal(signal.SIGSTOP)  # keep the first run alive, mid-run, for as long as the test needs
+    with pytest.raises(workdir_lock.WorkdirLockedError) as refused:
+      training.train_and_evaluate(smoke(), workdir)
+    assert f"host {socket.gethostname()}, pid {proc.pid}" in str(refused.value)
+  finally:
+    proc.kill()  # kill -9: the first run leaves its lock behind
+    proc.wait()
+  assert os.path.exists(os.path.join(workdir, workdir_lock.LOCK_NAME))
+  with caplog.at_level("WARNING"):
+    training.train_and_evaluate(smoke(checkpoint_every=0), workdir)  # the stale lock does not block a restart
+  assert f"pid {proc.pid}" in caplog.text and "no longer running" in caplog.text
+  assert not os.path.exists(os.path.join(workdir, workdir_lock.LOCK_NAME))  # released at the end
+
+
+def test_workdir_lock_judges_holders(tmp_path):
+  workdir = str(tmp_path)
+  with workdir_lock.acquire(workdir) as lock:  # held by this (live) process: refused
+    with pytest.raises(workdir_lock.WorkdirLockedError, match=f"pid {os.getpid()}"):
+      workdir_lock.acquire(workdir)
+    assert lock.holder.pid == os.getpid()
+  assert not os.listdir(workdir)
+
+  def write(**fields):
+    with open(os.path.join(workdir, workdir_lock.LOCK_NAME), "w") as f:
+      json.dump({"host": socket.gethostname(), "pid": os.getpid(), "start": None, **fields}, f)
+
+  write(start="1")  # this pid, but another start time: the pid was recycled, the holder is dead
+  workdir_lock.acquire(workdir).release()
+  write(host="another-host")  # cannot be judged from here: refused, saying what to delete
+  with pytest.raises(workdir_lock.WorkdirLockedError, match="delete the lock file"):
+    workdir_lock.acquire(workdir)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 10: nan_policy="skip_round" on a run whose every round diverges.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_skip_round_stops_a_run_whose_rounds_keep_diverging(cache, tmp_path, caplog):
+  del cache
+  config = smoke(nan_policy="skip_round", checkpoint_every=6)  # nan_max_skipped_rounds: the default, 3
+  config.inner.lr = 1e6  # it exited 0 after undoing every round, its summary silent about them
+  with caplog.at_level("WARNING"), pytest.raises(FloatingPointError, match=r"4 rounds in a row diverged"):
+    training.train_and_evaluate(config, str(tmp_path))
+  assert caplog.text.count("nan_policy=skip_round: undoing the round") == 3
+  assert checkpoint_steps(str(tmp_path)) == [6]  # saved after two undone rounds: the initial weights
+
+
+def test_round_guard_counts_skips_in_a_row_across_a_resume():
+  config = smoke(nan_policy="skip_round")
+  history = {"skipped_rounds": [[1, 3], [10, 12], [13, 15]]}  # the last two one after the other
+  assert checkpoint.RoundGuard(config, None, history)._in_a_row == 2  # pylint: disable=protected-access
+  assert checkpoint.RoundGuard(config, None, {})._in_a_row == 0  # pylint: disable=protected-access
+
+
+# ---------------------------------------------------------------------------------------------------
+# 13: a failed save (the disk is full) ends in one line saying what happened and what to do.
+# ---------------------------------------------------------------------------------------------------
+
+
+# main.py in a process whose files cannot grow past 1 MiB: writes past it fail (EFBIG; Python ignores
+# SIGXFSZ). A checkpoint's state data file is 2 MB, the logs and caches this run writes are far
+# smaller: a stand-in for a full disk, without one.
+_SMALL_DISK = textwrap.dedent("""
+    import resource, runpy, sys
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+    sys.argv[0] = "noloco_jax.main"
+    runpy.run_module("noloco_jax.main", run_name="__main__", alter_sys=True)
+""")
+
+
+def test_a_failed_save_ends_in_one_line_naming_the_cause(cache, tmp_path):
+  workdir = str(tmp_path / "run")
+  log = str(tmp_path / "run.log")
+  with open(log, "w") as out:
+    proc = subprocess.run(
+        [sys.executable, "-c", _SMALL_DISK, "--config=configs/default.py:smoke", f"--workdir={workdir}", *FLAGS],
+        cwd=REPO, env=cache, stdout=out, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S)
+  lines = stderr_of(log)
+  print("\n".join(lines[-12:]))  # shown by pytest -s / on failure: what the user sees last
+  assert proc.returncode == 1, lines[-30:]
+  assert len(lines) < 100, (len(lines), lines[-30:])
+  assert not [l for l in lines if "Traceback" in l], "\n".join(lines[-40:])
+  assert lines[-1].startswith("noloco_jax: error: writing checkpoint step 2 to "), lines[-1]
+  assert "No earlier checkpoint exists" in lines[-1] and "run the same command to start again" in lines[-1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The JSON-lines logs.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_rewrite_for_resume_keeps_each_row_up_to_the_step_once(tmp_path):
+  path = str(tmp_path / "metrics.jsonl")
+  with open(path, "w") as f:
+    f.write('{"step": 0, "a": 1}\n{"step": 3, "a": 2}\n{"step": 3, "b": 5}\n{"step": 0, "a": 1}\n'
+            '{"step": 6, "a": 3}\n{"step": 9, "a"')
+  assert logs.rewrite_for_resume(path, 3) == (2, 1)  # steps 6 and the cut line; step 0 twice
+  with open(path) as f:
+    assert [json.loads(line) for line in f] == [{"step": 0, "a": 1}, {"step": 3, "a": 2}, {"step": 3, "b": 5}]
+  assert logs.rewrite_for_resume(path, 3) == (0, 0)
+  assert logs.start_afresh(path) == 3 and os.path.getsize(path) == 0
+
+
+def test_jsonl_log_rows_reach_the_file_as_they_are_written(tmp_path):
+  path = str(tmp_path / "pairings.jsonl")
+  log = logs.JsonlLog(path)
+  log.append({"step": 3, "round": 0})
+  with open(path) as f:  # read by another handle, before any sync or close: a kill -9 loses nothing
+    assert [json.loads(line) for line in f] == [{"step": 3, "round": 0}]
+  log.sync()
+  log.close()
