@@ -198,3 +198,26 @@ def test_jsonl_log_rows_reach_the_file_as_they_are_written(tmp_path):
     assert [json.loads(line) for line in f] == [{"step": 3, "round": 0}]
   log.sync()
   log.close()
+
+
+def test_asyncio_records_about_orbax_tasks_lose_their_traceback():
+  """The other fragments of a failed orbax write are logged by asyncio ('Task exception was never
+  retrieved') with their traceback: seen once in CI as a stray traceback after the one-line error."""
+  import logging as py_logging
+  import sys
+
+  from noloco_jax.io import failures
+
+  namespace = {}
+  exec(compile("def write():\n  raise ValueError('OUT_OF_RANGE: File too large')\n",
+               os.path.join(os.sep, "site", "orbax", "checkpoint", "serialization.py"), "exec"), namespace)
+  try:
+    namespace["write"]()
+  except ValueError:
+    exc_info = sys.exc_info()
+  record = py_logging.LogRecord("asyncio", py_logging.ERROR, os.path.join("asyncio", "base_events.py"), 1,
+                                "Task exception was never retrieved\nfuture: <Task ...>", None, exc_info)
+  assert failures.QuietOrbaxLog().filter(record)
+  assert record.exc_info is None and record.getMessage() == "Task exception was never retrieved"
+  other = py_logging.LogRecord("asyncio", py_logging.ERROR, "x.py", 1, "unrelated\nsecond line", None, None)
+  assert failures.QuietOrbaxLog().filter(other) and other.getMessage() == "unrelated\nsecond line"

@@ -55,12 +55,26 @@ def quiet_orbax_noise() -> None:
   sys.unraisablehook = hook
 
 
+def _orbax_path(filename: str) -> bool:
+  return f"{os.sep}orbax{os.sep}" in filename
+
+
+def _from_orbax(record: py_logging.LogRecord) -> bool:
+  """Logged by orbax, or by asyncio about an orbax coroutine (`Task exception was never retrieved`
+  for the other fragments of a failed write: their traceback ends in orbax's serialization code)."""
+  if _orbax_path(record.pathname):
+    return True
+  tb = record.exc_info[2] if record.exc_info else None
+  return tb is not None and any(_orbax_path(frame.filename) for frame in traceback.extract_tb(tb))
+
+
 class QuietOrbaxLog(py_logging.Filter):
-  """Orbax's records in absl's log: INFO dropped (some thirty per save); warnings and errors keep
-  their message's first line but not their traceback (the run's own error repeats the cause)."""
+  """Orbax's records in absl's log (and asyncio's about orbax's tasks): INFO dropped (some thirty per
+  save); warnings and errors keep their message's first line but not their traceback (the run's own
+  error repeats the cause)."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
-    if f"{os.sep}orbax{os.sep}" not in record.pathname:
+    if not _from_orbax(record):
       return True
     if record.levelno < py_logging.WARNING:
       return False

@@ -66,6 +66,7 @@ class Checkpointer:
     self.directory = os.path.join(self._workdir, CHECKPOINT_DIR)
     ck = self._config.checkpoint
     py_logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # a no-op when already added
+    py_logging.getLogger("asyncio").addFilter(_QUIET_ORBAX)  # orbax's abandoned write fragments
     failures.quiet_orbax_noise()  # the closed-event-loop tracebacks of a failed read (io/failures.py)
     self._in_flight: int | None = None  # the step of an asynchronous save not yet known complete
     self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
