@@ -298,22 +298,12 @@ def test_bad_compression_and_fanout_settings_name_the_field(overrides, field):
 # ---- End to end: training with compressed messages, and exact resume of the residual ----
 
 
-def test_compressed_training_resumes_exactly_with_its_residual(tmp_path, caplog):
+def test_compressed_training_resumes_exactly_with_its_residual(tmp_path, caplog, compile_cache):
+  del compile_cache  # the resumed run reuses the first one's programs (tests/conftest.py)
   config = default.get_config("smoke")
   config.num_steps, config.checkpoint_every, config.checkpoint.keep = 6, 3, 3
   config.outer.update(compression="topk", topk_density=0.03, topk_bits=2)
-  workdir = str(tmp_path / "run")
-  # A persistent compilation cache for the two runs: the resumed run reuses the first one's programs.
-  options = {"jax_compilation_cache_dir": str(tmp_path / "jax_cache"), "jax_persistent_cache_min_compile_time_secs": 0,
-             "jax_persistent_cache_min_entry_size_bytes": -1}
-  saved = {k: getattr(jax.config, k) for k in options}
-  for k, v in options.items():
-    jax.config.update(k, v)
-  try:
-    _train_twice(config, workdir, caplog)
-  finally:
-    for k, v in saved.items():
-      jax.config.update(k, v)
+  _train_twice(config, str(tmp_path / "run"), caplog)
 
 
 def _train_twice(config, workdir, caplog):

@@ -123,8 +123,9 @@ def test_epidemic_bytes_are_fanout_models_in_the_compiled_program(fanout):
   assert hlo_lib.all_collective_bytes(hlo).keys() == {"collective-permute"}
 
 
-def test_epidemic_training_saves_and_resumes_exactly(tmp_path, caplog):
+def test_epidemic_training_saves_and_resumes_exactly(tmp_path, caplog, compile_cache):
   """End to end through the loop and the checkpoint (whose record holds the schedule's fan-out and graph)."""
+  del compile_cache  # the resumed run reuses the first one's programs (tests/conftest.py)
   import os
   import shutil
 
@@ -134,19 +135,10 @@ def test_epidemic_training_saves_and_resumes_exactly(tmp_path, caplog):
   config.num_steps, config.checkpoint_every = 6, 3
   config.outer.update(kind="epidemic", fanout=2)
   workdir = str(tmp_path / "run")
-  options = {"jax_compilation_cache_dir": str(tmp_path / "jax_cache"), "jax_persistent_cache_min_compile_time_secs": 0,
-             "jax_persistent_cache_min_entry_size_bytes": -1}
-  saved = {k: getattr(jax.config, k) for k in options}
-  for k, v in options.items():
-    jax.config.update(k, v)
-  try:
-    first = train.train_and_evaluate(config, workdir)
-    shutil.rmtree(os.path.join(workdir, "checkpoints", "6"))
-    with caplog.at_level("INFO"):
-      second = train.train_and_evaluate(config, workdir)
-  finally:
-    for k, v in saved.items():
-      jax.config.update(k, v)
+  first = train.train_and_evaluate(config, workdir)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "6"))
+  with caplog.at_level("INFO"):
+    second = train.train_and_evaluate(config, workdir)
   assert "resumed from step 3" in caplog.text
   params = sum(int(np.prod(x.shape[1:])) for x in jax.tree.leaves(first["state"].params))
   assert first["comm/bytes_per_replica"] == 2 * 2 * params * 4  # 2 rounds × fanout 2 × float32 model
