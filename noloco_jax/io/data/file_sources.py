@@ -14,7 +14,20 @@ import numpy as np
 from noloco_jax.io.data import documents
 
 
-class C4JsonSource(documents.Source):
+class _FileSource(documents.Source):
+  """A source whose units are whole files, `self._files` (set by the subclass), in a fixed order."""
+
+  _files: list[str]
+
+  @property
+  def num_units(self) -> int:
+    return len(self._files)
+
+  def unit_name(self, unit: int) -> str:
+    return self._files[unit]
+
+
+class C4JsonSource(_FileSource):
   """C4 as distributed in JSON lines: `c4-{split}.NNNNN-of-NNNNN.json.gz` in one directory.
 
   One document per line, its text under `text_field`. The document index is the line number, so a
@@ -36,13 +49,6 @@ class C4JsonSource(documents.Source):
     self._field = text_field
     self.name = f"c4_json/{split}"
     self.log = documents.InputLog(self.name)
-
-  @property
-  def num_units(self) -> int:
-    return len(self._files)
-
-  def unit_name(self, unit: int) -> str:
-    return self._files[unit]
 
   def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, documents.Document | None]]:
     path = self._files[unit]
@@ -75,7 +81,7 @@ class C4JsonSource(documents.Source):
     return f"c4_json-{self._field}-" + documents.files_fingerprint(self._files)
 
 
-class TextSource(documents.Source):
+class TextSource(_FileSource):
   """Local text files, one document per file (comma-separated globs in config.data.*_files)."""
 
   default_mode = "array"
@@ -84,13 +90,6 @@ class TextSource(documents.Source):
     self._files = documents.expand_globs(patterns, field)
     self.name = f"text/{field}"
     self.log = documents.InputLog(self.name)
-
-  @property
-  def num_units(self) -> int:
-    return len(self._files)
-
-  def unit_name(self, unit: int) -> str:
-    return self._files[unit]
 
   def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, documents.Document | None]]:
     if start > 0:
@@ -108,7 +107,7 @@ class TextSource(documents.Source):
     return "text-" + documents.files_fingerprint(self._files)
 
 
-class ParquetSource(documents.Source):
+class ParquetSource(_FileSource):
   """Pre-tokenized parquet (the reference's Reddit data): one document per row.
 
   `ids_field` holds a list of token ids per row; `mask_field`, when the file has it, marks the real
@@ -128,13 +127,6 @@ class ParquetSource(documents.Source):
       if ids_field not in names:
         raise ValueError(f"{path}: parquet file has no column config.data.parquet_ids_field="
                          f"{ids_field!r} (columns: {names}).")
-
-  @property
-  def num_units(self) -> int:
-    return len(self._files)
-
-  def unit_name(self, unit: int) -> str:
-    return self._files[unit]
 
   def read(self, unit: int, start: int = 0) -> Iterator[tuple[int, documents.Document | None]]:
     path = self._files[unit]
