@@ -319,7 +319,7 @@ CLI_ERRORS = [
     ([SMOKE, "--config.outer.momentum=1.5"],  # the old name, mapped (one warning line), then checked
      "noloco_jax: config.outer.outer_momentum=1.5 is not valid: a number in [0, 1)."),
     ([SMOKE, "--config.outer.kind=fedavg"],
-     "noloco_jax: config.outer.kind='fedavg' is not valid: one of noloco | diloco | gossip | epidemic | ddp | none."),
+     "noloco_jax: config.outer.kind='fedavg' is not valid: one of noloco | diloco | gossip | epidemic | epidemic_adam | ddp | none."),
     ([SMOKE, "--config.num_steps=abc"], "noloco_jax: config.num_steps='abc' is not valid: an integer."),
     ([SMOKE, "--config.outer.lr=0.5", "--config.outer.outer_lr=0.6"],
      "noloco_jax: config.outer.lr=0.5 and config.outer.outer_lr=0.6 are both set; lr is the old name of "

@@ -1,6 +1,7 @@
 """The checks that need more than one section, all here: run after every section has checked itself."""
 
 from noloco_jax.config.fields import fail
+from noloco_jax.config.outer import GROUPED_KINDS
 from noloco_jax.config.run import Config
 
 
@@ -29,7 +30,7 @@ def check_across_sections(config: Config) -> None:
     fail("checkpoint_every", c.checkpoint_every,
          f"a multiple of outer.inner_steps={c.outer.inner_steps} with nan_policy='skip_round' (saves then fall "
          "at round ends, after the round has been checked)")
-  if c.outer.kind in ("noloco", "gossip") and c.num_replicas % c.outer.group_size:
+  if c.outer.kind in GROUPED_KINDS and c.num_replicas % c.outer.group_size:
     fail("outer.group_size", c.outer.group_size,
          f"a divisor of num_replicas={c.num_replicas} (the replicas are cut into equal groups)")
   if c.outer.kind == "epidemic" and c.outer.fanout >= c.num_replicas:

@@ -7,7 +7,9 @@ weights θ, slow weights φ and outer momentum δ:
 
 α = `outer_momentum`, β = `outer_lr`, γ = `consensus_weight`. DiLoCo uses α and β (outer SGD with
 momentum on the all-reduced pseudo-gradient); gossip fixes α=0, β=γ=1; epidemic averages θ with
-the models of `fanout` random senders (Epidemic Learning); ddp and none have no outer step.
+the models of `fanout` random senders (Epidemic Learning); epidemic_adam is the NoLoCo reference
+code's Epidemic Learning variant (group mean, then a second inner-optimizer step along θ − mean_G θ);
+ddp and none have no outer step.
 Before these names the fields were `momentum`, `lr` and `gamma`: those still work (RENAMED), with a warning.
 """
 
@@ -15,11 +17,13 @@ import dataclasses
 
 from noloco_jax.config.fields import Section, at_least, fail, one_of
 
-KINDS = ("noloco", "diloco", "gossip", "epidemic", "ddp", "none")
+KINDS = ("noloco", "diloco", "gossip", "epidemic", "epidemic_adam", "ddp", "none")
 MESSAGE_DTYPES = ("float32", "bfloat16")
 STATE_DTYPES = ("", "float32", "bfloat16")
 PAIRINGS = ("fresh", "round_robin", "fixed")
-GROUP_KINDS = ("noloco", "gossip")  # the kinds that average within random groups of group_size
+GROUP_KINDS = ("noloco", "gossip")  # the NoLoCo-update kinds: compressed messages exist for these
+# The kinds that average within random groups of group_size (outer/pairing.py draws the groups).
+GROUPED_KINDS = GROUP_KINDS + ("epidemic_adam",)
 # Compressed messages (noloco_jax/outer/compression.py, docs/compression.md).
 COMPRESSIONS = ("none", "int8", "int4", "topk")
 TOPK_BITS = (2, 3, 4, 5, 6, 7, 8)  # bits per kept top-k value (packed); int8 / int4 imply 8 / 4
@@ -32,9 +36,9 @@ class OuterConfig(Section):
   PATH = "outer"
   RENAMED = {"momentum": "outer_momentum", "lr": "outer_lr", "gamma": "consensus_weight"}
 
-  kind: str = "noloco"  # noloco | diloco | gossip | epidemic | ddp | none
+  kind: str = "noloco"  # noloco | diloco | gossip | epidemic | epidemic_adam | ddp | none
   inner_steps: int = 50  # H: inner steps per outer round.
-  group_size: int = 2  # n: replicas per averaging group (noloco, gossip).
+  group_size: int = 2  # n: replicas per averaging group (noloco, gossip, epidemic_adam).
   # α: momentum of the outer step, δ ← α·δ + ... (noloco, diloco; NoLoCo reference 0.5, DiLoCo 0.3).
   outer_momentum: float = 0.5
   outer_lr: float = 0.7  # β: outer learning rate, the step along the group's mean θ − φ (noloco, diloco).
@@ -78,14 +82,14 @@ class OuterConfig(Section):
     one_of("outer.message_dtype", self.message_dtype, MESSAGE_DTYPES)
     one_of("outer.state_dtype", self.state_dtype, STATE_DTYPES)
     one_of("outer.pairing", self.pairing, PAIRINGS)
-    if self.pairing == "round_robin" and self.kind in GROUP_KINDS and self.group_size != 2:
+    if self.pairing == "round_robin" and self.kind in GROUPED_KINDS and self.group_size != 2:
       fail("outer.pairing", self.pairing, f"'fresh' or 'fixed' with group_size={self.group_size} ('round_robin' "
            "pairs replicas: group_size 2 only)")
     if not 0 <= self.outer_momentum < 1:
       fail("outer.outer_momentum", self.outer_momentum, "a number in [0, 1)")
     if not self.outer_lr > 0:
       fail("outer.outer_lr", self.outer_lr, "a number > 0")
-    if self.kind in GROUP_KINDS and self.group_size < 2:
+    if self.kind in GROUPED_KINDS and self.group_size < 2:
       fail("outer.group_size", self.group_size, "an integer ≥ 2 (a group averages at least two replicas)")
     one_of("outer.compression", self.compression, COMPRESSIONS)
     if self.compression != "none" and self.kind not in GROUP_KINDS:

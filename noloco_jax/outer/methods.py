@@ -5,6 +5,7 @@
 | `noloco` | local Adam              | group mean of c = βθ + (γ−β)φ over a random group of n   | (n−1) × model, ppermute |
 | `gossip` | local Adam              | NoLoCo with α=0, β=γ=1: φ ← mean_G θ (pairwise averaging) | (n−1) × model, ppermute |
 | `epidemic` | local Adam            | θ ← mean of own θ and those from random senders (epidemic.py) | s × model, ppermute   |
+| `epidemic_adam` | local Adam       | one more inner-optimizer step along θ − mean_G θ (epidemic_adam.py) | (n−1) × model, ppermute |
 | `diloco` | local Adam              | all-reduce of φ − θ, outer SGD heavy-ball or Nesterov     | model, all-reduce       |
 | `ddp`    | Adam on averaged grads  | nothing                                                   | model every step        |
 | `none`   | local Adam              | nothing (independent replicas)                            | nothing                 |
@@ -28,7 +29,7 @@ import optax
 
 from noloco_jax.config.outer import KINDS, OuterConfig
 from noloco_jax.parallel.mesh import REPLICA
-from noloco_jax.outer import coded as coded_lib, compression, epidemic, exchange, rules
+from noloco_jax.outer import coded as coded_lib, compression, epidemic, epidemic_adam, exchange, rules
 from noloco_jax.outer.pairing import Groups, PairingSchedule
 from noloco_jax.inner.state import TrainState
 
@@ -105,6 +106,17 @@ def _epidemic(fanout: int, message_dtype) -> OuterMethod:
       bytes_per_round=lambda params: fanout * tree_bytes(params, message_dtype), bytes_per_step=lambda params: 0)
 
 
+def _epidemic_adam(group_size: int, message_dtype, optimizer: optax.GradientTransformation | None) -> OuterMethod:
+  if optimizer is None:
+    raise ValueError("outer.kind='epidemic_adam' steps the inner optimizer: pass make_method(..., optimizer=).")
+  return OuterMethod(
+      kind="epidemic_adam", has_rounds=True, uses_pairing=True, init=lambda params: {"slow": params},
+      reduce_grads=None,
+      make_round=lambda pool, num_devices: epidemic_adam.make_round(pool, num_devices, message_dtype, optimizer),
+      bytes_per_round=lambda params: (group_size - 1) * tree_bytes(params, message_dtype),
+      bytes_per_step=lambda params: 0)
+
+
 def _mean_over_replicas(x_k):
   """Mean over all N replicas of a [k, ...] stack: local mean, then one all-reduce over `replica`."""
   return jnp.broadcast_to(jax.lax.pmean(jnp.mean(x_k, axis=0), REPLICA), x_k.shape)
@@ -160,8 +172,13 @@ def _coded(outer_cfg: OuterConfig) -> coded_lib.CodedMessage | None:
       bits=outer_cfg.topk_bits, slow_codec=outer_cfg.slow_codec, feedback_decay=outer_cfg.feedback_decay)
 
 
-def make_method(outer_cfg: ml_collections.ConfigDict | OuterConfig) -> OuterMethod:
-  """The method of `config.outer` (read through its schema: old field names map to the new ones)."""
+def make_method(outer_cfg: ml_collections.ConfigDict | OuterConfig,
+                optimizer: optax.GradientTransformation | None = None) -> OuterMethod:
+  """The method of `config.outer` (read through its schema: old field names map to the new ones).
+
+  `optimizer`: the inner optimizer without clipping (inner.make_optimizer(clip=False)); only
+  `epidemic_adam`, whose round steps it, needs one.
+  """
   outer_cfg = OuterConfig.parse(outer_cfg)
   kind = outer_cfg.kind
   if kind == "noloco":
@@ -173,6 +190,8 @@ def make_method(outer_cfg: ml_collections.ConfigDict | OuterConfig) -> OuterMeth
                    _coded(outer_cfg))
   if kind == "epidemic":
     return _epidemic(outer_cfg.fanout, MESSAGE_DTYPES[outer_cfg.message_dtype])
+  if kind == "epidemic_adam":
+    return _epidemic_adam(outer_cfg.group_size, MESSAGE_DTYPES[outer_cfg.message_dtype], optimizer)
   if kind == "diloco":
     return _diloco(outer_cfg.outer_lr, outer_cfg.outer_momentum, outer_cfg.nesterov)
   if kind == "ddp":

@@ -82,7 +82,10 @@ def build(config: ml_collections.ConfigDict, mesh=None, vocab_size: int | None =
   # With stages, the pipeline clips across stages itself (config.pipeline.clip): the optimizer's
   # clipping slot is then an identity, and the optimizer state keeps the same tree.
   optimizer = inner.make_optimizer(config.inner, config.num_steps, clip=not pipelined)
-  method = rounds_lib.with_state_dtype(outer_lib.make_method(config.outer), config.outer.state_dtype)
+  # epidemic_adam's round takes one more step of this optimizer, unclipped (outer/epidemic_adam.py).
+  method = rounds_lib.with_state_dtype(
+      outer_lib.make_method(config.outer, inner.make_optimizer(config.inner, config.num_steps, clip=False)),
+      config.outer.state_dtype)
   schedule = outer_lib.make_schedule(config) if method.uses_pairing else None
   num_replicas = config.num_replicas
 
