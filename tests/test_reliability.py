@@ -173,6 +173,49 @@ def test_a_failed_save_ends_in_one_line_naming_the_cause(cache, tmp_path):
   assert "No earlier checkpoint exists" in lines[-1] and "run the same command to start again" in lines[-1]
 
 
+# main.py with the loss of replica 3 made NaN at the 5th inner step (nan_policy="error", the default).
+_NAN_AT_STEP_5 = textwrap.dedent("""
+    import jax, numpy as np
+    from absl import app
+    from noloco_jax import main
+    from noloco_jax.training import build as build_lib
+
+    real_build = build_lib.build
+    def build(config, *args, **kwargs):
+      setup = real_build(config, *args, **kwargs)
+      real_step, calls = setup.inner_step, [0]
+      def inner_step(state, batch):
+        state, metrics = real_step(state, batch)
+        calls[0] += 1
+        if calls[0] == 5:
+          loss = metrics["loss"]
+          metrics = {**metrics, "loss": jax.device_put(loss.at[3].set(np.nan), loss.sharding)}
+        return state, metrics
+      setup.inner_step = inner_step
+      return setup
+    build_lib.build = build
+    app.run(main.main, flags_parser=main.cli.parse_flags)
+""")
+
+
+def test_a_nan_loss_ends_in_one_line_naming_step_replica_and_what_to_change(cache, tmp_path):
+  """Before: the run ended in a traceback through the logging code, then a line saying 'run the same
+  command to resume', which would replay the same steps into the same NaN."""
+  workdir = str(tmp_path / "run")
+  log = str(tmp_path / "run.log")
+  with open(log, "w") as out:
+    proc = subprocess.run(
+        [sys.executable, "-c", _NAN_AT_STEP_5, "--config=configs/default.py:smoke", f"--workdir={workdir}", *FLAGS],
+        cwd=REPO, env=cache, stdout=out, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S)
+  lines = stderr_of(log)
+  print("\n".join(lines[-12:]))
+  assert proc.returncode == 1, lines[-30:]
+  assert not [l for l in lines if "Traceback" in l], "\n".join(lines[-40:])
+  assert lines[-1].startswith("noloco_jax: error: non-finite training loss nan at step 5 on replica 3"), lines[-1]
+  assert "a lower inner.lr" in lines[-1] and "nan_policy='skip_round'" in lines[-1]
+  assert checkpoint_steps(workdir)[-1] == 4  # checkpoint_every=2: the step-6 save never happened
+
+
 # ---------------------------------------------------------------------------------------------------
 # The JSON-lines logs.
 # ---------------------------------------------------------------------------------------------------

@@ -21,8 +21,9 @@ from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
 
 
-class NonFiniteLossError(FloatingPointError):
-  """A training loss is NaN or Inf (nan_policy="error")."""
+class NonFiniteLossError(failures.ReportedError, FloatingPointError):
+  """A training loss is NaN or Inf (nan_policy="error"); its message says what to change (main.py prints
+  it as the run's last line, with no traceback: the traceback would only show the logging code)."""
 
 
 class NonFiniteStateError(failures.ReportedError, FloatingPointError):
@@ -42,7 +43,11 @@ def check_finite(losses_SxN: np.ndarray, steps: list[int], replica_ids: list[int
   if bad.any():
     s, r = np.argwhere(bad)[0]
     r = r if replica_ids is None else replica_ids[r]
-    raise NonFiniteLossError(f"non-finite training loss {losses_SxN[s, r]} at step {steps[s]} on replica {r}.")
+    raise NonFiniteLossError(
+        f"non-finite training loss {losses_SxN[s, r]} at step {steps[s]} on replica {r} (nan_policy='error'). "
+        "No state after the last finite checkpoint was saved; a resume with the same config replays the same "
+        "steps, so first change what diverged (e.g. a lower inner.lr, longer inner.warmup_steps, inner.grad_clip) "
+        "or set nan_policy='skip_round' to undo such rounds, then run the command to resume.")
 
 
 @functools.cache
