@@ -233,9 +233,8 @@ def test_a_checkpoint_of_another_setup_is_an_error_not_a_fallback(reference, tmp
   assert checkpoint_steps(workdir) == before  # nothing moved aside
 
 
-def poison_step(monkeypatch, call: int, replica: int) -> None:
-  """Makes the `call`-th inner step return NaN for `replica`: its loss and its weights."""
-  real_build = build_lib.build
+def poisoned(real_build, call: int, replica: int, weights: bool = True):
+  """build_lib.build whose inner step's `call`-th call returns NaN for `replica`: its loss (and weights)."""
 
   def build(config, *args, **kwargs):
     setup = real_build(config, *args, **kwargs)
@@ -247,13 +246,19 @@ def poison_step(monkeypatch, call: int, replica: int) -> None:
       if calls[0] == call:
         nan_at = lambda x: jax.device_put(x.at[replica].set(np.nan), x.sharding)
         metrics = {**metrics, "loss": nan_at(metrics["loss"])}
-        state = state.replace(params=jax.tree.map(nan_at, state.params))
+        if weights:
+          state = state.replace(params=jax.tree.map(nan_at, state.params))
       return state, metrics
 
     setup.inner_step = inner_step
     return setup
 
-  monkeypatch.setattr(build_lib, "build", build)
+  return build
+
+
+def poison_step(monkeypatch, call: int, replica: int) -> None:
+  """Makes the `call`-th inner step return NaN for `replica`: its loss and its weights."""
+  monkeypatch.setattr(build_lib, "build", poisoned(build_lib.build, call, replica))
 
 
 def test_nan_stops_the_run_before_saving_naming_step_and_replica(cache, monkeypatch, tmp_path):

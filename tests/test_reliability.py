@@ -157,15 +157,20 @@ _SMALL_DISK = textwrap.dedent("""
 """)
 
 
-def test_a_failed_save_ends_in_one_line_naming_the_cause(cache, tmp_path):
-  workdir = str(tmp_path / "run")
-  log = str(tmp_path / "run.log")
+def _run_main(script: str, tmp_path, env) -> tuple[subprocess.CompletedProcess, list[str], str]:
+  """Runs `script` (main.py with something injected) on the smoke job: (process, its output lines, workdir)."""
+  workdir, log = str(tmp_path / "run"), str(tmp_path / "run.log")
   with open(log, "w") as out:
     proc = subprocess.run(
-        [sys.executable, "-c", _SMALL_DISK, "--config=configs/default.py:smoke", f"--workdir={workdir}", *FLAGS],
-        cwd=REPO, env=cache, stdout=out, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S)
+        [sys.executable, "-c", script, "--config=configs/default.py:smoke", f"--workdir={workdir}", *FLAGS],
+        cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S)
   lines = stderr_of(log)
   print("\n".join(lines[-12:]))  # shown by pytest -s / on failure: what the user sees last
+  return proc, lines, workdir
+
+
+def test_a_failed_save_ends_in_one_line_naming_the_cause(cache, tmp_path):
+  proc, lines, _ = _run_main(_SMALL_DISK, tmp_path, cache)
   assert proc.returncode == 1, lines[-30:]
   assert len(lines) < 100, (len(lines), lines[-30:])
   assert not [l for l in lines if "Traceback" in l], "\n".join(lines[-40:])
@@ -175,25 +180,13 @@ def test_a_failed_save_ends_in_one_line_naming_the_cause(cache, tmp_path):
 
 # main.py with the loss of replica 3 made NaN at the 5th inner step (nan_policy="error", the default).
 _NAN_AT_STEP_5 = textwrap.dedent("""
-    import jax, numpy as np
+    import sys
     from absl import app
+    sys.path.insert(0, "tests")
     from noloco_jax import main
     from noloco_jax.training import build as build_lib
-
-    real_build = build_lib.build
-    def build(config, *args, **kwargs):
-      setup = real_build(config, *args, **kwargs)
-      real_step, calls = setup.inner_step, [0]
-      def inner_step(state, batch):
-        state, metrics = real_step(state, batch)
-        calls[0] += 1
-        if calls[0] == 5:
-          loss = metrics["loss"]
-          metrics = {**metrics, "loss": jax.device_put(loss.at[3].set(np.nan), loss.sharding)}
-        return state, metrics
-      setup.inner_step = inner_step
-      return setup
-    build_lib.build = build
+    from test_checkpoint import poisoned
+    build_lib.build = poisoned(build_lib.build, call=5, replica=3, weights=False)
     app.run(main.main, flags_parser=main.cli.parse_flags)
 """)
 
@@ -201,14 +194,7 @@ _NAN_AT_STEP_5 = textwrap.dedent("""
 def test_a_nan_loss_ends_in_one_line_naming_step_replica_and_what_to_change(cache, tmp_path):
   """Before: the run ended in a traceback through the logging code, then a line saying 'run the same
   command to resume', which would replay the same steps into the same NaN."""
-  workdir = str(tmp_path / "run")
-  log = str(tmp_path / "run.log")
-  with open(log, "w") as out:
-    proc = subprocess.run(
-        [sys.executable, "-c", _NAN_AT_STEP_5, "--config=configs/default.py:smoke", f"--workdir={workdir}", *FLAGS],
-        cwd=REPO, env=cache, stdout=out, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S)
-  lines = stderr_of(log)
-  print("\n".join(lines[-12:]))
+  proc, lines, workdir = _run_main(_NAN_AT_STEP_5, tmp_path, cache)
   assert proc.returncode == 1, lines[-30:]
   assert not [l for l in lines if "Traceback" in l], "\n".join(lines[-40:])
   assert lines[-1].startswith("noloco_jax: error: non-finite training loss nan at step 5 on replica 3"), lines[-1]
