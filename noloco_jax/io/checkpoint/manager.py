@@ -29,6 +29,7 @@ from noloco_jax.io.checkpoint import guard
 from noloco_jax.io.checkpoint import logs
 from noloco_jax.io.checkpoint import quarantine
 from noloco_jax.io.checkpoint import records
+from noloco_jax.io.checkpoint import resize
 from noloco_jax.io.checkpoint.data_item import PerProcessJsonRestore, PerProcessJsonSave, merge_data_states
 
 CHECKPOINT_DIR = "checkpoints"
@@ -215,10 +216,18 @@ class Checkpointer:
       if bad:
         quarantine.quarantine(self._workdir, self.directory, bad)
         self._manager.reload()
-      data_iter.set_state(data)
+      record = records.loop_record(meta)
+      plan = meta.get("elastic_plan")
+      if plan is not None:  # config.checkpoint.elastic: another set of replicas (resize.py)
+        state = resize.place(resize.resize_state(state, plan), self._setup.state_shardings)
+        record = resize.resize_loop_record(record, plan)
+      if plan is None or plan.keeps_data:
+        data_iter.set_state(merge_data_states(data))
       logs.truncate_logs(self._workdir, step)
+      if plan is not None:
+        self._log_resize(plan, step, meta["round"])
       logging.info("checkpoint: resumed from step %d (round %d) in %s.", step, meta["round"], self.directory)
-      return state, type(loop_state).from_record(records.loop_record(meta))
+      return state, type(loop_state).from_record(record)
     if bad:
       raise NoReadableCheckpointError(
           f"no readable checkpoint in {self.directory} (steps {bad} all failed, see the warnings above); "
@@ -234,16 +243,55 @@ class Checkpointer:
       meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
       if meta.get("format") != records.FORMAT or meta.get("step") != step:
         raise ValueError(f"meta item: format {meta.get('format')!r}, step {meta.get('step')!r}")
+      data = self._manager.restore(step, args=ocp.args.Composite(data=PerProcessJsonRestore()))["data"]
     except Exception as e:  # pylint: disable=broad-except
       return None, None, None, e
-    self._check_compatible(meta, abstract, step)  # outside the try: a different setup is an error
+    # Outside the try: a different setup, or an elastic setting that does not fit, is an error.
+    meta["elastic_plan"] = self._elastic_plan(meta, data, step)
+    self._check_compatible(meta, abstract, step)
     try:
-      items = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract), data=PerProcessJsonRestore()))
-      checksum.verify(meta, items["state"], self._setup.mesh)
-      return meta, items["state"], merge_data_states(items["data"]), None
+      if meta["elastic_plan"] is None:
+        state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+        checksum.verify(meta, state, self._setup.mesh)
+      else:  # the old replica count: read whole into host memory, resized there (resize.py)
+        item, restore_args = resize.host_target(abstract, meta["num_replicas"])
+        # A manager of its own: the run's binds the `state` item to the handler it saves with.
+        reader = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(read_only=True))
+        state = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=restore_args)))["state"]
+        reader.close()
+        if meta.get("state_checksums") not in (None, resize.host_checksums(state)):
+          raise checksum.StateChecksumError("the state read back does not match the checksums stored at save time")
+      return meta, state, data, None
     except Exception as e:  # pylint: disable=broad-except
       return meta, None, None, e
+
+  def _elastic_plan(self, meta: dict, data: dict, step: int):
+    """The resize.Plan for resuming this checkpoint, None for a plain resume (config.checkpoint.elastic)."""
+    config, where = self._config, f"checkpoint step {step} in {self.directory}"
+    try:
+      mode = resize.mode_for(meta, config)
+      if mode is None:
+        return None
+      return resize.make_plan(
+          mode=mode, elastic_replicas=config.checkpoint.elastic_replicas, old_n=int(meta["num_replicas"]),
+          new_n=config.num_replicas, held=resize.held_by_process(data), process_count=jax.process_count(),
+          seed=config.seed, step=step, rounds_done=int(meta["round"]), schedule=self._setup.schedule)
+    except resize.ResizeError as e:
+      raise IncompatibleCheckpointError(f"{where}: {e}.") from None
+
+  def _log_resize(self, plan, step: int, round_: int) -> None:
+    """Says what changed: a log line, and (process 0) one row in elastic.jsonl, pairings.jsonl and metrics.jsonl."""
+    logging.warning("%s", plan.describe())
+    logging.warning("%s", resize.data_note(plan, step, self._config.data.batch_size))
+    if jax.process_index() != 0:
+      return
+    event = plan.event(step, round_)
+    for name in ("elastic.jsonl", "pairings.jsonl"):
+      logs.replace_row(os.path.join(self._workdir, name), event)
+    logs.replace_row(os.path.join(self._workdir, "metrics.jsonl"), {
+        "step": int(step), "elastic/replicas_before": plan.old_n, "elastic/replicas_after": plan.new_n,
+        "elastic/dropped": len(plan.dropped), "elastic/recreated": len(plan.recreated), "elastic/added": len(plan.added)})
 
   def _check_compatible(self, meta: dict, abstract, step: int) -> None:
     where = f"checkpoint step {step} in {self.directory}"
@@ -255,6 +303,23 @@ class Checkpointer:
     if kind:  # the outer state of another method means something else, even where its shapes agree
       raise IncompatibleCheckpointError(f"{where} was saved by another outer method ({kind[0]}); {fields}. {remedy}")
     saved, now = meta["state_shapes"], records.shapes(abstract)
+    plan = meta.get("elastic_plan")
+    if plan is not None and plan.old_n != plan.new_n:  # another replica count, by request: the rest must match
+      changed = [c for c in changed if not c.startswith("num_replicas:")]
+      fields = f"config fields that differ: {_listed(changed)}" if changed else "no other config field differs"
+      diff = resize.same_shapes_per_replica(saved, now)
+      if diff:
+        raise IncompatibleCheckpointError(
+            f"{where} holds replicas of another shape (model, optimizer or outer method changed); {fields}; "
+            f"state leaves: {diff[:3]}{' ...' if len(diff) > 3 else ''}. {remedy}")
+      keep = lambda p: {k: v for k, v in (p or {}).items() if k not in ("num_replicas", "groups", "round")}
+      if keep(meta["pairing"]) != keep(records.schedule_record(self._setup.schedule, meta["round"])):
+        raise IncompatibleCheckpointError(
+            f"{where} was saved under another pairing schedule; {fields}. Resume with the same seed and "
+            "outer.pairing / group_size.")
+      if changed:
+        logging.warning("resume: the config differs from the checkpoint's in %s.", changed)
+      return
     if saved != now:
       diff = [f"{k}: saved {saved.get(k)}, now {now.get(k)}" for k in sorted(set(saved) | set(now))
               if saved.get(k) != now.get(k)]
