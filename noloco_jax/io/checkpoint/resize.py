@@ -18,8 +18,8 @@ replicas nothing here is needed (the checkpoint reshards onto fewer devices). Wi
   before any serves twice): θ = φ = φ_p, δ = 0 and residual = 0 (a replica that has taken no outer
   step has no outer momentum; copying the peer's would repeat the peer's next outer step), the inner
   optimizer's state copied from the peer (its step count keeps the learning-rate schedule in step
-  with the others, and zero Adam moments at a late step count would make its first updates about
-  1/√(1−β₂) times too large).
+  with the others, and zero Adam moments under that count would leave bias correction off: a first
+  update of (1−β₁)/√(1−β₂) × lr per coordinate instead of about lr).
 
 L is `checkpoint.elastic_replicas`, or by default the replicas the missing processes held: the
 checkpoint's data item has one file per saving process naming its replicas, and the processes the
