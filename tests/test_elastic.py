@@ -269,6 +269,29 @@ def restore_as(workdir, tmp_path, **fields):
   return jax.tree.map(np.asarray, state), loop, data.state, copy
 
 
+def test_other_differences_than_the_replica_count_are_named():
+  saved = {".params['w']": [[8, 3, 2], "float32"], ".step": [[8], "int32"]}
+  same = {".params['w']": [[4, 3, 2], "float32"], ".step": [[4], "int32"]}
+  pairing_of = lambda n, seed: {"mode": "fresh", "seed": seed, "group_size": 2, "num_replicas": n, "round": 2, "groups": []}
+  assert resize.other_differences(saved, same, pairing_of(8, 0), pairing_of(4, 0)) is None
+  wider = {**same, ".params['w']": [[4, 3, 4], "float32"]}
+  assert "another shape" in resize.other_differences(saved, wider, pairing_of(8, 0), pairing_of(4, 0))
+  assert "another pairing schedule" in resize.other_differences(saved, same, pairing_of(8, 0), pairing_of(4, 1))
+
+
+def test_a_resized_read_verifies_the_saved_checksums(killed):
+  setup = build_lib.build(default.get_config("smoke"), vocab_size=257)
+  root = os.path.join(killed, "checkpoints")
+  reader = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True))
+  meta = reader.restore(6, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  reader.close()
+  state = resize.read_host_state(root, 6, jax.eval_shape(setup.init_state), meta)
+  assert_trees_equal(state, saved_host_state(killed))
+  meta["state_checksums"][5] = "00" * 8  # replica 5's stored checksum no longer matches what is read
+  with pytest.raises(checksum.StateChecksumError):
+    resize.read_host_state(root, 6, jax.eval_shape(setup.init_state), meta)
+
+
 def test_survivor_resume_without_the_flag_is_refused_naming_it(killed, tmp_path):
   with pytest.raises(checkpoint.IncompatibleCheckpointError,
                      match=r"holds 8 replicas and config.num_replicas=4: resume with num_replicas=8, or set "

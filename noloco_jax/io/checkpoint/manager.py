@@ -207,7 +207,7 @@ class Checkpointer:
       jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
     bad = []
     for step in steps:
-      meta, state, data, error = self._read(step, abstract)
+      meta, plan, state, data, error = self._read(step, abstract)
       if not _everywhere(error is None):
         logging.warning("checkpoint: step %d in %s is not readable (%s: %s); trying the previous one.",
                         step, self.directory, type(error).__name__, str(error)[:300])
@@ -217,7 +217,6 @@ class Checkpointer:
         quarantine.quarantine(self._workdir, self.directory, bad)
         self._manager.reload()
       record = records.loop_record(meta)
-      plan = meta.get("elastic_plan")
       if plan is not None:  # config.checkpoint.elastic: another set of replicas (resize.py)
         state = resize.place(resize.resize_state(state, plan), self._setup.state_shardings)
         record = resize.resize_loop_record(record, plan)
@@ -237,34 +236,28 @@ class Checkpointer:
       return self._warm_start(state, abstract), loop_state
     return state, loop_state
 
-  def _read(self, step: int, abstract) -> tuple[dict | None, Any, dict | None, Exception | None]:
-    """(meta, state, data state, None) or (..., the error) when a file of the step is unreadable."""
+  def _read(self, step: int, abstract) -> tuple[dict | None, resize.Plan | None, Any, dict | None, Exception | None]:
+    """(meta, elastic plan, state, per-process data files, None), or (..., the error) when a file of
+    the step is unreadable. With a plan, the state is the checkpoint's, in host memory (resize.py)."""
     try:
       meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
       if meta.get("format") != records.FORMAT or meta.get("step") != step:
         raise ValueError(f"meta item: format {meta.get('format')!r}, step {meta.get('step')!r}")
       data = self._manager.restore(step, args=ocp.args.Composite(data=PerProcessJsonRestore()))["data"]
     except Exception as e:  # pylint: disable=broad-except
-      return None, None, None, e
+      return None, None, None, None, e
     # Outside the try: a different setup, or an elastic setting that does not fit, is an error.
-    meta["elastic_plan"] = self._elastic_plan(meta, data, step)
-    self._check_compatible(meta, abstract, step)
+    plan = self._elastic_plan(meta, data, step)
+    self._check_compatible(meta, abstract, step, plan)
     try:
-      if meta["elastic_plan"] is None:
+      if plan is None:
         state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
         checksum.verify(meta, state, self._setup.mesh)
-      else:  # the old replica count: read whole into host memory, resized there (resize.py)
-        item, restore_args = resize.host_target(abstract, meta["num_replicas"])
-        # A manager of its own: the run's binds the `state` item to the handler it saves with.
-        reader = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(read_only=True))
-        state = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=item, restore_args=restore_args)))["state"]
-        reader.close()
-        if meta.get("state_checksums") not in (None, resize.host_checksums(state)):
-          raise checksum.StateChecksumError("the state read back does not match the checksums stored at save time")
-      return meta, state, data, None
+      else:  # the checkpoint's replicas, read whole into host memory and resized there
+        state = resize.read_host_state(self.directory, step, abstract, meta)
+      return meta, plan, state, data, None
     except Exception as e:  # pylint: disable=broad-except
-      return meta, None, None, e
+      return meta, plan, None, None, e
 
   def _elastic_plan(self, meta: dict, data: dict, step: int):
     """The resize.Plan for resuming this checkpoint, None for a plain resume (config.checkpoint.elastic)."""
@@ -293,7 +286,7 @@ class Checkpointer:
         "step": int(step), "elastic/replicas_before": plan.old_n, "elastic/replicas_after": plan.new_n,
         "elastic/dropped": len(plan.dropped), "elastic/recreated": len(plan.recreated), "elastic/added": len(plan.added)})
 
-  def _check_compatible(self, meta: dict, abstract, step: int) -> None:
+  def _check_compatible(self, meta: dict, abstract, step: int, plan: resize.Plan | None = None) -> None:
     where = f"checkpoint step {step} in {self.directory}"
     changed = records.config_changes(meta.get("config", {}), json.loads(self._config.to_json_best_effort()))
     fields = f"config fields that differ: {_listed(changed)}" if changed else "no config field differs"
@@ -303,20 +296,13 @@ class Checkpointer:
     if kind:  # the outer state of another method means something else, even where its shapes agree
       raise IncompatibleCheckpointError(f"{where} was saved by another outer method ({kind[0]}); {fields}. {remedy}")
     saved, now = meta["state_shapes"], records.shapes(abstract)
-    plan = meta.get("elastic_plan")
     if plan is not None and plan.old_n != plan.new_n:  # another replica count, by request: the rest must match
       changed = [c for c in changed if not c.startswith("num_replicas:")]
       fields = f"config fields that differ: {_listed(changed)}" if changed else "no other config field differs"
-      diff = resize.same_shapes_per_replica(saved, now)
-      if diff:
-        raise IncompatibleCheckpointError(
-            f"{where} holds replicas of another shape (model, optimizer or outer method changed); {fields}; "
-            f"state leaves: {diff[:3]}{' ...' if len(diff) > 3 else ''}. {remedy}")
-      keep = lambda p: {k: v for k, v in (p or {}).items() if k not in ("num_replicas", "groups", "round")}
-      if keep(meta["pairing"]) != keep(records.schedule_record(self._setup.schedule, meta["round"])):
-        raise IncompatibleCheckpointError(
-            f"{where} was saved under another pairing schedule; {fields}. Resume with the same seed and "
-            "outer.pairing / group_size.")
+      why = resize.other_differences(saved, now, meta["pairing"],
+                                     records.schedule_record(self._setup.schedule, meta["round"]))
+      if why:
+        raise IncompatibleCheckpointError(f"{where} {why}; {fields}. {remedy}")
       if changed:
         logging.warning("resume: the config differs from the checkpoint's in %s.", changed)
       return

@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from noloco_jax.config.checkpoint import parse_replica_list
+from noloco_jax.io.checkpoint import checksum
 from noloco_jax.parallel import distributed
 from noloco_jax.parallel import permutations
 
@@ -112,10 +113,18 @@ def mode_for(meta: dict, config) -> str | None:
                     f"config.num_replicas={new_n} ('recreate' keeps the count); {change}")
 
 
-def same_shapes_per_replica(saved: dict, now: dict) -> list[str]:
-  """The leaves whose shape (the replica axis left out) or dtype differ (records.shapes forms)."""
+def other_differences(saved_shapes: dict, now_shapes: dict, saved_pairing, now_pairing) -> str | None:
+  """Why a checkpoint cannot be resized into this run (records.shapes / schedule_record forms), or None:
+  every leaf must match with the replica axis left out, and the pairing schedule but for its N."""
   strip = lambda v: None if v is None else [v[0][1:], v[1]]
-  return [k for k in sorted(set(saved) | set(now)) if strip(saved.get(k)) != strip(now.get(k))]
+  diff = [k for k in sorted(set(saved_shapes) | set(now_shapes)) if strip(saved_shapes.get(k)) != strip(now_shapes.get(k))]
+  if diff:
+    return (f"holds replicas of another shape (model, optimizer or outer method changed); state leaves: "
+            f"{diff[:3]}{' ...' if len(diff) > 3 else ''}")
+  keep = lambda p: {k: v for k, v in (p or {}).items() if k not in ("num_replicas", "groups", "round")}
+  if keep(saved_pairing) != keep(now_pairing):
+    return "was saved under another pairing schedule (seed, outer.pairing or group_size)"
+  return None
 
 
 # ---- Which replicas were lost ----
@@ -276,11 +285,23 @@ def data_note(plan: Plan, step: int, batch_size: int) -> str:
 # ---- Reading the checkpoint's state into host memory, placing the resized one ----
 
 
-def host_target(abstract, old_n: int):
-  """(item, restore args) that read every leaf [old_n, ...] whole, as a NumPy array on every process."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top  (the pure part needs no orbax)
+def read_host_state(directory: str, step: int, abstract, meta: dict):
+  """The checkpoint's whole state ([N, ...] leaves, N of the checkpoint) as NumPy arrays on every
+  process, its per-replica checksums verified. A read-only manager of its own: the run's binds the
+  `state` item to the handler it saves with."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top  (the plans need no orbax)
+  old_n = int(meta["num_replicas"])
   item = jax.tree.map(lambda x: jax.ShapeDtypeStruct((old_n,) + tuple(x.shape[1:]), x.dtype), abstract)
-  return item, jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+  reader = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+  try:
+    state = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=restore_args)))["state"]
+  finally:
+    reader.close()
+  if meta.get("state_checksums") not in (None, host_checksums(state)):
+    raise checksum.StateChecksumError("the state read back does not match the checksums stored at save time")
+  return state
 
 
 def host_checksums(state) -> list[str]:
