@@ -145,11 +145,18 @@ def test_pending_metrics_follow_the_row_map():
       [({"pseudo_grad_norm": np.arange(8, dtype=np.float32) * 2}, np.float32(0.5))]
   record = {"step": 8, "round": 2, "comm_bytes": 10, "history": {"eval": []},
             "pending": checkpoint.pending_to_host(steps, metrics, rounds)}
-  plan = resize.plan_drop(8, [4, 5, 6, 7])
-  loop = LoopState.from_record(resize.resize_loop_record(record, plan))
-  np.testing.assert_array_equal(loop.pending_metrics[1]["loss"], np.arange(4, dtype=np.float32) + 8)
-  np.testing.assert_array_equal(loop.pending_rounds[0][0]["pseudo_grad_norm"], np.arange(4, dtype=np.float32) * 2)
+  loop = LoopState.from_record(resize.resize_loop_record(record, resize.plan_drop(8, [1, 5, 6, 7])))
+  np.testing.assert_array_equal(loop.pending_metrics[1]["loss"], np.float32([0, 2, 3, 4]) + 8)  # the kept ones'
+  np.testing.assert_array_equal(loop.pending_rounds[0][0]["pseudo_grad_norm"], np.float32([0, 2, 3, 4]) * 2)
   assert loop.pending_rounds[0][1] == np.float32(0.5) and loop.step == 8 and loop.round == 2
+  loop = LoopState.from_record(resize.resize_loop_record(record, resize.plan_recreate(8, {6: 0})))
+  np.testing.assert_array_equal(loop.pending_metrics[1]["loss"], np.arange(8, dtype=np.float32) + 8)  # their own
+  loop = LoopState.from_record(resize.resize_loop_record(record, resize.plan_grow(8, 11, seed=0, step=8)))
+  losses = loop.pending_metrics[0]["loss"]
+  assert losses.dtype == np.float32 and losses.shape == (11,)
+  np.testing.assert_array_equal(losses[:8], np.arange(8, dtype=np.float32) + 7)
+  np.testing.assert_allclose(losses[8:], np.mean(np.arange(8) + 7.0))
+  np.testing.assert_allclose(losses.mean(), np.mean(np.arange(8) + 7.0), rtol=1e-7)  # the logged mean unchanged
 
 
 def test_lost_replicas_are_named_or_those_of_the_missing_processes():

@@ -26,10 +26,13 @@ checkpoint's data item has one file per saving process naming its replicas, and 
 job no longer has are taken to be those numbered ≥ the current process count (a launcher numbers
 the survivors 0 … P'−1). The plans are pure functions of the checkpoint's records and the config,
 identical on every process, NumPy only, each with a NumPy test (tests/test_elastic.py); the last
-section reads the checkpoint's state into host memory and places the resized one on the mesh. What the checkpoint holds per replica follows one row map `source`
-(new replica i ← old replica source[i]): the train state, the pending training metrics of the loop
-state and, with "recreate", the data positions. Data after "drop" and "grow" is dealt afresh over
-N' replicas (see `data_note`).
+section reads the checkpoint's state into host memory and places the resized one on the mesh.
+
+The train state follows one row map `source` (new replica i ← old replica source[i]). The loop
+state's pending training metrics (steps before the checkpoint, not yet logged) are what happened:
+"recreate" keeps every replica's own, "drop" the kept replicas', "grow" gives each new replica the
+old replicas' mean (so a mean over those steps is still the old replicas'). Data positions stay with
+the replica ids under "recreate"; after "drop" and "grow" the data is dealt afresh (`data_note`).
 """
 
 from __future__ import annotations
@@ -255,14 +258,18 @@ def resize_state(state, plan: Plan):
 
 
 def _resize_json_array(d: dict, plan: Plan) -> dict:
-  if not d["shape"] or d["shape"][0] != plan.old_n:
-    return d
-  a = np.asarray(d["values"]).reshape(d["shape"])[np.asarray(plan.source, np.int64)]
-  return {"dtype": d["dtype"], "shape": list(a.shape), "values": a.ravel().tolist()}
+  if plan.mode == "recreate" or not d["shape"] or d["shape"][0] != plan.old_n:
+    return d  # recreate: each replica's own past metrics, the lost ones' included
+  a = np.asarray(d["values"], np.float64).reshape(d["shape"])
+  if plan.mode == "drop":
+    a = a[np.asarray(plan.source, np.int64)]
+  else:  # grow: the new rows are the old mean, which every mean over these steps then keeps
+    a = np.concatenate([a, np.broadcast_to(a.mean(axis=0), (plan.new_n - plan.old_n,) + a.shape[1:])])
+  return {"dtype": d["dtype"], "shape": list(a.shape), "values": a.astype(d["dtype"]).ravel().tolist()}
 
 
 def resize_loop_record(record: dict, plan: Plan) -> dict:
-  """The loop record with its pending per-replica metrics ([N] arrays) following the row map."""
+  """The loop record with its pending per-replica metrics ([N] arrays) for N' replicas (module docstring)."""
   pending = record["pending"]
   metrics = [{k: _resize_json_array(v, plan) for k, v in m.items()} for m in pending["metrics"]]
   rounds = [[{k: _resize_json_array(v, plan) for k, v in m.items()}, w] for m, w in pending["rounds"]]
