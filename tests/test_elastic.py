@@ -24,6 +24,7 @@ from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.io.checkpoint import checksum
 from noloco_jax.io.checkpoint import logs
 from noloco_jax.io.checkpoint import resize
+from noloco_jax.outer import epidemic
 from noloco_jax.outer import pairing
 from noloco_jax.parallel import permutations
 from noloco_jax.tools import launch_local
@@ -110,6 +111,18 @@ def test_recreate_partners_follow_the_seeded_schedule(mode, group_size):
   again = resize.make_plan(mode="recreate", elastic_replicas="1,4,6", old_n=8, new_n=8, held={}, process_count=1,
                            seed=3, step=30, rounds_done=10, schedule=schedule)
   assert again == plan
+
+
+def test_recreate_under_epidemic_copies_a_replica_it_received_from():
+  schedule = epidemic.EpidemicSchedule(seed=1, num_replicas=8, fanout=2)
+  plan = resize.make_plan(mode="recreate", elastic_replicas="2,5", old_n=8, new_n=8, held={}, process_count=1,
+                          seed=1, step=9, rounds_done=3, schedule=schedule)
+  for r in (2, 5):
+    senders = [int(m[r]) for m in schedule.groups(2) if m[r] >= 0 and m[r] not in (2, 5)]
+    if senders:  # the latest round: the first survivor it received from
+      assert plan.recreated[r] == senders[0], (r, senders, plan.recreated)
+    else:
+      assert plan.recreated[r] not in (2, 5)
 
 
 def test_grow_starts_new_replicas_from_a_peers_slow_weights():

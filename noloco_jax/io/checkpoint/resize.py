@@ -8,8 +8,9 @@ replicas nothing here is needed (the checkpoint reshards onto fewer devices). Wi
   numbered 0 … N'−1 (new replica i is the i-th kept one).
 - "recreate": N' = N; each lost replica r is replaced by a copy of its last surviving partner: the
   first member not in L of r's group in the latest round before the checkpoint that grouped r with a
-  survivor (the seeded pairing schedule, the rounds of pairings.jsonl); a seeded draw among the
-  survivors when no round did (no round yet, or methods without pairing). Its whole state is copied:
+  survivor (the seeded pairing schedule, the rounds of pairings.jsonl; under Epidemic Learning the
+  first survivor r received from); a seeded draw among the survivors when no round did (no round
+  yet, or methods without pairing). Its whole state is copied:
   θ, the inner optimizer's state (Adam moments and step count), φ, δ (and a compression residual).
   The copy is a replica that exists, consistent in every part; it then diverges from its source
   through its own data stream (the lost replica's, at its saved position) and its own partners.
@@ -158,14 +159,15 @@ def plan_drop(old_n: int, lost: list[int]) -> Plan:
   return Plan("drop", old_n, len(kept), kept, dropped=tuple(sorted(lost)))
 
 
-def last_partners(groupings, lost: list[int], survivors: list[int], rng_for) -> dict[int, int]:
-  """{lost r: its last surviving partner}. `groupings` yields the rounds' groupings latest first
-  (tuples of groups, or of directed pairs for epidemic graphs); `rng_for(r)` the seeded fallback."""
+def last_partners(groupings, lost: list[int], survivors: list[int], rng_for, directed: bool = False) -> dict[int, int]:
+  """{lost r: its last surviving partner}. `groupings` yields the rounds' groupings latest first, each
+  a tuple of groups; `directed`: each group is (replica, the replicas it received from), so only its
+  first member looks for a partner in it. `rng_for(r)` is the seeded fallback's generator."""
   out, left, alive = {}, set(lost), set(survivors)
   for grouping in groupings:
     for group in grouping:
       members = [int(m) for m in group]
-      for r in [m for m in members if m in left]:
+      for r in [m for m in (members[:1] if directed else members) if m in left]:
         partner = next((m for m in members if m in alive), None)
         if partner is not None:
           out[r] = partner
@@ -175,6 +177,16 @@ def last_partners(groupings, lost: list[int], survivors: list[int], rng_for) -> 
   for r in sorted(left):  # never grouped with a survivor: a seeded draw among them
     out[r] = int(survivors[rng_for(r).integers(len(survivors))])
   return out
+
+
+def _groups(schedule, round_: int):
+  """Round `round_`'s groups: pairing.py's groupings as they are; an epidemic graph (outer/epidemic.py:
+  matchings, matching[g] = the replica g received from, or −1) as (g, the replicas it received from)."""
+  grouping = schedule.groups(round_)
+  if not hasattr(schedule, "fanout"):
+    return grouping
+  num = len(grouping[0]) if grouping else 0
+  return tuple((g, *(int(m[g]) for m in grouping if m[g] >= 0)) for g in range(num))
 
 
 def plan_recreate(old_n: int, partners: dict[int, int]) -> Plan:
@@ -214,9 +226,10 @@ def make_plan(*, mode: str, elastic_replicas: str, old_n: int, new_n: int, held:
   survivors = [r for r in range(old_n) if r not in set(lost)]
   if not survivors:
     raise ResizeError(f"config.checkpoint.elastic='recreate': every replica is lost ({source}); nothing to copy.")
-  groupings = (schedule.groups(t) for t in range(rounds_done - 1, -1, -1)) if schedule is not None else ()
+  groupings = (_groups(schedule, t) for t in range(rounds_done - 1, -1, -1)) if schedule is not None else ()
   rng_for = lambda r: permutations.generator(permutations.STREAM_ELASTIC, seed, step, 2, r)
-  return plan_recreate(old_n, last_partners(groupings, lost, survivors, rng_for))
+  directed = hasattr(schedule, "fanout")  # an epidemic graph: who received from whom
+  return plan_recreate(old_n, last_partners(groupings, lost, survivors, rng_for, directed))
 
 
 # ---- Applying a plan: the state, the loop record (NumPy rows) ----
