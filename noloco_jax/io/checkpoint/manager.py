@@ -271,7 +271,7 @@ class Checkpointer:
           new_n=config.num_replicas, held=resize.held_by_process(data), process_count=jax.process_count(),
           seed=config.seed, step=step, rounds_done=int(meta["round"]), schedule=self._setup.schedule)
     except resize.ResizeError as e:
-      raise IncompatibleCheckpointError(f"{where}: {e}.") from None
+      raise IncompatibleCheckpointError(f"{where}: {str(e).rstrip('.')}.") from None
 
   def _log_resize(self, plan, step: int, round_: int) -> None:
     """Says what changed: a log line, and (process 0) one row in elastic.jsonl, pairings.jsonl and metrics.jsonl."""

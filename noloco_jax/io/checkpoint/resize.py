@@ -213,8 +213,8 @@ def make_plan(*, mode: str, elastic_replicas: str, old_n: int, new_n: int, held:
     return plan_grow(old_n, new_n, seed, step)
   lost = lost_replicas(elastic_replicas, held, process_count, old_n)
   source = (f"config.checkpoint.elastic_replicas={elastic_replicas!r}" if elastic_replicas else
-            f"the replicas of the processes missing since the save ({sorted(p for p in held if p >= process_count)}"
-            f" of {len(held)}, now {process_count})")
+            f"held by process(es) {sorted(p for p in held if p >= process_count)} of the {len(held)} that saved it; "
+            f"the job now has {process_count}")
   if mode == "drop":
     if len(lost) != old_n - new_n or len(lost) == old_n:
       raise ResizeError(f"config.checkpoint.elastic='drop': the checkpoint has {old_n} replicas and "
