@@ -39,6 +39,7 @@ the replica ids under "recreate"; after "drop" and "grow" the data is dealt afre
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -307,18 +308,15 @@ def data_note(plan: Plan, step: int, batch_size: int) -> str:
 
 def read_host_state(directory: str, step: int, abstract, meta: dict):
   """The checkpoint's whole state ([N, ...] leaves, N of the checkpoint) as NumPy arrays on every
-  process, its per-replica checksums verified. A read-only manager of its own: the run's binds the
-  `state` item to the handler it saves with."""
+  process, its per-replica checksums verified. Read from the step's `state` item directly: the run's
+  CheckpointManager binds that item to the handler it saves with (StandardSave)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top  (the plans need no orbax)
   old_n = int(meta["num_replicas"])
   item = jax.tree.map(lambda x: jax.ShapeDtypeStruct((old_n,) + tuple(x.shape[1:]), x.dtype), abstract)
   restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-  reader = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
-  try:
-    state = reader.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=item, restore_args=restore_args)))["state"]
-  finally:
-    reader.close()
+  with ocp.PyTreeCheckpointer() as reader:
+    state = reader.restore(os.path.join(directory, str(step), "state"),
+                           args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
   if meta.get("state_checksums") not in (None, host_checksums(state)):
     raise checksum.StateChecksumError("the state read back does not match the checksums stored at save time")
   return state
