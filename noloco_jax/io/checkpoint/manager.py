@@ -264,14 +264,16 @@ class Checkpointer:
     config, where = self._config, f"checkpoint step {step} in {self.directory}"
     try:
       mode = resize.mode_for(meta, config)
-      if mode is None:
-        return None
-      return resize.make_plan(
+      plan = None if mode is None else resize.make_plan(
           mode=mode, elastic_replicas=config.checkpoint.elastic_replicas, old_n=int(meta["num_replicas"]),
           new_n=config.num_replicas, held=resize.held_by_process(data), process_count=jax.process_count(),
           seed=config.seed, step=step, rounds_done=int(meta["round"]), schedule=self._setup.schedule)
     except resize.ResizeError as e:
       raise IncompatibleCheckpointError(f"{where}: {str(e).rstrip('.')}.") from None
+    if plan is None and config.checkpoint.elastic:
+      logging.info("checkpoint: config.checkpoint.elastic=%s changes nothing in step %d (same replica count, no "
+                   "replica to re-create, or already applied): resumed as saved.", config.checkpoint.elastic, step)
+    return plan
 
   def _log_resize(self, plan, step: int, round_: int) -> None:
     """Says what changed: a log line, and (process 0) one row in elastic.jsonl, pairings.jsonl and metrics.jsonl."""
