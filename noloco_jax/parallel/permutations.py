@@ -39,6 +39,7 @@ STREAM_PAIRING = 0x9A1  # outer/pairing.py: the grouping of each round
 STREAM_PAIRING_INDEX = 0x9A2  # outer/pairing.py: the round_robin member of each round
 STREAM_RELABEL = 0x9A3  # the one relabelling ρ of a Family, per (purpose, seed)
 STREAM_ROUTING = 0x9B1  # parallel/routing.py: the key of the traced per-crossing draws
+STREAM_ELASTIC = 0x9C1  # io/checkpoint/resize.py: the peers of added replicas, fallback partners
 
 
 def generator(stream: int, seed: int, *counters: int) -> np.random.Generator:

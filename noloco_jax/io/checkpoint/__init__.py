@@ -5,11 +5,12 @@ One module per job:
   manager.py     the Checkpointer: save, restore, warm start, compatibility checks (orbax)
   records.py     what the meta item holds (loop state, pairing, shapes, config) and its JSON forms
   data_item.py   the per-process data item (stream positions of each process's replicas)
-  logs.py        metrics.jsonl / pairings.jsonl: durable rows, each once after a resume
+  logs.py        metrics.jsonl / pairings.jsonl / elastic.jsonl: durable rows, each once after a resume
   checksum.py    a checksum of every replica's state, stored at save and verified on restore
   quarantine.py  unreadable steps moved to workdir/checkpoints_corrupt/
   preemption.py  the SIGTERM flag, agreed by all processes
   guard.py       no NaN is saved; nan_policy "error" and "skip_round" (RoundGuard)
+  resize.py      elastic resume: another replica set (checkpoint.elastic drop | recreate | grow)
 
 Where a run starts, first match wins:
 
@@ -27,7 +28,8 @@ step is quarantined and the previous one taken; when no step is readable the run
 error rather than silently training from scratch; a step whose state does not match its stored
 checksums counts as unreadable. A checkpoint saved with another replica count, model, optimizer,
 outer method (`outer.kind`) or pairing schedule is an error naming the config fields that differ,
-not a fallback. Another device count or process count is fine: arrays are resharded on restore.
+not a fallback; another replica count is resumed only by request (`config.checkpoint.elastic`,
+resize.py, docs/elastic.md). Another device count or process count is fine: arrays are resharded on restore.
 A failed save (disk full) is one error naming the step, the cause and the intact previous step; a
 save in flight when the loop raises is completed first (`Checkpointer.settle_after_error`).
 """

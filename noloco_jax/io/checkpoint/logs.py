@@ -1,4 +1,4 @@
-"""The run's JSON-lines logs (metrics.jsonl, pairings.jsonl): durable rows, each exactly once after a resume.
+"""The run's JSON-lines logs (metrics.jsonl, pairings.jsonl, elastic.jsonl): durable rows, each exactly once after a resume.
 
 Two promises, kept together with the checkpointer:
 
@@ -25,7 +25,7 @@ from typing import Any, Mapping
 from absl import logging
 import jax
 
-LOG_FILES = ("metrics.jsonl", "pairings.jsonl")  # rows keyed by "step", rewritten on resume
+LOG_FILES = ("metrics.jsonl", "pairings.jsonl", "elastic.jsonl")  # rows keyed by "step", rewritten on resume
 
 
 class JsonlLog:
@@ -87,6 +87,23 @@ def rewrite_for_resume(path: str, step: int) -> tuple[int, int]:
   if late or repeats:
     _rewrite(path, keep)
   return late, repeats
+
+
+def replace_row(path: str, row: Mapping[str, Any]) -> None:
+  """Appends `row` after removing any row with its step and fields: a one-off row (io/checkpoint/
+  resize.py's events) is there once however often its resume is repeated, the latest attempt's."""
+  key, keep, lines = _row_key(dict(row)), [], []
+  if os.path.exists(path):
+    with open(path) as f:
+      lines = [line for line in f if line.strip()]
+  for line in lines:
+    try:
+      same = _row_key(json.loads(line)) == key
+    except json.JSONDecodeError:
+      same = False
+    if not same:
+      keep.append(line if line.endswith("\n") else line + "\n")
+  _rewrite(path, keep + [json.dumps(dict(row)) + "\n"])
 
 
 def start_afresh(path: str) -> int:

@@ -29,6 +29,7 @@ from noloco_jax.io.checkpoint import guard
 from noloco_jax.io.checkpoint import logs
 from noloco_jax.io.checkpoint import quarantine
 from noloco_jax.io.checkpoint import records
+from noloco_jax.io.checkpoint import resize
 from noloco_jax.io.checkpoint.data_item import PerProcessJsonRestore, PerProcessJsonSave, merge_data_states
 
 CHECKPOINT_DIR = "checkpoints"
@@ -206,7 +207,7 @@ class Checkpointer:
       jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
     bad = []
     for step in steps:
-      meta, state, data, error = self._read(step, abstract)
+      meta, plan, state, data, error = self._read(step, abstract)
       if not _everywhere(error is None):
         logging.warning("checkpoint: step %d in %s is not readable (%s: %s); trying the previous one.",
                         step, self.directory, type(error).__name__, str(error)[:300])
@@ -215,10 +216,17 @@ class Checkpointer:
       if bad:
         quarantine.quarantine(self._workdir, self.directory, bad)
         self._manager.reload()
-      data_iter.set_state(data)
+      record = records.loop_record(meta)
+      if plan is not None:  # config.checkpoint.elastic: another set of replicas (resize.py)
+        state = resize.place(resize.resize_state(state, plan), self._setup.state_shardings)
+        record = resize.resize_loop_record(record, plan)
+      if plan is None or plan.keeps_data:
+        data_iter.set_state(merge_data_states(data))
       logs.truncate_logs(self._workdir, step)
+      if plan is not None:
+        self._log_resize(plan, step, meta["round"])
       logging.info("checkpoint: resumed from step %d (round %d) in %s.", step, meta["round"], self.directory)
-      return state, type(loop_state).from_record(records.loop_record(meta))
+      return state, type(loop_state).from_record(record)
     if bad:
       raise NoReadableCheckpointError(
           f"no readable checkpoint in {self.directory} (steps {bad} all failed, see the warnings above); "
@@ -228,24 +236,59 @@ class Checkpointer:
       return self._warm_start(state, abstract), loop_state
     return state, loop_state
 
-  def _read(self, step: int, abstract) -> tuple[dict | None, Any, dict | None, Exception | None]:
-    """(meta, state, data state, None) or (..., the error) when a file of the step is unreadable."""
+  def _read(self, step: int, abstract) -> tuple[dict | None, resize.Plan | None, Any, dict | None, Exception | None]:
+    """(meta, elastic plan, state, per-process data files, None), or (..., the error) when a file of
+    the step is unreadable. With a plan, the state is the checkpoint's, in host memory (resize.py)."""
     try:
       meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
       if meta.get("format") != records.FORMAT or meta.get("step") != step:
         raise ValueError(f"meta item: format {meta.get('format')!r}, step {meta.get('step')!r}")
+      data = self._manager.restore(step, args=ocp.args.Composite(data=PerProcessJsonRestore()))["data"]
     except Exception as e:  # pylint: disable=broad-except
-      return None, None, None, e
-    self._check_compatible(meta, abstract, step)  # outside the try: a different setup is an error
+      return None, None, None, None, e
+    # Outside the try: a different setup, or an elastic setting that does not fit, is an error.
+    plan = self._elastic_plan(meta, data, step)
+    self._check_compatible(meta, abstract, step, plan)
     try:
-      items = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract), data=PerProcessJsonRestore()))
-      checksum.verify(meta, items["state"], self._setup.mesh)
-      return meta, items["state"], merge_data_states(items["data"]), None
+      if plan is None:
+        state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+        checksum.verify(meta, state, self._setup.mesh)
+      else:  # the checkpoint's replicas, read whole into host memory and resized there
+        state = resize.read_host_state(self.directory, step, abstract, meta)
+      return meta, plan, state, data, None
     except Exception as e:  # pylint: disable=broad-except
-      return meta, None, None, e
+      return meta, plan, None, None, e
 
-  def _check_compatible(self, meta: dict, abstract, step: int) -> None:
+  def _elastic_plan(self, meta: dict, data: dict, step: int):
+    """The resize.Plan for resuming this checkpoint, None for a plain resume (config.checkpoint.elastic)."""
+    config, where = self._config, f"checkpoint step {step} in {self.directory}"
+    try:
+      mode = resize.mode_for(meta, config)
+      plan = None if mode is None else resize.make_plan(
+          mode=mode, elastic_replicas=config.checkpoint.elastic_replicas, old_n=int(meta["num_replicas"]),
+          new_n=config.num_replicas, held=resize.held_by_process(data), process_count=jax.process_count(),
+          seed=config.seed, step=step, rounds_done=int(meta["round"]), schedule=self._setup.schedule)
+    except resize.ResizeError as e:
+      raise IncompatibleCheckpointError(f"{where}: {str(e).rstrip('.')}.") from None
+    if plan is None and config.checkpoint.elastic:
+      logging.info("checkpoint: config.checkpoint.elastic=%s changes nothing in step %d (same replica count, no "
+                   "replica to re-create, or already applied): resumed as saved.", config.checkpoint.elastic, step)
+    return plan
+
+  def _log_resize(self, plan, step: int, round_: int) -> None:
+    """Says what changed: a log line, and (process 0) one row in elastic.jsonl, pairings.jsonl and metrics.jsonl."""
+    logging.warning("%s", plan.describe())
+    logging.warning("%s", resize.data_note(plan, step, self._config.data.batch_size))
+    if jax.process_index() != 0:
+      return
+    event = plan.event(step, round_)
+    for name in ("elastic.jsonl", "pairings.jsonl"):
+      logs.replace_row(os.path.join(self._workdir, name), event)
+    logs.replace_row(os.path.join(self._workdir, "metrics.jsonl"), {
+        "step": int(step), "elastic/replicas_before": plan.old_n, "elastic/replicas_after": plan.new_n,
+        "elastic/dropped": len(plan.dropped), "elastic/recreated": len(plan.recreated), "elastic/added": len(plan.added)})
+
+  def _check_compatible(self, meta: dict, abstract, step: int, plan: resize.Plan | None = None) -> None:
     where = f"checkpoint step {step} in {self.directory}"
     changed = records.config_changes(meta.get("config", {}), json.loads(self._config.to_json_best_effort()))
     fields = f"config fields that differ: {_listed(changed)}" if changed else "no config field differs"
@@ -255,6 +298,16 @@ class Checkpointer:
     if kind:  # the outer state of another method means something else, even where its shapes agree
       raise IncompatibleCheckpointError(f"{where} was saved by another outer method ({kind[0]}); {fields}. {remedy}")
     saved, now = meta["state_shapes"], records.shapes(abstract)
+    if plan is not None and plan.old_n != plan.new_n:  # another replica count, by request: the rest must match
+      changed = [c for c in changed if not c.startswith("num_replicas:")]
+      fields = f"config fields that differ: {_listed(changed)}" if changed else "no other config field differs"
+      why = resize.other_differences(saved, now, meta["pairing"],
+                                     records.schedule_record(self._setup.schedule, meta["round"]))
+      if why:
+        raise IncompatibleCheckpointError(f"{where} {why}; {fields}. {remedy}")
+      if changed:
+        logging.warning("resume: the config differs from the checkpoint's in %s.", changed)
+      return
     if saved != now:
       diff = [f"{k}: saved {saved.get(k)}, now {now.get(k)}" for k in sorted(set(saved) | set(now))
               if saved.get(k) != now.get(k)]
