@@ -78,10 +78,11 @@ class Programs:
       state = merge_local(state, mean_c)
       return state.replace(outer=jax.device_put(state.outer, home)) if home is not None else state
 
-    # No donation in `message`: the next inner step takes the state. `merge` donates the state and the
-    # arrived mean; with explicit shardings the state leaves laid out as it came (no reshard).
+    # No donation in `message`: the next inner step takes the state. `merge` donates the state (the
+    # arrived mean has no output of its kind to alias); with explicit shardings the state leaves laid
+    # out as it came (no reshard).
     self.message = jax.jit(message, out_shardings=(params_sh, replicas) if params_sh is not None else None)
-    self.merge = jax.jit(merge, donate_argnums=(0, 1),
+    self.merge = jax.jit(merge, donate_argnums=0,
                          out_shardings=state_shardings if state_shardings is not None else None)
     self._params_sh = params_sh
     self.zeros = jax.jit(lambda params: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
