@@ -14,8 +14,9 @@ process's traffic shares that one queue). No traffic leaves 127.0.0.1 of that na
    sleep of --step_s after it (NOLOCO_FAULTS delay; the smoke model's real step takes milliseconds), so
    the figures do not depend on how loaded this machine is. Per process: round time = (inner steps +
    sleeps + round calls) / rounds; idle = time in round calls (τ = 0: the whole exchange; τ > 0: the
-   send's dispatch and, at the merge, the wait for what has not arrived) / total. The first round
-   (compiles) is left out.
+   send's dispatch and, at the merge, the wait for what has not arrived) / total. The first two rounds
+   (compiles, then the processes falling back into step) and the last step (its exchange is merged at
+   once, the end-of-run rule; reported apart) are left out.
 
     python experiments/bench_overlap.py --probe                  # part 1 (root: a network namespace)
     python experiments/bench_overlap.py                          # part 2: noloco and gossip, τ = 0 and 5
@@ -170,10 +171,13 @@ def run_one(method: str, tau: int, args, root: str) -> dict:
 
 
 def summarise(method: str, tau: int, traces: list, last_row: dict, inner_steps: int) -> dict:
-  """Round time and idle fraction per process, from the first round's end on (see the module doc)."""
+  """Round time and idle fraction per process in the steady state (see the module doc): from the end of
+  the second round (the first compiles; in the second the processes fall back into step after the
+  compile skew) to the step before the last, whose exchange is merged at once (the end-of-run rule),
+  which is reported apart as final_round_call_s."""
   per_process = []
   for trace in traces:
-    steps = trace[inner_steps:]
+    steps = trace[2 * inner_steps:-1]
     inner = np.asarray([s["inner_s"] for s in steps])
     wait = np.asarray([s["round_s"] for s in steps])
     slept = np.asarray([s["slept_s"] for s in steps])
@@ -181,11 +185,13 @@ def summarise(method: str, tau: int, traces: list, last_row: dict, inner_steps: 
     rounds = len(steps) / inner_steps
     per_process.append({"round_s": float(total.sum() / rounds), "idle_s_per_round": float(wait.sum() / rounds),
                         "idle_fraction": float(wait.sum() / total.sum()),
-                        "longest_round_call_s": float(wait.max()) if len(wait) else 0.0})
+                        "longest_round_call_s": float(wait.max()) if len(wait) else 0.0,
+                        "final_round_call_s": float(trace[-1]["round_s"])})
   return {"method": method, "overlap_steps": tau, "round_s": [p["round_s"] for p in per_process],
           "idle_fraction": [p["idle_fraction"] for p in per_process],
           "idle_s_per_round": [p["idle_s_per_round"] for p in per_process],
           "longest_round_call_s": [p["longest_round_call_s"] for p in per_process],
+          "final_round_call_s": [p["final_round_call_s"] for p in per_process],
           "bytes_sent_per_replica": last_row.get("comm/bytes_per_replica"), "train_loss": last_row.get("train/loss")}
 
 
@@ -195,7 +201,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--methods", nargs="+", default=["noloco", "gossip"])
   parser.add_argument("--taus", type=int, nargs="+", default=[0, 5])
   parser.add_argument("--mix", type=float, default=0.5, help="outer.overlap_mix")
-  parser.add_argument("--steps", type=int, default=60)
+  parser.add_argument("--steps", type=int, default=100)
   parser.add_argument("--inner_steps", type=int, default=10)
   parser.add_argument("--step_s", type=float, default=0.1, help="simulated compute per step (a sleep)")
   parser.add_argument("--rate", default="4mbit", help="tbf rate on loopback (a new network namespace; '' = none)")
@@ -204,8 +210,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--probe_mb", type=float, default=2.0)
   parser.add_argument("--probe_layers", type=int, default=5, help="matrix products in the compute program")
   parser.add_argument("--probe_reps", type=int, default=5)
-  parser.add_argument("--quick", action="store_true", help="seconds-long: no bandwidth limit, 6 steps, noloco τ=0,1")
+  parser.add_argument("--quick", action="store_true", help="seconds-long: no bandwidth limit, 8 steps, noloco τ=0,1")
   parser.add_argument("--out", default="", help="also write the JSON here")
+  parser.add_argument("--keep", default="", help="keep the runs' workdirs (traces, logs) under this folder")
   parser.add_argument("--_probe_worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--_in_namespace", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -213,7 +220,7 @@ def main(argv=None) -> dict:
     _probe_worker(args.probe_mb, args.probe_layers, args.probe_reps)
     return {}
   if args.quick:
-    args.rate, args.steps, args.inner_steps, args.taus, args.methods, args.step_s = "", 6, 2, [0, 1], ["noloco"], 0.0
+    args.rate, args.steps, args.inner_steps, args.taus, args.methods, args.step_s = "", 8, 2, [0, 1], ["noloco"], 0.0
   if args.rate and not args._in_namespace:
     _in_namespace(args)
   if args.probe:
@@ -223,7 +230,7 @@ def main(argv=None) -> dict:
     results = {"part": "training", "setting": {"rate": args.rate or None, "processes": args.processes,
                                                "steps": args.steps, "inner_steps": args.inner_steps,
                                                "step_s": args.step_s, "mix": args.mix}, "runs": []}
-    root = tempfile.mkdtemp(prefix="bench_overlap_")
+    root = args.keep or tempfile.mkdtemp(prefix="bench_overlap_")
     try:
       for method in args.methods:
         for tau in args.taus:
@@ -231,7 +238,8 @@ def main(argv=None) -> dict:
           results["runs"].append(out)
           print(json.dumps(out), flush=True)
     finally:
-      shutil.rmtree(root, ignore_errors=True)
+      if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(results))
   if args.out:
     with open(args.out, "w") as f:

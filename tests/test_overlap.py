@@ -212,3 +212,40 @@ def test_overlapped_training_resumes_bitwise_from_inside_a_window(tmp_path, capl
   for a, b in zip(jax.tree.leaves(first["state"]), jax.tree.leaves(second["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert first["comm/bytes_per_replica"] == second["comm/bytes_per_replica"]
+
+
+# ---- Two processes over loopback: the send on a second thread (outer/overlap.py), same numbers ----
+
+
+def test_two_processes_with_the_threaded_send_match_one_process(tmp_path):
+  """2 processes × 1 device take the threaded send (threaded_send_is_safe); an evaluation (6), the stop
+  agreement (6) and a checkpoint (4) fall inside windows and wait for the exchange. Same metrics as one
+  process, whose send is dispatched in order."""
+  from noloco_jax.io import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.tools import launch_local  # pylint: disable=g-import-not-at-top
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  overrides = {"num_replicas": 2, "checkpoint_every": 4, "outer.overlap_steps": 2}
+  workdir = tmp_path / "two"
+  job = launch_local.Job(2, 1, ["--config=configs/default.py:smoke", f"--workdir={workdir}"]
+                         + [f"--config.{k}={v}" for k, v in overrides.items()],
+                         log_dir=str(tmp_path / "logs"), cwd=repo, env={"NOLOCO_HEARTBEAT_TIMEOUT_S": "30"})
+  codes = job.wait(timeout_s=480, grace_s=30)
+  assert codes == [0, 0], "".join(open(p).read()[-3000:] for p in job.log_paths)
+  config = default.get_config("smoke")
+  config.num_replicas, config.checkpoint_every = 2, 4
+  config.outer.overlap_steps = 2
+  train.train_and_evaluate(config, str(tmp_path / "one"))
+
+  def rows(path):  # timings left out, and the per-round weight std only a one-process job logs
+    return [{k: v for k, v in r.items() if not k.startswith("perf/") and not (k == "replicas/weight_std" and "train/loss" in r)}
+            for r in metrics_lib.read_jsonl(os.path.join(path, "metrics.jsonl"))]
+
+  got, want = rows(workdir), rows(tmp_path / "one")
+  assert [r["step"] for r in got] == [r["step"] for r in want] and len(want) > 4
+  for g, w in zip(got, want):
+    assert g.keys() == w.keys(), (g, w)
+    for key in w:
+      np.testing.assert_allclose(g[key], w[key], rtol=1e-5, err_msg=f"step {w['step']} {key}")
+  meta = json.load(open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")))
+  assert meta["inflight_step"] == 3
