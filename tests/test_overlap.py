@@ -249,3 +249,21 @@ def test_two_processes_with_the_threaded_send_match_one_process(tmp_path):
       np.testing.assert_allclose(g[key], w[key], rtol=1e-5, err_msg=f"step {w['step']} {key}")
   meta = json.load(open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")))
   assert meta["inflight_step"] == 3
+
+
+def test_the_loop_state_keeps_the_in_flight_step_and_the_late_weight_std():
+  from noloco_jax.training.loop_state import LoopState  # pylint: disable=g-import-not-at-top
+
+  loop = LoopState(step=4, round=1, comm_bytes=8)
+  loop.add_round({"pseudo_grad_norm": np.ones(2, np.float32)}, None, 8)  # sent: weight std not known yet
+  loop.inflight_step = 4
+  back = LoopState.from_record(json.loads(json.dumps(loop.to_record())))
+  assert back.inflight_step == 4 and back.round == 2
+  assert LoopState.from_record({**loop.to_record(), "inflight_step": 0}).inflight_step == 0
+  old = {k: v for k, v in loop.to_record().items() if k != "inflight_step"}  # a checkpoint from before
+  assert LoopState.from_record(old).inflight_step == 0
+  loop.set_round_weight_std(0.5)  # at the merge
+  assert loop.pending_rounds[-1][1] == 0.5
+  loop.take_pending()
+  loop.set_round_weight_std(0.7)  # the round was logged before its merge: nothing to set
+  assert loop.pending_rounds == []
