@@ -232,6 +232,7 @@ def test_two_processes_with_the_threaded_send_match_one_process(tmp_path):
                          log_dir=str(tmp_path / "logs"), cwd=repo, env={"NOLOCO_HEARTBEAT_TIMEOUT_S": "30"})
   codes = job.wait(timeout_s=480, grace_s=30)
   assert codes == [0, 0], "".join(open(p).read()[-3000:] for p in job.log_paths)
+  assert "the exchange is called on a second thread" in open(job.log_paths[0]).read()
   config = default.get_config("smoke")
   config.num_replicas, config.checkpoint_every = 2, 4
   config.outer.overlap_steps = 2

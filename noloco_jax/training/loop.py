@@ -203,8 +203,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
 def _exchanges(setup: build_lib.Setup, state) -> overlap_lib.Exchanges:
   """The overlapped rounds (outer/overlap.py); the send runs on a second thread where that is measured safe."""
   programs = overlap_lib.Programs(setup.method, setup.mesh, setup.schedule, setup.state_shardings)
-  return overlap_lib.Exchanges(programs, state, setup.config.outer.overlap_steps,
-                               threaded=overlap_lib.threaded_send_is_safe(setup.config))
+  threaded = overlap_lib.threaded_send_is_safe(setup.config)
+  logging.info("Streaming overlap: τ=%d steps, λ=%s; the exchange is called %s.", setup.config.outer.overlap_steps,
+               setup.config.outer.overlap_mix, "on a second thread" if threaded else "in order on the main thread")
+  return overlap_lib.Exchanges(programs, state, setup.config.outer.overlap_steps, threaded=threaded)
 
 
 def _open_data(setup: build_lib.Setup):
