@@ -268,3 +268,20 @@ def test_the_loop_state_keeps_the_in_flight_step_and_the_late_weight_std():
   loop.take_pending()
   loop.set_round_weight_std(0.7)  # the round was logged before its merge: nothing to set
   assert loop.pending_rounds == []
+
+
+def test_the_merge_keeps_every_dtype_with_a_bfloat16_outer_state():
+  """outer.state_dtype wraps the merge as it wraps the plain round (rounds.with_state_dtype)."""
+  method = rounds_lib.with_state_dtype(outer_lib.make_method(_outer_cfg(overlap_steps=1)), "bfloat16")
+  theta = _targets(2)
+  mesh = mesh_lib.make_mesh(N, N)
+  state = jax.device_put(TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=method.init(theta)),
+                         mesh_lib.replica_sharding(mesh))
+  schedule = pairing.PairingSchedule(seed=0, num_replicas=N, group_size=2, mode="fixed")
+  exchanges = overlap_lib.Exchanges(overlap_lib.Programs(method, mesh, schedule), state, 1, threaded=False)
+  before = jax.tree.map(lambda x: x.dtype, state)
+  exchanges.send(state, 0, 1)
+  merged = exchanges.merge(state)
+  exchanges.close()
+  assert jax.tree.map(lambda x: x.dtype, merged) == before
+  assert {x.dtype for x in jax.tree.leaves(merged.outer)} == {jnp.dtype(jnp.bfloat16)}

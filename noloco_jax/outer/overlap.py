@@ -184,8 +184,9 @@ class Exchanges:
     self._pending, self.sent_at = (mean, sent_at) if sent_at else (None, 0)
     return state.replace(outer=outer)
 
-  def close(self) -> None:
+  def close(self, wait: bool = True) -> None:
+    """`wait=False` on an error path: a send blocked on a partner that failed must not hold the error up."""
     if self._executor is not None:
-      self._executor.shutdown(wait=True, cancel_futures=True)
+      self._executor.shutdown(wait=wait, cancel_futures=True)
     self.sends.close()
     self._local.close()

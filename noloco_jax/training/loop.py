@@ -161,9 +161,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
         logging.warning("Stop requested: saved a checkpoint at step %d; run the same command to resume.", step)
         break
   except BaseException:
-    for programs in (round_programs, exchanges):
-      if programs is not None:
-        programs.close()
+    if round_programs is not None:
+      round_programs.close()
+    if exchanges is not None:
+      exchanges.close(wait=False)  # a send may be stuck on a partner that failed
     # Leave no prefetch thread or open writer behind an error (e.g. a NaN stop in a notebook), and
     # flush the metrics written so far. A save in flight is completed (or, in a multi-process job whose
     # peers may be the ones that failed, abandoned after a bounded wait, saying so): never lost silently.
