@@ -285,3 +285,19 @@ def test_the_merge_keeps_every_dtype_with_a_bfloat16_outer_state():
   exchanges.close()
   assert jax.tree.map(lambda x: x.dtype, merged) == before
   assert {x.dtype for x in jax.tree.leaves(merged.outer)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_bench_overlap_quick_mode_reports_both_settings():
+  """experiments/bench_overlap.py --quick: 2 processes, τ = 0 and 1, no bandwidth limit (seconds)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location("bench_overlap", os.path.join(repo, "experiments", "bench_overlap.py"))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  result = bench.main(["--quick"])
+  runs = result["runs"]
+  assert [r["overlap_steps"] for r in runs] == [0, 1]
+  assert runs[0]["bytes_sent_per_replica"] == runs[1]["bytes_sent_per_replica"] > 0  # same bytes per round
+  for run in runs:
+    assert len(run["round_s"]) == 2 and all(0 <= f <= 1 for f in run["idle_fraction"])
