@@ -30,6 +30,9 @@ def check_across_sections(config: Config) -> None:
     fail("checkpoint_every", c.checkpoint_every,
          f"a multiple of outer.inner_steps={c.outer.inner_steps} with nan_policy='skip_round' (saves then fall "
          "at round ends, after the round has been checked)")
+  if c.outer.overlap_steps and c.nan_policy == "skip_round":
+    fail("outer.overlap_steps", c.outer.overlap_steps,
+         "0 with nan_policy='skip_round' (a round undone at its end cannot take back an exchange in flight)")
   if c.outer.kind in GROUPED_KINDS and c.num_replicas % c.outer.group_size:
     fail("outer.group_size", c.outer.group_size,
          f"a divisor of num_replicas={c.num_replicas} (the replicas are cut into equal groups)")

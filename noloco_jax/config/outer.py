@@ -75,6 +75,12 @@ class OuterConfig(Section):
   # round's message (to whichever partner that goes). 0 = no feedback (and no residual in the state).
   feedback_decay: float = 1.0
   fanout: int = 1  # epidemic: s, the random peers each replica sends its model to per round (< num_replicas)
+  # Streaming overlap (noloco, gossip with compression='none'; docs/method.md §13): τ inner steps run
+  # while a round's exchange is in flight; its group mean is merged after step tH + τ. 0 = wait for it.
+  overlap_steps: int = 0  # τ, in [0, inner_steps)
+  # λ of the delayed merge θ ← λ·θ_local + (1 − λ)·φ_new (Streaming DiLoCo's mixing factor; 0.5 there):
+  # the share of the τ in-flight steps' progress a replica keeps. 0 discards it; 1 never pulls θ to φ.
+  overlap_mix: float = 0.5
 
   def check(self) -> None:
     one_of("outer.kind", self.kind, KINDS)
@@ -106,7 +112,22 @@ class OuterConfig(Section):
     if self.kind == "epidemic":
       at_least("outer.fanout", self.fanout, 1)
       one_of("outer.pairing", self.pairing, ("fresh", "fixed"))  # a graph per round, not a matching
+    self._check_overlap()
     if self.kind == "noloco":
       if not self.consensus_weight > 0:
         fail("outer.consensus_weight", self.consensus_weight, "a number > 0")
       # The stability of (α, γ) depends on num_replicas too: checked across sections (config/checks.py).
+
+  def _check_overlap(self) -> None:
+    if not 0 <= self.overlap_steps < self.inner_steps:
+      fail("outer.overlap_steps", self.overlap_steps,
+           f"an integer in [0, outer.inner_steps − 1] = [0, {self.inner_steps - 1}] (the exchange of one round "
+           "is merged before the next round's is sent)")
+    if not 0 <= self.overlap_mix <= 1:
+      fail("outer.overlap_mix", self.overlap_mix, "a number in [0, 1]")
+    if self.overlap_steps and self.kind not in GROUP_KINDS:
+      fail("outer.overlap_steps", self.overlap_steps,
+           f"0 with outer.kind={self.kind!r} (the overlapped exchange exists for noloco and gossip)")
+    if self.overlap_steps and self.compression != "none":
+      fail("outer.overlap_steps", self.overlap_steps,
+           f"0 with outer.compression={self.compression!r} (the overlapped exchange sends plain messages)")

@@ -13,7 +13,8 @@
 A method's round function runs inside `shard_map` over `replica` and sees the k replicas of one device
 stacked (see mesh.replica_map). Communication: NoLoCo and gossip through exchange.py (ppermutes within
 the groups, no all-reduce); DiLoCo's all-reduce and DDP's gradient average are the `jax.lax.pmean` over
-`replica` in this file (`_mean_over_replicas`).
+`replica` in this file (`_mean_over_replicas`). NoLoCo and gossip with plain messages also come cut in
+two (`OverlapRule`: message, send, merge) for streaming overlap (outer/overlap.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ MESSAGE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
+class OverlapRule:
+  """A round cut in two for streaming overlap (`outer.overlap_steps` > 0; outer/overlap.py runs it).
+
+  Each callable works on the k replicas of one device, inside the replica shard_map. Only `send`
+  communicates; it reads the message alone, never the state, so the inner steps that run while it is
+  in flight (and donate the state) do not wait for it.
+  """
+  message: Callable  # states_k -> (c_k in float32, metrics_k): the round's message, at its start
+  make_send: Callable  # (pool, num_devices) -> send(c_k, route) -> mean_G(c)_k in float32
+  merge: Callable  # (states_k, mean_c_k) -> states_k: the rule, applied τ steps late, and the mix
+
+
+@dataclasses.dataclass(frozen=True)
 class OuterMethod:
   kind: str
   has_rounds: bool  # whether an outer step runs every H inner steps
@@ -50,6 +64,7 @@ class OuterMethod:
   make_round: Callable[[tuple[Groups, ...] | None, int], Callable] | None
   bytes_per_round: Callable  # params of one replica -> bytes each replica puts into collectives per round
   bytes_per_step: Callable  # params of one replica -> bytes per inner step (ddp)
+  overlap: OverlapRule | None = None  # noloco / gossip with plain messages: the round cut in two
 
 
 def tree_bytes(tree, dtype=None) -> int:
@@ -66,7 +81,7 @@ def _slow_and_momentum(params):
 
 
 def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dtype, kind: str,
-            coded: coded_lib.CodedMessage | None = None) -> OuterMethod:
+            coded: coded_lib.CodedMessage | None = None, mix: float = 0.5) -> OuterMethod:
   if coded is not None:  # outer.compression != none: see coded.py and docs/compression.md
     def init(params):
       residual = coded.init_residual(params)
@@ -92,11 +107,27 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dt
       return states.replace(params=theta, outer={"slow": phi, "momentum": delta}), metrics
     return round_fn
 
+  # The same round cut in two for streaming overlap (outer/overlap.py): the message and the group mean
+  # are exactly the lines above; the rule runs τ steps later, on the state as it is then.
+  def message(states: TrainState):
+    metrics = {"pseudo_grad_norm": _pseudo_grad_norm(states)}
+    return rules.noloco_message(states.params, states.outer["slow"], beta=beta, gamma=gamma), metrics
+
+  def make_send(pool, num_devices):
+    if pool is None and num_devices != 1:
+      raise ValueError("a grouping passed as data (pool=None) needs one device; a mesh needs static groupings.")
+    return lambda c, route: exchange.group_mean_for_round(c, pool, route, num_devices, message_dtype)
+
+  def merge(states: TrainState, mean_c):
+    theta, phi, delta = rules.noloco_delayed_merge(states.params, states.outer["slow"], states.outer["momentum"],
+                                                   mean_c, alpha=alpha, gamma=gamma, mix=mix)
+    return states.replace(params=theta, outer={"slow": phi, "momentum": delta})
+
   return OuterMethod(
       kind=kind, has_rounds=True, uses_pairing=True, init=_slow_and_momentum, reduce_grads=None,
       make_round=make_round,
       bytes_per_round=lambda params: (group_size - 1) * tree_bytes(params, message_dtype),
-      bytes_per_step=lambda params: 0)
+      bytes_per_step=lambda params: 0, overlap=OverlapRule(message=message, make_send=make_send, merge=merge))
 
 
 def _epidemic(fanout: int, message_dtype) -> OuterMethod:
@@ -183,11 +214,11 @@ def make_method(outer_cfg: ml_collections.ConfigDict | OuterConfig,
   kind = outer_cfg.kind
   if kind == "noloco":
     return _noloco(outer_cfg.outer_momentum, outer_cfg.outer_lr, outer_cfg.consensus_weight, outer_cfg.group_size,
-                   MESSAGE_DTYPES[outer_cfg.message_dtype], kind, _coded(outer_cfg))
+                   MESSAGE_DTYPES[outer_cfg.message_dtype], kind, _coded(outer_cfg), outer_cfg.overlap_mix)
   if kind == "gossip":
     # The momentum ablation: pure pairwise averaging of the fast weights, φ ← mean_G θ.
     return _noloco(0.0, 1.0, 1.0, outer_cfg.group_size, MESSAGE_DTYPES[outer_cfg.message_dtype], kind,
-                   _coded(outer_cfg))
+                   _coded(outer_cfg), outer_cfg.overlap_mix)
   if kind == "epidemic":
     return _epidemic(outer_cfg.fanout, MESSAGE_DTYPES[outer_cfg.message_dtype])
   if kind == "epidemic_adam":

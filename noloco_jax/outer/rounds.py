@@ -108,5 +108,12 @@ def with_state_dtype(method: OuterMethod, dtype: str) -> OuterMethod:
       return jax.tree.map(lambda x, old: x.astype(old.dtype), new, states), metrics
     return round_fn
 
+  overlap = method.overlap
+  if overlap is not None:
+    merge_local = overlap.merge
+
+    def merge(states, mean_c):
+      return jax.tree.map(lambda x, old: x.astype(old.dtype), merge_local(states, mean_c), states)
+    overlap = dataclasses.replace(overlap, merge=merge)
   return dataclasses.replace(method, init=lambda params: inner.cast_floats(method.init(params), dtype),
-                             make_round=make_round if method.make_round is not None else None)
+                             make_round=make_round if method.make_round is not None else None, overlap=overlap)

@@ -8,6 +8,10 @@ NoLoCo, with the corrected sign (+β, as the paper's appendix Eq. 32 and the ref
 Only one tensor per member has to cross the network, because
     β·mean_G(θ − φ) + γ·mean_G φ = mean_G(c),   c = β·θ + (γ − β)·φ,
 so the update is  δ ← α·δ + mean_G(c) − γ·φ_i.   The momentum is heavy-ball (δ is added to φ as is).
+
+With streaming overlap (outer.overlap_steps = τ > 0, docs/method.md §13) the same φ, δ update is applied
+τ inner steps late, and the fast weights, which moved on meanwhile, are mixed rather than reset:
+    θ ← λ·θ_local + (1 − λ)·φ_new        (λ = outer.overlap_mix)
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ def noloco_update(phi, delta, mean_c, *, alpha: float, gamma: float):
   new_phi = jax.tree.map(lambda p, d: p + d, _f32(phi), new_delta)
   new_phi, new_delta = _like(new_phi, phi), _like(new_delta, delta)
   return new_phi, new_phi, new_delta
+
+
+def noloco_delayed_merge(theta_local, phi, delta, mean_c, *, alpha: float, gamma: float, mix: float):
+  """The merge of an exchange that arrives τ steps late: returns (θ, φ, δ).
+
+  φ and δ follow `noloco_update` exactly (they depend only on the φ, δ and mean_G(c) of the round's
+  start, which the inner steps never touch); θ ← mix·θ_local + (1 − mix)·φ_new, in float32.
+  """
+  new_phi, _, new_delta = noloco_update(phi, delta, mean_c, alpha=alpha, gamma=gamma)
+  theta = jax.tree.map(lambda t, p: (mix * t.astype(jnp.float32) + (1.0 - mix) * p.astype(jnp.float32)).astype(t.dtype),
+                       theta_local, new_phi)
+  return theta, new_phi, new_delta
 
 
 def pseudo_gradient(theta, phi):

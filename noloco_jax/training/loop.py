@@ -23,6 +23,7 @@ from noloco_jax.io import data as data_lib
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.io import process_metrics
 from noloco_jax.io import workdir_lock
+from noloco_jax.outer import overlap as overlap_lib
 from noloco_jax.parallel import distributed
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
@@ -59,7 +60,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   distributed.check_consistency(config, mesh, state, workdir=workdir)
   # Then the latest checkpoint of this workdir, else the warm start, else this fresh state (io/checkpoint).
   checkpointer = checkpoint_lib.Checkpointer(setup, workdir)
-  state, loop = checkpointer.restore(state, train_iter, LoopState())
+  # Streaming overlap (outer.overlap_steps > 0): a round's exchange stays in flight for τ inner steps
+  # (outer/overlap.py); its mean is part of every checkpoint.
+  exchanges = _exchanges(setup, state) if config.outer.overlap_steps else None
+  if exchanges is not None:
+    state, loop = checkpointer.restore(exchanges.for_checkpoint(state), train_iter, LoopState())
+    state = exchanges.from_checkpoint(state, loop.inflight_step)
+  else:
+    state, loop = checkpointer.restore(state, train_iter, LoopState())
   if is_main:  # only now: a refused resume leaves the config that describes the checkpoints
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
@@ -87,9 +95,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   # collectives (training/dispatch.py explains how).
   window = dispatch.DispatchWindow()
   # Round r's program compiles in the background during round r's inner steps (outer/ahead.py).
-  round_programs = setup.rounds.ahead(state) if setup.method.has_rounds else None
-  if round_programs is not None:
-    round_programs.prefetch(loop.round)
+  round_programs = setup.rounds.ahead(state) if setup.method.has_rounds and exchanges is None else None
+  for programs in (round_programs, exchanges):
+    if programs is not None:
+      programs.prefetch(loop.round)
   if not loop.resumed:
     _evaluate_and_log(setup, state, eval_batches, writer, loop, 0)  # step 0: the untrained baseline
 
@@ -103,40 +112,59 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
 
       if setup.method.has_rounds and step % H == 0:
         fault.before_round(state)
-        round_fn, route = round_programs.program(loop.round)  # also starts compiling the next round's
-        state, round_metrics = round_fn(state, route)
         if pairing_log is not None:
           row = {"round": loop.round, "step": step, "groups": [list(g) for g in setup.schedule.groups(loop.round)]}
           if setup.schedule.mode == "round_robin":
             row["matching"] = setup.schedule.index(loop.round)
           pairing_log.append(row)
-        loop.add_round(round_metrics, setup.weight_std(state.params) if job_wide else None, bytes_per_round)
+        if exchanges is None:
+          round_fn, route = round_programs.program(loop.round)  # also starts compiling the next round's
+          state, round_metrics = round_fn(state, route)
+          loop.add_round(round_metrics, setup.weight_std(state.params) if job_wide else None, bytes_per_round)
+        else:  # sent now, merged after step + τ (below): the inner steps in between do not wait for it
+          loop.add_round(exchanges.send(state, loop.round, step), None, bytes_per_round)
+          loop.inflight_step = step
+      if exchanges is not None and exchanges.merge_due(step, config.num_steps):
+        fault.before_round(state)  # NOLOCO_TRACE counts the wait for the exchange as the round's time
+        state = exchanges.merge(state)
+        loop.inflight_step = 0
+        if job_wide:
+          loop.set_round_weight_std(setup.weight_std(state.params))
       state = guard.end(step, state, loop.history)
       window.push(step_metrics["loss"])
       report(step)
       fault.after_step(step, state)
 
       if step % max(config.log_every, 1) == 0 or step == config.num_steps:
+        if exchanges is not None and job_wide:
+          exchanges.settle()  # the job-wide log's gather is a collective: never beside one in flight
         scalars = _train_scalars(config, loop, rate.since_last_log(step), None if job_wide else local_ids)
         (writer.write_scalars if config.log_barrier else plog.write_train)(step, scalars)
       if (config.eval_every and step % config.eval_every == 0) or step == config.num_steps:
         with report.timed("eval"):
+          if exchanges is not None:
+            exchanges.settle()  # evaluation gathers over processes; θ is evaluated as it is (unmerged)
           _evaluate_and_log(setup, state, eval_batches, writer, loop, step, plog)
         rate.restart()  # keep evaluation out of the steps/s figure
 
+      if exchanges is not None and step % max(stop_every, 1) == 0:
+        exchanges.settle()  # the stop agreement gathers over processes
       preempted = checkpoint_lib.stop_requested(step, stop_every)  # SIGTERM; agreed by all processes
       if checkpointer.due(step) or preempted:
         # Every log row up to this step on disk before the checkpoint that covers it (checkpoint/logs.py).
         writer.flush()
         if pairing_log is not None:
           pairing_log.sync()
-        checkpointer.save(step, state, loop, train_iter)  # checks the pending losses and the state first
+        # checks the pending losses and the state first; with overlap, the mean in flight is saved too
+        checkpointer.save(step, exchanges.for_checkpoint(state) if exchanges is not None else state, loop, train_iter)
       if preempted:
         logging.warning("Stop requested: saved a checkpoint at step %d; run the same command to resume.", step)
         break
   except BaseException:
     if round_programs is not None:
       round_programs.close()
+    if exchanges is not None:
+      exchanges.close(wait=False)  # a send may be stuck on a partner that failed
     # Leave no prefetch thread or open writer behind an error (e.g. a NaN stop in a notebook), and
     # flush the metrics written so far. A save in flight is completed (or, in a multi-process job whose
     # peers may be the ones that failed, abandoned after a bounded wait, saying so): never lost silently.
@@ -147,8 +175,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
           closable.close()
     raise
 
-  if round_programs is not None:
-    round_programs.close()
+  for programs in (round_programs, exchanges):
+    if programs is not None:
+      programs.close()
   checkpointer.close()  # the last (asynchronous) save is complete before the run reports
   plog.close()  # process 0 merges the rows that have arrived (all of them after the final evaluation)
   writer.flush()
@@ -170,6 +199,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
 # ---------------------------------------------------------------------------------------------------
 # Helpers of the loop, in the order it uses them.
 # ---------------------------------------------------------------------------------------------------
+
+
+def _exchanges(setup: build_lib.Setup, state) -> overlap_lib.Exchanges:
+  """The overlapped rounds (outer/overlap.py); the send runs on a second thread where that is measured safe."""
+  programs = overlap_lib.Programs(setup.method, setup.mesh, setup.schedule, setup.state_shardings)
+  threaded = overlap_lib.threaded_send_is_safe(setup.config)
+  logging.info("Streaming overlap: τ=%d steps, λ=%s; the exchange is called %s.", setup.config.outer.overlap_steps,
+               setup.config.outer.overlap_mix, "on a second thread" if threaded else "in order on the main thread")
+  return overlap_lib.Exchanges(programs, state, setup.config.outer.overlap_steps, threaded=threaded)
 
 
 def _open_data(setup: build_lib.Setup):

@@ -30,6 +30,9 @@ class LoopState:
   pending_steps: list[int] = dataclasses.field(default_factory=list)
   pending_metrics: list[dict] = dataclasses.field(default_factory=list)  # {"loss": [N], "grad_norm": [N]}
   pending_rounds: list[tuple] = dataclasses.field(default_factory=list)  # (round metrics, weight std)
+  # Streaming overlap (outer/overlap.py): the step whose exchange is in flight, 0 when none. Its mean is
+  # in the checkpointed state (outer["inflight"]).
+  inflight_step: int = 0
 
   @property
   def resumed(self) -> bool:
@@ -46,6 +49,11 @@ class LoopState:
     self.pending_rounds.append((metrics, weight_std))
     self.round += 1
 
+  def set_round_weight_std(self, weight_std) -> None:
+    """The weight std of the last round, known only at its (delayed) merge; kept if still unlogged."""
+    if self.pending_rounds:
+      self.pending_rounds[-1] = (self.pending_rounds[-1][0], weight_std)
+
   def take_pending(self) -> tuple[list, list, list]:
     """(steps, metrics, rounds) since the last log; the record then holds none."""
     out = (self.pending_steps, self.pending_metrics, self.pending_rounds)
@@ -55,11 +63,12 @@ class LoopState:
   def to_record(self) -> dict[str, Any]:
     """JSON-able host values (fetches the pending device arrays: every process must call it)."""
     return {"step": int(self.step), "round": int(self.round), "comm_bytes": int(self.comm_bytes),
-            "history": self.history,
+            "history": self.history, "inflight_step": int(self.inflight_step),
             "pending": records.pending_to_host(self.pending_steps, self.pending_metrics, self.pending_rounds)}
 
   @classmethod
   def from_record(cls, record: dict[str, Any]) -> "LoopState":
     steps, metrics, rounds = records.pending_from_host(record["pending"])
     return cls(step=record["step"], round=record["round"], comm_bytes=record["comm_bytes"],
-               history=record["history"], pending_steps=steps, pending_metrics=metrics, pending_rounds=rounds)
+               history=record["history"], pending_steps=steps, pending_metrics=metrics, pending_rounds=rounds,
+               inflight_step=record.get("inflight_step", 0))

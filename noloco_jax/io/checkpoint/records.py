@@ -91,4 +91,7 @@ def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
 
 def loop_record(meta: dict) -> dict[str, Any]:
   """The loop state's part of a meta record (what `LoopState.from_record` reads)."""
-  return {k: meta[k] for k in ("step", "round", "comm_bytes", "history", "pending")}
+  record = {k: meta[k] for k in ("step", "round", "comm_bytes", "history", "pending")}
+  if "inflight_step" in meta:  # streaming overlap (outer/overlap.py); absent from older checkpoints
+    record["inflight_step"] = meta["inflight_step"]
+  return record

@@ -1,0 +1,303 @@
+"""Streaming overlap (outer.overlap_steps = τ, outer.overlap_mix = λ): the delayed merge against NumPy over
+whole round sequences, mesh = one device, the split round = the plain one, bytes, bad input, exact resume."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import default
+from noloco_jax import config as config_lib
+from noloco_jax.inner.state import TrainState
+from noloco_jax.outer import methods as outer_lib
+from noloco_jax.outer import overlap as overlap_lib
+from noloco_jax.outer import pairing
+from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.tools import hlo as hlo_lib
+from noloco_jax.training import loop as train
+
+N = 8
+SHAPES = {"w": (6, 5), "b": (3,)}
+
+
+def _outer_cfg(**kw):
+  cfg = ml_collections.ConfigDict(default.get_config().outer)
+  cfg.update(kw)
+  return cfg
+
+
+def _targets(seed):
+  rng = np.random.default_rng(seed)
+  return {k: rng.normal(size=(N,) + s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+# ---- A whole overlapped run of a toy inner step, against a plain NumPy simulation ----
+
+
+def np_overlapped_run(theta0, targets, schedule, *, steps, H, tau, lr, alpha, beta, gamma, mix):
+  """Every replica takes SGD steps on ½‖θ − a_i‖²; round t's message leaves at step tH and its group mean
+  is merged after step tH + τ (or the last step): φ, δ by the NoLoCo rule, θ ← λ·θ_local + (1 − λ)·φ."""
+  f64 = lambda t: {k: v.astype(np.float64) for k, v in t.items()}
+  theta, phi = f64(theta0), f64(theta0)
+  delta = {k: np.zeros_like(v) for k, v in theta.items()}
+  targets = f64(targets)
+  in_flight, round_ = None, 0
+  for step in range(1, steps + 1):
+    theta = {k: theta[k] - lr * (theta[k] - targets[k]) for k in theta}
+    if step % H == 0:
+      groups = schedule.groups(round_)
+      mean_c = {}
+      for k in theta:
+        c = beta * theta[k] + (gamma - beta) * phi[k]
+        mean_c[k] = np.empty_like(c)
+        for group in groups:
+          for i in group:
+            mean_c[k][i] = np.mean([c[j] for j in group], axis=0)
+      in_flight, sent_at, round_ = mean_c, step, round_ + 1
+    if in_flight is not None and (step == sent_at + tau or step == steps):
+      for k in theta:
+        delta[k] = alpha * delta[k] + in_flight[k] - gamma * phi[k]
+        phi[k] = phi[k] + delta[k]
+        theta[k] = mix * theta[k] + (1 - mix) * phi[k]
+      in_flight = None
+  return theta, phi, delta
+
+
+def _toy_run(method, schedule, num_devices, theta0, targets, *, steps, H, tau, lr):
+  """The loop's calls (training/loop.py) around a jitted toy inner step, on a mesh of `num_devices`."""
+  mesh = mesh_lib.make_mesh(N, num_devices)
+  sharding = mesh_lib.replica_sharding(mesh)
+  state = TrainState(step=np.zeros(N, np.int32), params=theta0, opt_state=(), outer=method.init(theta0))
+  state = jax.device_put(state, sharding)
+  targets = jax.device_put(targets, sharding)
+  inner = jax.jit(lambda s, a: s.replace(params=jax.tree.map(lambda t, x: t - lr * (t - x), s.params, a)),
+                  donate_argnums=0)
+  exchanges = overlap_lib.Exchanges(overlap_lib.Programs(method, mesh, schedule), state, tau, threaded=False)
+  round_ = 0
+  try:
+    for step in range(1, steps + 1):
+      state = inner(state, targets)
+      if step % H == 0:
+        exchanges.send(state, round_, step)
+        round_ += 1
+      if exchanges.merge_due(step, steps):
+        state = exchanges.merge(state)
+  finally:
+    exchanges.close()
+  assert not exchanges.in_flight
+  return jax.tree.map(np.asarray, state)
+
+
+@pytest.mark.parametrize("kind,tau,mix,steps", [("noloco", 2, 0.5, 13), ("gossip", 3, 0.3, 12), ("noloco", 1, 0.0, 9)])
+def test_overlapped_rounds_match_numpy_and_mesh_equals_one_device(kind, tau, mix, steps):
+  H, lr = 4, 0.3
+  method = outer_lib.make_method(_outer_cfg(kind=kind, overlap_steps=tau, overlap_mix=mix, outer_momentum=0.5,
+                                            outer_lr=0.7, consensus_weight=0.9, inner_steps=H))
+  schedule = pairing.PairingSchedule(seed=4, num_replicas=N, group_size=2, mode="fresh")
+  theta0 = {k: np.broadcast_to(v[:1], v.shape).copy() for k, v in _targets(0).items()}  # replicas start equal
+  targets = _targets(1)
+  got = {d: _toy_run(method, schedule, d, theta0, targets, steps=steps, H=H, tau=tau, lr=lr) for d in (N, 1)}
+  alpha, beta, gamma = (0.0, 1.0, 1.0) if kind == "gossip" else (0.5, 0.7, 0.9)
+  theta, phi, delta = np_overlapped_run(theta0, targets, schedule, steps=steps, H=H, tau=tau, lr=lr, alpha=alpha,
+                                        beta=beta, gamma=gamma, mix=mix)
+  for k in SHAPES:
+    np.testing.assert_allclose(got[N].params[k], theta[k], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[N].outer["slow"][k], phi[k], rtol=1e-5, atol=1e-6)
+    if kind == "noloco":  # gossip overwrites δ every round and never reads it
+      np.testing.assert_allclose(got[N].outer["momentum"][k], delta[k], rtol=1e-5, atol=1e-6)
+  # The mesh (ppermutes, a program per fresh grouping) and one device (the grouping as a gather table).
+  for a, b in zip(jax.tree.leaves(got[N]), jax.tree.leaves(got[1])):
+    np.testing.assert_array_equal(a, b)
+  # The replicas moved apart between rounds and were pulled together by the merges: not a trivial run.
+  assert np.std(got[N].params["w"], axis=0).max() > 1e-3
+
+
+def test_send_then_merge_with_no_steps_between_and_mix_0_is_the_plain_round_bitwise():
+  """τ = 0 runs the plain round (the golden test); the split round is the same arithmetic: message and
+  group mean as the plain round, φ and δ by the same rule, and with λ = 0 θ ← φ."""
+  method = outer_lib.make_method(_outer_cfg(overlap_mix=0.0, consensus_weight=0.9))
+  rng = np.random.default_rng(3)
+  theta = {k: rng.normal(size=(N,) + s).astype(np.float32) for k, s in SHAPES.items()}
+  outer = {"slow": jax.tree.map(lambda x: x + 0.1, theta), "momentum": jax.tree.map(lambda x: 0.01 * x, theta)}
+  mesh = mesh_lib.make_mesh(N, N)
+  schedule = pairing.PairingSchedule(seed=1, num_replicas=N, group_size=2, mode="fixed")
+  make = lambda: jax.device_put(TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer),
+                                mesh_lib.replica_sharding(mesh))
+  key, route = schedule.plan(0, N)
+  plain, _ = rounds_lib.make_round_fn(method, mesh, key)(make(), route)
+  exchanges = overlap_lib.Exchanges(overlap_lib.Programs(method, mesh, schedule), make(), 1, threaded=False)
+  state = make()
+  exchanges.send(state, 0, 1)
+  split = exchanges.merge(state)
+  exchanges.close()
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(split)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("message_dtype", ["float32", "bfloat16"])
+def test_overlapped_send_moves_the_bytes_counted_per_round(message_dtype):
+  method = outer_lib.make_method(_outer_cfg(overlap_steps=2, message_dtype=message_dtype))
+  params = {"w": np.zeros((N, 96, 128), np.float32), "b": np.zeros((N, 5), np.float32)}
+  mesh = mesh_lib.make_mesh(N, N)
+  schedule = pairing.PairingSchedule(seed=0, num_replicas=N, group_size=2, mode="fresh")
+  programs = overlap_lib.Programs(method, mesh, schedule)
+  key, route = programs.plan(0)
+  c = jax.device_put(params, mesh_lib.replica_sharding(mesh))
+  lowered = programs.build_send(key).lower(c, route)
+  hlo = lowered.compile().as_text()
+  counted = method.bytes_per_round(jax.tree.map(lambda x: x[0], params))
+  itemsize = 2 if message_dtype == "bfloat16" else 4
+  assert counted == (96 * 128 + 5) * itemsize  # one copy per replica per round (n = 2)
+  assert hlo_lib.stablehlo_collective_bytes(lowered.as_text()) == counted
+  # XLA:CPU widens bf16 collectives to f32 after lowering (as for the plain round, tests/test_outer.py).
+  assert hlo_lib.collective_bytes(hlo, "collective-permute") == counted * (4 // itemsize)
+  assert hlo_lib.all_collective_bytes(hlo).keys() == {"collective-permute"}
+  # The message and the merge programs communicate nothing.
+  state = jax.device_put(TrainState(step=np.zeros(N, np.int32), params=params, opt_state=(),
+                                    outer=method.init(params)), mesh_lib.replica_sharding(mesh))
+  for fn, args in ((programs.message, (state,)), (programs.merge, (state, c))):
+    assert hlo_lib.all_collective_bytes(fn.lower(*args).compile().as_text()) == {}
+
+
+# ---- Bad input: one line naming the field ----
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"outer.overlap_steps": 3}, "outer.overlap_steps"),  # smoke: H = 3
+    ({"outer.overlap_steps": -1}, "outer.overlap_steps"),
+    ({"outer.overlap_steps": 1, "outer.overlap_mix": 1.5}, "outer.overlap_mix"),
+    ({"outer.overlap_mix": -0.1}, "outer.overlap_mix"),
+    ({"outer.overlap_steps": 1, "outer.kind": "diloco"}, "outer.overlap_steps"),
+    ({"outer.overlap_steps": 1, "outer.kind": "epidemic"}, "outer.overlap_steps"),
+    ({"outer.overlap_steps": 1, "outer.compression": "int8"}, "outer.overlap_steps"),
+    ({"outer.overlap_steps": 1, "nan_policy": "skip_round"}, "outer.overlap_steps"),
+])
+def test_bad_overlap_settings_name_the_field(overrides, field):
+  cfg = default.get_config("smoke")
+  for key, value in overrides.items():
+    section, _, name = key.rpartition(".")
+    (cfg[section] if section else cfg)[name] = value
+  with pytest.raises(config_lib.ConfigError) as info:
+    config_lib.validate(cfg)
+  message = str(info.value)
+  assert message.startswith(f"config.{field}=") and "\n" not in message, message
+
+
+# ---- End to end: a run stopped inside a window resumes bitwise, the in-flight mean from disk ----
+
+
+def test_overlapped_training_resumes_bitwise_from_inside_a_window(tmp_path, caplog, compile_cache):
+  del compile_cache  # the resumed run reuses the first one's programs (tests/conftest.py)
+  config = default.get_config("smoke")
+  # H = 3, τ = 2: sent at 3, merged at 5; sent at 6, merged at 8 (the last step). Saved at 4: in flight.
+  config.num_steps, config.checkpoint_every, config.checkpoint.keep, config.eval_every = 8, 4, 3, 4
+  config.outer.update(overlap_steps=2, overlap_mix=0.5)
+  workdir = str(tmp_path / "run")
+  first = train.train_and_evaluate(config, workdir)
+  assert 0 < first["eval/loss"] < np.log(257)  # it learned
+  meta = json.load(open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")))
+  assert meta["inflight_step"] == 3 and meta["round"] == 1
+  assert any(k.startswith(".outer['inflight']") for k in meta["state_shapes"])
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+  with caplog.at_level("INFO"):
+    second = train.train_and_evaluate(config, workdir)
+  assert "resumed from step 4" in caplog.text
+  assert set(first["state"].outer) == {"slow", "momentum"}  # the buffer lives only in checkpoints
+  for a, b in zip(jax.tree.leaves(first["state"]), jax.tree.leaves(second["state"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert first["comm/bytes_per_replica"] == second["comm/bytes_per_replica"]
+
+
+# ---- Two processes over loopback: the send on a second thread (outer/overlap.py), same numbers ----
+
+
+def test_two_processes_with_the_threaded_send_match_one_process(tmp_path):
+  """2 processes × 1 device take the threaded send (threaded_send_is_safe); an evaluation (6), the stop
+  agreement (6) and a checkpoint (4) fall inside windows and wait for the exchange. Same metrics as one
+  process, whose send is dispatched in order."""
+  from noloco_jax.io import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.tools import launch_local  # pylint: disable=g-import-not-at-top
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  overrides = {"num_replicas": 2, "checkpoint_every": 4, "outer.overlap_steps": 2}
+  workdir = tmp_path / "two"
+  job = launch_local.Job(2, 1, ["--config=configs/default.py:smoke", f"--workdir={workdir}"]
+                         + [f"--config.{k}={v}" for k, v in overrides.items()],
+                         log_dir=str(tmp_path / "logs"), cwd=repo, env={"NOLOCO_HEARTBEAT_TIMEOUT_S": "30"})
+  codes = job.wait(timeout_s=480, grace_s=30)
+  assert codes == [0, 0], "".join(open(p).read()[-3000:] for p in job.log_paths)
+  assert "the exchange is called on a second thread" in open(job.log_paths[0]).read()
+  config = default.get_config("smoke")
+  config.num_replicas, config.checkpoint_every = 2, 4
+  config.outer.overlap_steps = 2
+  train.train_and_evaluate(config, str(tmp_path / "one"))
+
+  def rows(path):  # timings left out, and the per-round weight std only a one-process job logs
+    return [{k: v for k, v in r.items() if not k.startswith("perf/") and not (k == "replicas/weight_std" and "train/loss" in r)}
+            for r in metrics_lib.read_jsonl(os.path.join(path, "metrics.jsonl"))]
+
+  got, want = rows(workdir), rows(tmp_path / "one")
+  assert [r["step"] for r in got] == [r["step"] for r in want] and len(want) > 4
+  for g, w in zip(got, want):
+    assert g.keys() == w.keys(), (g, w)
+    for key in w:
+      np.testing.assert_allclose(g[key], w[key], rtol=1e-5, err_msg=f"step {w['step']} {key}")
+  meta = json.load(open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")))
+  assert meta["inflight_step"] == 3
+
+
+def test_the_loop_state_keeps_the_in_flight_step_and_the_late_weight_std():
+  from noloco_jax.training.loop_state import LoopState  # pylint: disable=g-import-not-at-top
+
+  loop = LoopState(step=4, round=1, comm_bytes=8)
+  loop.add_round({"pseudo_grad_norm": np.ones(2, np.float32)}, None, 8)  # sent: weight std not known yet
+  loop.inflight_step = 4
+  back = LoopState.from_record(json.loads(json.dumps(loop.to_record())))
+  assert back.inflight_step == 4 and back.round == 2
+  assert LoopState.from_record({**loop.to_record(), "inflight_step": 0}).inflight_step == 0
+  old = {k: v for k, v in loop.to_record().items() if k != "inflight_step"}  # a checkpoint from before
+  assert LoopState.from_record(old).inflight_step == 0
+  loop.set_round_weight_std(0.5)  # at the merge
+  assert loop.pending_rounds[-1][1] == 0.5
+  loop.take_pending()
+  loop.set_round_weight_std(0.7)  # the round was logged before its merge: nothing to set
+  assert loop.pending_rounds == []
+
+
+def test_the_merge_keeps_every_dtype_with_a_bfloat16_outer_state():
+  """outer.state_dtype wraps the merge as it wraps the plain round (rounds.with_state_dtype)."""
+  method = rounds_lib.with_state_dtype(outer_lib.make_method(_outer_cfg(overlap_steps=1)), "bfloat16")
+  theta = _targets(2)
+  mesh = mesh_lib.make_mesh(N, N)
+  state = jax.device_put(TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=method.init(theta)),
+                         mesh_lib.replica_sharding(mesh))
+  schedule = pairing.PairingSchedule(seed=0, num_replicas=N, group_size=2, mode="fixed")
+  exchanges = overlap_lib.Exchanges(overlap_lib.Programs(method, mesh, schedule), state, 1, threaded=False)
+  before = jax.tree.map(lambda x: x.dtype, state)
+  exchanges.send(state, 0, 1)
+  merged = exchanges.merge(state)
+  exchanges.close()
+  assert jax.tree.map(lambda x: x.dtype, merged) == before
+  assert {x.dtype for x in jax.tree.leaves(merged.outer)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_bench_overlap_quick_mode_reports_both_settings():
+  """experiments/bench_overlap.py --quick: 2 processes, τ = 0 and 1, no bandwidth limit (seconds)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location("bench_overlap", os.path.join(repo, "experiments", "bench_overlap.py"))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  result = bench.main(["--quick"])
+  runs = result["runs"]
+  assert [r["overlap_steps"] for r in runs] == [0, 1]
+  assert runs[0]["bytes_sent_per_replica"] == runs[1]["bytes_sent_per_replica"] > 0  # same bytes per round
+  for run in runs:
+    assert len(run["round_s"]) == 2 and all(0 <= f <= 1 for f in run["idle_fraction"])
