@@ -141,6 +141,23 @@ def test_grow_starts_new_replicas_from_a_peers_slow_weights():
     assert_trees_equal(one.step, rows_of(old, [p]).step)
 
 
+def test_grow_inside_an_overlap_window_gives_new_replicas_a_merge_that_keeps_their_slow_weights():
+  """With outer.overlap_steps, a new replica's in-flight mean is its own message γ·φ_p (θ = φ): the merge
+  due later then leaves φ and δ = 0 as they are (NumPy: δ ← α·δ + mean − γ·φ, φ ← φ + δ)."""
+  old = host_state(4)
+  old = old.replace(outer={**old.outer, "inflight": jax.tree.map(lambda x: x + 100.0, old.outer["slow"])})
+  plan = resize.plan_grow(4, 6, seed=0, step=6)
+  alpha, gamma = 0.5, 0.7
+  new = resize.resize_state(old, plan, consensus_weight=gamma)
+  assert_trees_equal(rows_of(new, range(4)).outer["inflight"], old.outer["inflight"])  # old ones: as sent
+  for i in plan.added:
+    one = rows_of(new, [i]).outer
+    for phi, delta, mean in zip(*(jax.tree.leaves(one[k]) for k in ("slow", "momentum", "inflight"))):
+      new_delta = alpha * delta + mean - gamma * phi.astype(np.float64)
+      np.testing.assert_allclose(new_delta, 0.0, atol=1e-6)
+      np.testing.assert_allclose(phi + new_delta, phi, atol=1e-6)
+
+
 def test_grow_peers_are_seeded_spread_and_uniform():
   assert resize.grow_peers(8, 12, seed=1, step=6) == resize.grow_peers(8, 12, seed=1, step=6)
   assert resize.grow_peers(8, 12, seed=1, step=6) != resize.grow_peers(8, 12, seed=2, step=6)

@@ -218,7 +218,9 @@ class Checkpointer:
         self._manager.reload()
       record = records.loop_record(meta)
       if plan is not None:  # config.checkpoint.elastic: another set of replicas (resize.py)
-        state = resize.place(resize.resize_state(state, plan), self._setup.state_shardings)
+        # γ of the method's message c = βθ + (γ−β)φ: gossip's is 1 (a new replica's in-flight mean, resize.py).
+        gamma = self._config.outer.consensus_weight if self._config.outer.kind == "noloco" else 1.0
+        state = resize.place(resize.resize_state(state, plan, gamma), self._setup.state_shardings)
         record = resize.resize_loop_record(record, plan)
       if plan is None or plan.keeps_data:
         data_iter.set_state(merge_data_states(data))

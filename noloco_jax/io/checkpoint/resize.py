@@ -20,7 +20,10 @@ replicas nothing here is needed (the checkpoint reshards onto fewer devices). Wi
   step has no outer momentum; copying the peer's would repeat the peer's next outer step), the inner
   optimizer's state copied from the peer (its step count keeps the learning-rate schedule in step
   with the others, and zero Adam moments under that count would leave bias correction off: a first
-  update of (1−β₁)/√(1−β₂) × lr per coordinate instead of about lr).
+  update of (1−β₁)/√(1−β₂) × lr per coordinate instead of about lr). With streaming overlap
+  (outer.overlap_steps) a checkpoint inside a window holds each replica's in-flight group mean; a new
+  replica's is set to the message it would have sent itself, γ·φ_p (θ = φ), so that its pending
+  merge leaves φ and δ as they are (δ ← α·0 + γφ − γφ = 0) and only mixes θ with φ, by λ.
 
 L is `checkpoint.elastic_replicas`, or by default the replicas the missing processes held: the
 checkpoint's data item has one file per saving process naming its replicas, and the processes the
@@ -240,9 +243,10 @@ def _rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
   return np.asarray(x)[rows]
 
 
-def resize_state(state, plan: Plan):
+def resize_state(state, plan: Plan, consensus_weight: float = 1.0):
   """The host state [N, ...] -> [N', ...]: rows by `plan.source`, then the new replicas of "grow"
-  set to θ = φ, δ = 0, residual = 0 (module docstring). Leaves are NumPy arrays."""
+  set to θ = φ, δ = 0, residual = 0, in-flight mean = γ·φ (γ = `consensus_weight`; module
+  docstring). Leaves are NumPy arrays."""
   source = np.asarray(plan.source, np.int64)
   new = jax.tree.map(lambda x: _rows(x, source), state)
   if not plan.added:
@@ -268,6 +272,12 @@ def resize_state(state, plan: Plan):
       theta[fresh] = np.asarray(phi)[fresh].astype(theta.dtype)  # φ may be stored in another dtype
       return theta
     params = jax.tree.map(from_slow, params, outer["slow"])
+    if "inflight" in outer:  # outer/overlap.py: the mean the new replica's pending merge will use
+      def own_message(mean, phi):
+        mean = np.array(mean)
+        mean[fresh] = consensus_weight * np.asarray(phi, np.float32)[fresh]
+        return mean
+      outer["inflight"] = jax.tree.map(own_message, outer["inflight"], outer["slow"])
   return new.replace(params=params, outer=outer)
 
 
