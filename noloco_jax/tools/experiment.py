@@ -41,7 +41,7 @@ CACHE_ENV = compile_cache.ENV  # directory of JAX's persistent compilation cache
 
 #: H for the 300-step mini runs: the paper's 50 (NoLoCo) and 100 (DiLoCo) halved, keeping their 1:2
 #: ratio, so that a run has 12 NoLoCo and 6 DiLoCo rounds (the paper: 500 and 250 over 25,000 steps).
-MINI_INNER_STEPS = {"noloco": 25, "gossip": 25, "diloco": 50}
+MINI_INNER_STEPS = {"noloco": 25, "gossip": 25, "epidemic": 25, "epidemic_adam": 25, "diloco": 50}
 
 _MINI = dict(num_steps=300, eval_every=25, log_every=25, warmup_steps=30, seq_len=64, batch_size=4,
              eval_batches=16, d_model=64, num_layers=2, num_heads=4, mlp_dim=192)
