@@ -82,6 +82,7 @@ class Injector:
       os.makedirs(trace_dir, exist_ok=True)
       self._trace = open(os.path.join(trace_dir, f"trace_{process_index}.jsonl"), "a", buffering=1)
     self._round_start = None
+    self._program = {}  # tracing: the current round's program wait and compile counts (after_program)
     self.faults = [f for f in faults if f.process in (None, process_index)]
     self._rngs = {id(f): np.random.default_rng(int(f.params.get("seed", 0)) + process_index)
                   for f in self.faults if f.kind == "lognormal"}
@@ -109,6 +110,13 @@ class Injector:
       _wait(state)
       self._round_start = time.perf_counter()
 
+  def after_program(self, stats) -> None:
+    """Tracing only: how long the round waited for its compiled program (outer/ahead.Stats), and the
+    compiles so far, so that a benchmark can tell compile time from exchange and partner waits."""
+    if self._trace is not None:
+      self._program = {"program_wait_s": stats.waits_s[-1] if stats.waits_s else 0.0,
+                       "compiles": stats.compiles, "compile_s": float(sum(stats.compile_s))}
+
   def after_step(self, step: int, state=None) -> None:
     if not self.faults and self._trace is None:
       return
@@ -122,11 +130,12 @@ class Injector:
       self.slept_s += seconds
     if self._trace is not None:
       self._trace.write(json.dumps({"step": step, "inner_s": inner_end - self._last, "round_s": now - inner_end,
-                                    "slept_s": seconds, "end": time.time()}) + "\n")
+                                    "slept_s": seconds, "end": time.time(), **self._program}) + "\n")
     for f in self.faults:
       if f.kind == "kill" and step == int(f.params["step"]):
         os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no checkpoint: as if the host vanished
     self._round_start = None
+    self._program = {}
     self._last = time.perf_counter()
 
 

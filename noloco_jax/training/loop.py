@@ -104,6 +104,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
       if setup.method.has_rounds and step % H == 0:
         fault.before_round(state)
         round_fn, route = round_programs.program(loop.round)  # also starts compiling the next round's
+        fault.after_program(round_programs.compiler.stats)
         state, round_metrics = round_fn(state, route)
         if pairing_log is not None:
           row = {"round": loop.round, "step": step, "groups": [list(g) for g in setup.schedule.groups(loop.round)]}
