@@ -179,6 +179,13 @@ def test_barrier_schedule_alpha_and_a_shared_fifo_link():
   out = latency.barrier_schedule(groups, compute, beta=1.0, bytes_by_group_size=lambda n: 2.0, first=0)
   np.testing.assert_allclose(out["finish"], [[3, 3, 5, 5], [7, 7, 9, 9]])
   assert out["wall_s_per_barrier"] == pytest.approx(4.5)
+  # A bucket of 1.5 bytes, full at 0; the link serves groups in the order they are ready. 01 at 1:
+  # 1.5 tokens, waits for 0.5 byte, ends at 1.5 (bucket empty). 01 again at 2.5 (before 23's first at
+  # 3): 1 token refilled, ends at 3.5. 23 at 3: the link is busy until 3.5, no tokens: ends at 5.5.
+  # 23 again at 6.5: 1 token, ends at 7.5.
+  out = latency.barrier_schedule(groups, compute, beta=1.0, bytes_by_group_size=lambda n: 2.0, burst_bytes=1.5,
+                                 first=0)
+  np.testing.assert_allclose(out["finish"], [[1.5, 1.5, 5.5, 5.5], [3.5, 3.5, 7.5, 7.5]])
 
 
 def test_link_bytes_of_a_pair_and_a_ring():

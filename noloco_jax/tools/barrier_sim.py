@@ -10,8 +10,10 @@ only. Process q computes c[b, q] after it left barrier b − 1; its group g is r
 is:  ready(b, g) = max over q in g of (finish_q(b − 1) + c[b, q]).  The group then exchanges:
     finish(b, g) = max(ready(b, g), link free) + bytes_g·β + α,
 with `link free` the time the shared link has sent everything queued before (a FIFO server: one `tbf`
-qdisc on loopback is one queue for every flow of the job). With β = 0 the link never queues and an
-exchange costs α. Every member of g leaves at finish(b, g), so a process held up by a slow partner
+qdisc on loopback is one queue for every flow of the job). A token bucket of `burst` bytes (tbf's
+burst) lets that many bytes through at once after the link was idle: tokens refill at 1/β bytes per
+second up to `burst`, and an exchange of B bytes finding k tokens takes max(B − k, 0)·β. With β = 0
+the link never queues and an exchange costs α. Every member of g leaves at finish(b, g), so a process held up by a slow partner
 starts its next barrier late and holds up its next partner in turn: the lag is carried through the
 groupings. With one group of everyone per barrier this is the global barrier (DiLoCo, DDP).
 
@@ -74,12 +76,14 @@ def link_bytes(method: str, group_size: int, s_bytes: float) -> float:
 
 
 def barrier_schedule(groups_by_barrier: Sequence[Groups], compute: np.ndarray, *, alpha: float = 0.0,
-                     beta: float = 0.0, bytes_by_group_size=None, first: int = 1) -> dict:
+                     beta: float = 0.0, bytes_by_group_size=None, burst_bytes: float = 0.0,
+                     first: int = 1) -> dict:
   """Finish times, idle fractions and time per barrier of the model above.
 
   groups_by_barrier[b]: barrier b's groups (lists of process indices covering every process);
   compute: [B, P] seconds; alpha: s per exchange; beta: s per byte of the shared link;
   bytes_by_group_size(n): bytes one group of n puts through the link (needed when beta > 0);
+  burst_bytes: the link's token bucket (full at time 0);
   first: barriers before it set the clocks but are not counted (the benchmark leaves its first,
   compiling round out too).
   Returns idle_fraction [P], wall_s_per_barrier (the slowest process's time over the counted barriers
@@ -114,16 +118,19 @@ def barrier_schedule(groups_by_barrier: Sequence[Groups], compute: np.ndarray, *
 
   for q in range(processes):
     arrive(q, 0)
-  link_free = 0.0
+  link_free, tokens = 0.0, float(burst_bytes)  # tokens: the bucket's content at time link_free
   while heap:
     ready, b, g = heapq.heappop(heap)
     group = groups_by_barrier[b][g]
-    start = ready
+    sent = ready
     if beta > 0:
       start = max(ready, link_free)
-      link_free = start + bytes_by_group_size(len(group)) * beta
-      start = link_free
-    end = start + alpha
+      tokens = min(burst_bytes, tokens + (start - link_free) / beta)
+      size = bytes_by_group_size(len(group))
+      link_free = start + max(size - tokens, 0.0) * beta
+      tokens = max(tokens - size, 0.0)
+      sent = link_free
+    end = sent + alpha
     for q in group:
       finish[b, q] = end
       left[q] = end

@@ -13,6 +13,10 @@ come from the environment variable NOLOCO_FAULTS, a `;`-separated list of `kind:
     stall:process=1,step=4,seconds=3             sleep 3 s once, after step 4 (what a peer sees of a
                                                  link down for 3 s: nothing arrives, then all of it)
     kill:process=1,step=5                        SIGKILL process 1 right after step 5 (a lost host)
+    linkdown:process=1,step=4,seconds=2          drop every packet of process 1's TCP sockets for 2 s
+                                                 from step 4 on while it keeps computing (a real
+                                                 outage, tc on loopback: root, inside `unshare -n`;
+                                                 training/link_faults.py)
 
 `process=*` (or leaving `process` out) applies to every process. Nothing else reads the variable;
 without it `after_step` does nothing, so a normal run carries no fault code on its path.
@@ -34,9 +38,11 @@ import time
 
 import numpy as np
 
+from noloco_jax.training import link_faults
+
 ENV = "NOLOCO_FAULTS"
 TRACE_ENV = "NOLOCO_TRACE"
-KINDS = ("delay", "slowdown", "lognormal", "stall", "kill")
+KINDS = ("delay", "slowdown", "lognormal", "stall", "kill", "linkdown")
 
 
 @dataclasses.dataclass
@@ -66,7 +72,7 @@ def parse(spec: str) -> list[Fault]:
     except ValueError:
       raise ValueError(f"{ENV}: {entry!r} has a value that is not a number.") from None
     need = {"delay": {"seconds"}, "slowdown": {"factor"}, "lognormal": {"median", "sigma"},
-            "stall": {"step", "seconds"}, "kill": {"step"}}[kind]
+            "stall": {"step", "seconds"}, "kill": {"step"}, "linkdown": {"step", "seconds"}}[kind]
     if need - values.keys():
       raise ValueError(f"{ENV}: {entry!r} needs {sorted(need)}.")
     faults.append(fault)
@@ -86,6 +92,13 @@ class Injector:
     self.faults = [f for f in faults if f.process in (None, process_index)]
     self._rngs = {id(f): np.random.default_rng(int(f.params.get("seed", 0)) + process_index)
                   for f in self.faults if f.kind == "lognormal"}
+    self._links = {}
+    for f in self.faults:
+      if f.kind == "linkdown":  # refused now, in one line, rather than at step k
+        reason = link_faults.unavailable_reason()
+        if reason:
+          raise RuntimeError(f"{ENV}: linkdown {reason}.")
+        self._links[id(f)] = link_faults.LinkDown(f.params["seconds"], pref=1000 + 2 * process_index)
     self._last = time.perf_counter()
     self.slept_s = 0.0  # injected seconds so far (benchmarks subtract or report it)
 
@@ -132,6 +145,8 @@ class Injector:
       self._trace.write(json.dumps({"step": step, "inner_s": inner_end - self._last, "round_s": now - inner_end,
                                     "slept_s": seconds, "end": time.time(), **self._program}) + "\n")
     for f in self.faults:
+      if f.kind == "linkdown" and step == int(f.params["step"]):
+        self._links[id(f)].start()
       if f.kind == "kill" and step == int(f.params["step"]):
         os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no checkpoint: as if the host vanished
     self._round_start = None
