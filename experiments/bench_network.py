@@ -171,27 +171,33 @@ def size_bytes(size: str) -> float:
 
 
 def plot(results: dict, path: str) -> None:
-  """Idle fraction per process, measured (bars) and latency.py's model (dots), one panel per (P, setting)."""
+  """Idle fraction per process, measured (bars) and latency.py's model (dots): a row per setting, a
+  column per P."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  panels = sorted({(run["processes_count"], run.get("label", "")) for run in results["runs"]})
-  fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.3), squeeze=False)
-  for ax, (p, label) in zip(axes[0], panels):
-    runs = [run for run in results["runs"] if (run["processes_count"], run.get("label", "")) == (p, label)]
-    width = 0.8 / len(runs)
-    for i, run in enumerate(runs):
-      x = np.arange(p) + i * width
-      ax.bar(x, run["idle_fraction"], width, label=f"{run['method']} ({run['wall_s_per_round']:.2f} s/round)")
-      ax.plot(x, run["model"]["idle_fraction"], "k.", markersize=7)
-    ax.set_title(f"P = {p}, {label}" if label else f"P = {p}", fontsize=9)
-    ax.set_xticks(np.arange(p) + 0.4 - width / 2, [str(q) for q in range(p)])
-    ax.set_xlabel("process")
-    ax.set_ylabel("idle fraction (dots: latency.py model)", fontsize=8)
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=6)
+  labels = list(dict.fromkeys(run.get("label", "") for run in results["runs"]))
+  counts = sorted({run["processes_count"] for run in results["runs"]})
+  fig, axes = plt.subplots(len(labels), len(counts), figsize=(5.2 * len(counts), 2.9 * len(labels)), squeeze=False)
+  for row, label in enumerate(labels):
+    for col, p in enumerate(counts):
+      ax = axes[row][col]
+      runs = [run for run in results["runs"] if (run["processes_count"], run.get("label", "")) == (p, label)]
+      width = 0.8 / max(len(runs), 1)
+      for i, run in enumerate(runs):
+        x = np.arange(p) + i * width
+        ax.bar(x, run["idle_fraction"], width,
+               label=f"{run['method']}: {run['wall_s_per_round']:.2f} s/round (model {run['model']['wall_s_per_round']:.2f})")
+        ax.plot(x, run["model"]["idle_fraction"], "k.", markersize=6)
+      ax.set_title(f"P = {p}, {label}", fontsize=9)
+      ax.set_xticks(np.arange(p) + 0.4 - width / 2, [str(q) for q in range(p)])
+      ax.set_xlabel("process", fontsize=8)
+      ax.set_ylabel("idle fraction", fontsize=8)
+      ax.set_ylim(0, 1)
+      ax.legend(fontsize=6, loc="upper left")
+  fig.suptitle("Measured idle fraction (bars) and latency.py's model (dots)", fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=100)
 
 
 def _in_namespace(args) -> None:

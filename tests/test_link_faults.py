@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from noloco_jax.io import failures
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.training import faults
 from noloco_jax.training import link_faults
@@ -39,7 +40,7 @@ def test_linkdown_where_it_cannot_be_made_is_refused_in_one_line():
   reason = link_faults.unavailable_reason()
   if reason is None:
     pytest.skip("this test process may drop links (root, tc, own network namespace)")
-  with pytest.raises(RuntimeError) as raised:
+  with pytest.raises(failures.ReportedError) as raised:  # printed as this one line by main.py
     faults.Injector(faults.parse("linkdown:process=0,step=1,seconds=1"), 0)
   message = str(raised.value)
   assert message.startswith("NOLOCO_FAULTS: linkdown ") and "\n" not in message and reason in message

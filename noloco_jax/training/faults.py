@@ -38,6 +38,7 @@ import time
 
 import numpy as np
 
+from noloco_jax.io import failures
 from noloco_jax.training import link_faults
 
 ENV = "NOLOCO_FAULTS"
@@ -97,7 +98,7 @@ class Injector:
       if f.kind == "linkdown":  # refused now, in one line, rather than at step k
         reason = link_faults.unavailable_reason()
         if reason:
-          raise RuntimeError(f"{ENV}: linkdown {reason}.")
+          raise failures.ReportedError(f"{ENV}: linkdown {reason}.")  # one line, no traceback (main.py)
         self._links[id(f)] = link_faults.LinkDown(f.params["seconds"], pref=1000 + 2 * process_index)
     self._last = time.perf_counter()
     self.slept_s = 0.0  # injected seconds so far (benchmarks subtract or report it)

@@ -18,8 +18,9 @@ full speed). Removing the filters after `seconds` restores the link; the queues 
 Every packet on loopback leaves through lo's egress once, so matching the source OR destination port
 on egress catches both directions.
 
-It changes the network of the namespace it runs in, so it refuses to run in the machine's own
-network namespace: start the job under `unshare -n` (as root, after `ip link set lo up`). Sockets
+It changes the network of the namespace it runs in, so it refuses to run in a namespace that has any
+interface besides loopback (the machine's own, say): start the job under `unshare -n` (as root,
+after `ip link set lo up`), where lo is all there is. Sockets
 opened after the drop began are not affected (the job opens none mid-run). It cannot be combined
 with a `tbf` root qdisc on lo (experiments/bench_network.py --rate): both want lo's root.
 """
@@ -42,12 +43,17 @@ def unavailable_reason() -> str | None:
     return "needs root (tc changes the network namespace's loopback)"
   if not shutil.which("tc"):
     return "needs tc (iproute2)"
-  try:
-    if os.readlink("/proc/self/ns/net") == os.readlink("/proc/1/ns/net"):
-      return "refuses to change the machine's own network namespace: run the job under `unshare -n`"
-  except OSError as e:
-    return f"cannot read the network namespace ({e})"
+  others = [name for name in network_interfaces() if name != DEVICE]
+  if others:
+    return (f"refuses to change a network namespace with interfaces other than {DEVICE} ({', '.join(others)}): "
+            "run the job under `unshare -n`")
   return None
+
+
+def network_interfaces() -> list[str]:
+  """The interfaces of this process's network namespace (/proc/self/net/dev)."""
+  with open("/proc/self/net/dev") as f:
+    return [line.split(":", 1)[0].strip() for line in f if ":" in line]
 
 
 def own_tcp_ports(pid: str = "self") -> list[int]:
