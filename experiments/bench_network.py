@@ -34,12 +34,16 @@ process), bytes sent per replica (the method's accounting, comm/bytes_per_replic
 setting: the injected compute times (the straggler's, or the very log-normal draws the run slept),
 the run's own seeded groupings with the lag carried from round to round, and an exchange of α
 (--model_alpha) plus, under --rate, the method's bytes through one shared FIFO link at that rate
-with tbf's token bucket (--burst).
+with tbf's token bucket (--burst). `model_fitted` adds one fitted parameter, α: the measured wait per
+round beyond the model's of the process the model has waiting least (the straggler, which waits for
+no one's compute), i.e. what an exchange itself costs on this machine; every other process's idle
+time and the wall time are then predictions.
 
     python experiments/bench_network.py                       # P = 4 and 8, one 2× straggler
     python experiments/bench_network.py --lognormal 0.1,0.5   # seeded log-normal delays instead
     python experiments/bench_network.py --rate=10mbit         # plus a bandwidth limit (root)
     python experiments/bench_network.py --quick               # seconds-long: P = 2, 6 steps (tests)
+    python experiments/bench_network.py --quick --methods noloco   # … one job only
 """
 
 from __future__ import annotations
@@ -154,6 +158,28 @@ def model(method: str, step_times: np.ndarray, inner_steps: int, groups, copy_by
           "tokens_per_s": inner_steps * processes * tokens_per_step / wall}
 
 
+def attach_models(setting: dict, run: dict) -> None:
+  """Adds `model` and `model_fitted` (module docstring) to one run's summary, from the run's setting,
+  its groupings and its measured waits (so that saved results can be re-modelled: --plot_from)."""
+  p, steps, h, method = run["processes_count"], setting["steps"], setting["inner_steps"], run["method"]
+  if setting.get("lognormal"):
+    step_times = latency.lognormal_step_times(p, steps, *setting["lognormal"], seed=0)
+  else:
+    step_times = latency.straggler_step_times(p, steps, setting["step_s"], setting["straggler_factor"])
+  copy_bytes = run["bytes_sent_per_replica"] / (steps if method == "ddp" else steps // h)  # one model copy
+  beta, burst, alpha0 = setting["model_beta_s_per_byte"], setting["model_burst_bytes"], setting["model_alpha_s"]
+  run["model"] = model(method, step_times, h, run["groups"], copy_bytes, alpha0, beta, burst, TOKENS_PER_STEP)
+  # One fitted parameter: α, the exchange's own cost, from the process the model has waiting least
+  # (with a straggler: the straggler, which waits for nobody's compute): its measured wait beyond it.
+  rounds = steps // h - 1
+  modelled = run["model"]["wait_s_per_round"]
+  q = int(np.argmin(modelled))
+  excess = run["processes"][q]["wait_s"] / rounds - modelled[q]
+  alpha = alpha0 + max(excess, 0.0) / (h if method == "ddp" else 1)
+  run["model_fitted"] = {"alpha_s": alpha,
+                         **model(method, step_times, h, run["groups"], copy_bytes, alpha, beta, burst, TOKENS_PER_STEP)}
+
+
 def rate_bits_per_s(rate: str) -> float:
   """tc's rate string ('10mbit', '500kbit', '1gbit', '800bit') in bits per second."""
   match = re.fullmatch(r"([0-9.]+)(bit|kbit|mbit|gbit)", rate.strip().lower())
@@ -188,16 +214,33 @@ def plot(results: dict, path: str) -> None:
         x = np.arange(p) + i * width
         ax.bar(x, run["idle_fraction"], width,
                label=f"{run['method']}: {run['wall_s_per_round']:.2f} s/round (model {run['model']['wall_s_per_round']:.2f})")
-        ax.plot(x, run["model"]["idle_fraction"], "k.", markersize=6)
+        ax.plot(x, run["model"]["idle_fraction"], "kx", markersize=5)
+        ax.plot(x, run["model_fitted"]["idle_fraction"], "k.", markersize=6)
       ax.set_title(f"P = {p}, {label}", fontsize=9)
       ax.set_xticks(np.arange(p) + 0.4 - width / 2, [str(q) for q in range(p)])
       ax.set_xlabel("process", fontsize=8)
       ax.set_ylabel("idle fraction", fontsize=8)
       ax.set_ylim(0, 1)
       ax.legend(fontsize=6, loc="upper left")
-  fig.suptitle("Measured idle fraction (bars) and latency.py's model (dots)", fontsize=10)
+  fig.suptitle("Measured idle fraction (bars); latency.py's model: exchange cost 0 (x), α fitted (dots)", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
+
+
+def table(results: dict) -> str:
+  """The runs as a Markdown table: measured and model side by side (experiments/RESULTS.md)."""
+  f2 = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
+  lines = ["| setting | P | method | wall s / round: measured, model, model α fitted | tokens/s: measured, model | "
+           "bytes sent / replica | idle, process 0, 1, … | model idle | α fitted (s) | model α fitted: idle |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for run in results["runs"]:
+    m, fit = run["model"], run["model_fitted"]
+    lines.append(f"| {run.get('label', '')} | {run['processes_count']} | {run['method']} | "
+                 f"{run['wall_s_per_round']:.3f}, {m['wall_s_per_round']:.3f}, {fit['wall_s_per_round']:.3f} | "
+                 f"{run['tokens_per_s']:,.0f}, {m['tokens_per_s']:,.0f} | {run['bytes_sent_per_replica']:,.0f} | "
+                 f"{f2(run['idle_fraction'])} | {f2(m['idle_fraction'])} | {fit['alpha_s']:.3f} | "
+                 f"{f2(fit['idle_fraction'])} |")
+  return "\n".join(lines)
 
 
 def _in_namespace(args) -> None:
@@ -213,7 +256,7 @@ def _in_namespace(args) -> None:
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--processes", type=int, nargs="+", default=[4, 8])
-  parser.add_argument("--methods", nargs="+", default=["noloco", "diloco", "ddp"])
+  parser.add_argument("--methods", nargs="+", default=None, help="default: noloco diloco ddp (--quick: noloco diloco)")
   parser.add_argument("--steps", type=int, default=18)
   parser.add_argument("--inner_steps", type=int, default=3)
   parser.add_argument("--step_s", type=float, default=0.1, help="simulated compute per step (a sleep)")
@@ -224,22 +267,33 @@ def main(argv=None) -> dict:
   parser.add_argument("--model_alpha", type=float, default=0.0, help="the model's seconds per exchange")
   parser.add_argument("--pairing", default="round_robin", choices=["round_robin", "fresh"],
                       help="NoLoCo's outer.pairing (module docstring: fresh compiles a program per round)")
-  parser.add_argument("--quick", action="store_true", help="seconds-long: P=2, 6 steps, H=2, NoLoCo and DiLoCo")
+  parser.add_argument("--quick", action="store_true", help="seconds-long: P=2, 6 steps, H=2 (tests)")
   parser.add_argument("--_in_namespace", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--out", default="", help="also write the JSON here")
   parser.add_argument("--plot", default="", help="also plot the idle fractions to this PNG")
-  parser.add_argument("--plot_from", nargs="*", default=[], help="only plot these saved JSON results")
+  parser.add_argument("--plot_from", nargs="*", default=[], help="only plot (or --table) these saved JSON results")
+  parser.add_argument("--table", action="store_true", help="print the results as a Markdown table")
   args = parser.parse_args(argv)
   if args.plot_from:
-    merged = {"runs": [run for f in args.plot_from for run in json.load(open(f))["runs"]]}
-    plot(merged, args.plot)
+    merged = {"runs": []}
+    for path in args.plot_from:
+      saved = json.load(open(path))
+      for run in saved["runs"]:
+        attach_models(saved["setting"], run)  # re-modelled with this version of latency.py
+        merged["runs"].append(run)
+    if args.plot:
+      plot(merged, args.plot)
+    if args.table:
+      print(table(merged))
     return merged
   beta = 8.0 / rate_bits_per_s(args.rate) if args.rate else 0.0  # checked before the namespace
   burst = size_bytes(args.burst) if args.rate else 0.0
   if args.rate and not args._in_namespace:
     _in_namespace(args)
   if args.quick:
-    args.processes, args.steps, args.inner_steps, args.methods = [2], 6, 2, ["noloco", "diloco"]
+    args.processes, args.steps, args.inner_steps = [2], 6, 2
+    args.methods = args.methods or ["noloco", "diloco"]
+  args.methods = args.methods or ["noloco", "diloco", "ddp"]
   if args.lognormal:
     median, sigma = (float(x) for x in args.lognormal.split(","))
     faults = f"lognormal:median={median},sigma={sigma},seed=0"
@@ -252,25 +306,19 @@ def main(argv=None) -> dict:
   results = {"setting": {"faults": faults, "rate": args.rate or None, "steps": args.steps,
                          "inner_steps": args.inner_steps, "devices_per_process": 1, "pairing": args.pairing,
                          "model_alpha_s": args.model_alpha, "model_beta_s_per_byte": beta,
-                         "model_burst_bytes": burst}, "runs": []}
+                         "model_burst_bytes": burst, "step_s": args.step_s, "straggler_factor": args.straggler_factor,
+                         "lognormal": [median, sigma] if args.lognormal else None}, "runs": []}
   root = tempfile.mkdtemp(prefix="bench_network_")
   try:
     for p in args.processes:
-      if args.lognormal:
-        step_times = latency.lognormal_step_times(p, args.steps, median, sigma, seed=0)
-      else:
-        step_times = latency.straggler_step_times(p, args.steps, args.step_s, args.straggler_factor)
       reference = None
       for method in sorted(args.methods, key=lambda m: m != "noloco"):  # NoLoCo first: DDP's reference
         run = run_one(method, p, args.steps, args.inner_steps, faults, root, args.pairing)
         out = summarise(method, run, args.inner_steps, TOKENS_PER_STEP * p, reference)
         if method == "noloco":
           reference = [q["median_inner_s"] for q in out["processes"]]
-        exchanges = args.steps if method == "ddp" else args.steps // args.inner_steps
-        copy_bytes = out["bytes_sent_per_replica"] / exchanges  # one model copy
-        out["model"] = model(method, step_times, args.inner_steps, run["groups"], copy_bytes,
-                             args.model_alpha, beta, burst, TOKENS_PER_STEP)
         out.update(processes_count=p, label=label, groups=run["groups"])
+        attach_models(results["setting"], out)
         results["runs"].append(out)
         print(json.dumps({k: v for k, v in out.items() if k not in ("processes", "groups")}), flush=True)
   finally:
@@ -281,6 +329,8 @@ def main(argv=None) -> dict:
       json.dump(results, f, indent=2)
   if args.plot:
     plot(results, args.plot)
+  if args.table:
+    print(table(results))
   return results
 
 

@@ -60,6 +60,20 @@ def test_model_column_is_latency_py_on_the_runs_groupings():
   assert ddp["wall_s_per_round"] == pytest.approx(6.0) and ddp["idle_fraction"] == pytest.approx([0.0, 0.5])
 
 
+def test_fitted_alpha_is_the_stragglers_wait_beyond_the_model():
+  setting = {"steps": 6, "inner_steps": 2, "step_s": 1.0, "straggler_factor": 2.0, "lognormal": None,
+             "model_alpha_s": 0.0, "model_beta_s_per_byte": 0.0, "model_burst_bytes": 0.0}
+  # DiLoCo, 2 processes, rounds of 2 steps: compute [4, 2] s a round; 2 rounds measured. The straggler
+  # waited 0.2 s in them (the all-reduce's own cost): α = 0.1 s per exchange.
+  run = {"processes_count": 2, "method": "diloco", "groups": None, "bytes_sent_per_replica": 300.0,
+         "processes": [{"wait_s": 0.2}, {"wait_s": 4.5}]}
+  bench_network.attach_models(setting, run)
+  assert run["model"]["wait_s_per_round"] == pytest.approx([0.0, 2.0])
+  assert run["model_fitted"]["alpha_s"] == pytest.approx(0.1)
+  assert run["model_fitted"]["wall_s_per_round"] == pytest.approx(4.1)
+  assert run["model_fitted"]["idle_fraction"] == pytest.approx([0.1 / 4.1, 2.1 / 4.1])
+
+
 def test_rate_and_burst_strings_are_tcs():
   assert bench_network.rate_bits_per_s("10mbit") == 10e6 and bench_network.rate_bits_per_s("500kbit") == 5e5
   assert bench_network.size_bytes("128kb") == 128 * 1024 and bench_network.size_bytes("1500") == 1500
@@ -70,13 +84,14 @@ def test_rate_and_burst_strings_are_tcs():
 # ---- The benchmark itself, in its seconds-long mode (--quick: P = 2, 6 steps, H = 2) ----
 
 
-def _quick(*flags, prefix=()):
+def _quick(*flags, methods=("noloco", "diloco")):
   """Runs `bench_network.py --quick FLAGS` as its own program; the results it prints last."""
-  cmd = [*prefix, sys.executable, os.path.join(REPO, "experiments", "bench_network.py"), "--quick", *flags]
+  cmd = [sys.executable, os.path.join(REPO, "experiments", "bench_network.py"), "--quick", *flags,
+         "--methods", *methods]
   done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   results = json.loads(done.stdout.strip().splitlines()[-1])
-  assert [r["method"] for r in results["runs"]] == ["noloco", "diloco"]
+  assert [r["method"] for r in results["runs"]] == list(methods)
   for run in results["runs"]:
     for key in ("wall_s_per_round", "tokens_per_s", "bytes_sent_per_replica", "idle_fraction", "program_wait_s", "model"):
       assert key in run, key
@@ -96,7 +111,7 @@ def test_quick_straggler_its_partner_idles_and_the_model_says_half():
 
 
 def test_quick_lognormal_the_model_sees_the_delays_the_run_slept():
-  results = _quick("--lognormal", "0.05,0.8")
+  results = _quick("--lognormal", "0.05,0.8", methods=("noloco",))  # one job: the mode, not the method
   for run in results["runs"]:
     slept = [p["slept_s"] for p in run["processes"]]
     np.testing.assert_allclose(slept, run["model"]["busy_s"], rtol=1e-6)  # the same seeded draws
@@ -113,7 +128,7 @@ def _can_unshare_with_tc() -> str | None:
 
 @pytest.mark.skipif(_can_unshare_with_tc() is not None, reason=str(_can_unshare_with_tc()))
 def test_quick_bandwidth_limit_the_exchange_waits_for_the_link():
-  results = _quick("--rate", "1mbit")
+  results = _quick("--rate", "1mbit", methods=("diloco",))
   for run in results["runs"]:
     model_wait = run["model"]["wait_s_per_round"][0]  # the straggler waits for nothing but the link
     assert model_wait > 0.3, run["model"]  # 2 copies of 107 kB through 1 Mbit/s, less the 128 kB burst
