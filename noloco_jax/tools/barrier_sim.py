@@ -139,7 +139,7 @@ def barrier_schedule(groups_by_barrier: Sequence[Groups], compute: np.ndarray, *
   counted = slice(first, num_barriers)
   before = np.vstack([np.zeros((1, processes)), finish[:-1]])  # when each barrier's compute began
   span = finish - before
-  wait = (span - compute)[counted].sum(axis=0)
+  wait = np.maximum((span - compute)[counted].sum(axis=0), 0.0)  # no −1e-16 from rounding
   busy = compute[counted].sum(axis=0)
   start = finish[first - 1] if first > 0 else np.zeros(processes)
   wall = float(np.max(finish[-1] - start)) / (num_barriers - first)

@@ -10,8 +10,8 @@ come from the environment variable NOLOCO_FAULTS, a `;`-separated list of `kind:
     lognormal:process=*,median=0.05,sigma=0.5,seed=0
                                                  sleep a log-normal time after every step; the draws of
                                                  process p come from seed + p, so they are reproducible
-    stall:process=1,step=4,seconds=3             sleep 3 s once, after step 4 (what a peer sees of a
-                                                 link down for 3 s: nothing arrives, then all of it)
+    stall:process=1,step=4,seconds=3             sleep 3 s once, after step 4 (the process stops; to
+                                                 its peers much like a link down for 3 s, see linkdown)
     kill:process=1,step=5                        SIGKILL process 1 right after step 5 (a lost host)
     linkdown:process=1,step=4,seconds=2          drop every packet of process 1's TCP sockets for 2 s
                                                  from step 4 on while it keeps computing (a real
