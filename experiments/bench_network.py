@@ -3,25 +3,47 @@
 Runs P processes (1 CPU device, 1 replica each) with noloco_jax.tools.launch_local. The smoke model's
 real step takes a few ms, so a step's compute is simulated by a sleep of --step_s after it (NOLOCO_FAULTS
 delay) on top of the real step; process 0, the straggler, sleeps --straggler_factor × as long. Or every
-process gets a seeded log-normal per-step delay instead (--lognormal); optionally with a bandwidth limit: the script then
-re-runs itself inside a new network namespace (`unshare -n`, root only) whose loopback gets a `tbf`
-qdisc (burst above the 64 KiB loopback MTU, else every packet is dropped and the job hangs). No
-traffic leaves 127.0.0.1 of that namespace.
+process gets a seeded log-normal per-step delay instead (--lognormal); optionally with a bandwidth
+limit: the script then re-runs itself inside a new network namespace (`unshare -n`, root only) whose
+loopback gets a `tbf` qdisc (burst above the 64 KiB loopback MTU, else every packet is dropped and the
+job hangs). No traffic leaves 127.0.0.1 of that namespace. One tbf on `lo` is ONE queue for every flow
+of the job: an aggregate limit, not one per link.
+
+NoLoCo's groupings come from `outer.pairing=round_robin` by default (--pairing): one compiled
+program for the whole run, chosen among the N − 1 matchings by a seeded index, every pair meeting
+with probability 1/(N − 1) as under `fresh`. With `fresh` (the default of a training run) every
+round is its own program, compiled one round ahead in the background (outer/ahead.py). Here P
+processes share the machine's cores, so P compiles of ≈0.4 s CPU each (uncontended) land in every
+0.3 s round: at P = 8 on 2 cores the rounds waited 2.4–7 s for their programs and NoLoCo measured
+5.3 s / round against DiLoCo's 0.93 (experiments/RESULTS.md). JAX's persistent cache does not help:
+only process 0 writes it, and the other processes' programs have other keys. On a cluster each host
+compiles its own copy on its own cores, behind H inner steps of real compute; that is not what this
+benchmark is about. `--pairing fresh` measures it anyway; the JSON's `program_wait_s` says, per
+process, the seconds per measured round it blocked on its compiled round program.
 
 Every step is timed by NOLOCO_TRACE (training/faults.py: the loop waits for each step, so host and
 device no longer overlap). Per process: busy = inner steps + injected sleep; wait = time in outer
 rounds (the exchange and the wait for partners). DDP's all-reduce is inside its inner step, so its
 wait is the inner time beyond the same process's median NoLoCo inner step (a step with no
-collective), when NoLoCo ran too.
+collective), when NoLoCo ran too. The first round (compilation, start-up skew) is left out.
 
-Reported per (P, method): wall time per round (the slowest process's measured time / measured rounds), each process's idle fraction (wait / (busy + wait)), tokens/s (the job's, from the slowest
-process), bytes sent per replica (the method's accounting, comm/bytes_per_replica), and the model's
-figure beside it (the straggler's round time bound: DiLoCo/DDP idle = 1 − 1/factor for every fast
-process; NoLoCo idle only in rounds paired with the straggler, 1 − 1/factor in those).
+Reported per (P, method): wall time per round (the slowest process's measured time / measured
+rounds), each process's idle fraction (wait / (busy + wait)), tokens/s (the job's, from the slowest
+process), bytes sent per replica (the method's accounting, comm/bytes_per_replica), and beside them
+`model`: the same quantities from noloco_jax/tools/latency.py (section 8, barrier_sim) for the same
+setting: the injected compute times (the straggler's, or the very log-normal draws the run slept),
+the run's own seeded groupings with the lag carried from round to round, and an exchange of α
+(--model_alpha) plus, under --rate, the method's bytes through one shared FIFO link at that rate
+with tbf's token bucket (--burst). `model_fitted` adds one fitted parameter, α: the measured wait per
+round beyond the model's of the process the model has waiting least (the straggler, which waits for
+no one's compute), i.e. what an exchange itself costs on this machine; every other process's idle
+time and the wall time are then predictions.
 
     python experiments/bench_network.py                       # P = 4 and 8, one 2× straggler
-    python experiments/bench_network.py --rate=20mbit         # plus a bandwidth limit (root)
-    python experiments/bench_network.py --quick               # seconds-long: P = 2, 4 steps (tests)
+    python experiments/bench_network.py --lognormal 0.1,0.5   # seeded log-normal delays instead
+    python experiments/bench_network.py --rate=10mbit         # plus a bandwidth limit (root)
+    python experiments/bench_network.py --quick               # seconds-long: P = 2, 6 steps (tests)
+    python experiments/bench_network.py --quick --methods noloco   # … one job only
 """
 
 from __future__ import annotations
@@ -29,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,24 +63,31 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from noloco_jax.io import metrics as metrics_lib  # noqa: E402
+from noloco_jax.tools import latency  # noqa: E402
 from noloco_jax.tools import launch_local  # noqa: E402
 
+TOKENS_PER_STEP = 2 * 32  # smoke: batch_size 2 × seq_len 32 per replica
+LINK_METHOD = {"noloco": "pair", "diloco": "ring", "ddp": "ring"}  # how each method's bytes cross the link
 
-def _flags(workdir: str, method: str, processes: int, steps: int, inner_steps: int) -> list[str]:
+
+def _flags(workdir: str, method: str, processes: int, steps: int, inner_steps: int,
+           pairing: str = "round_robin") -> list[str]:
   return ["--config=configs/default.py:smoke", f"--workdir={workdir}", f"--config.outer.kind={method}",
+          f"--config.outer.pairing={pairing}",
           f"--config.num_replicas={processes}", f"--config.num_steps={steps}",
           f"--config.outer.inner_steps={inner_steps}",
           f"--config.log_every={inner_steps}", "--config.eval_every=0"]
 
 
-def run_one(method: str, processes: int, steps: int, inner_steps: int, faults: str, root: str) -> dict:
-  """One job; per-process traces and the job's last metrics row."""
+def run_one(method: str, processes: int, steps: int, inner_steps: int, faults: str, root: str,
+            pairing: str = "round_robin", env: dict[str, str] | None = None) -> dict:
+  """One job; per-process traces, the job's last metrics row and its groupings (None without rounds)."""
   workdir = os.path.join(root, f"{method}_p{processes}")
   trace_dir = os.path.join(workdir, "trace")
-  job = launch_local.Job(processes, 1, _flags(workdir, method, processes, steps, inner_steps),
+  job = launch_local.Job(processes, 1, _flags(workdir, method, processes, steps, inner_steps, pairing),
                          log_dir=workdir + "_logs", cwd=REPO,
                          env={"NOLOCO_FAULTS": faults, "NOLOCO_TRACE": trace_dir,
-                              "NOLOCO_HEARTBEAT_TIMEOUT_S": "60"})
+                              "NOLOCO_HEARTBEAT_TIMEOUT_S": "60", **(env or {})})
   codes = job.wait(timeout_s=900, grace_s=30)
   if codes != [0] * processes:
     tail = "".join(open(p).read()[-2000:] for p in job.log_paths)
@@ -84,92 +114,133 @@ def summarise(method: str, run: dict, inner_steps: int, tokens_per_step: int, re
     busy = inner + slept
     total = busy + wait
     per_process.append({"idle_fraction": float(wait.sum() / total.sum()), "busy_s": float(busy.sum()),
-                        "wait_s": float(wait.sum()), "median_inner_s": float(np.median(inner))})
+                        "wait_s": float(wait.sum()), "slept_s": float(slept.sum()), "median_inner_s": float(np.median(inner)),
+                        "program_wait_s": float(sum(s.get("program_wait_s", 0.0) for s in steps))})
     ends = np.asarray([s["end"] for s in trace])
     round_ends = ends[inner_steps - 1::inner_steps]
     round_walls.append(np.diff(round_ends))
   walls = np.max(np.stack([w[:min(map(len, round_walls))] for w in round_walls]), axis=0)
   steps_done = len(run["traces"][0]) - inner_steps
+  rounds = steps_done / inner_steps
   slowest_s = max(sum(s["inner_s"] + s["round_s"] + s["slept_s"] for s in t[inner_steps:]) for t in run["traces"])
-  return {"method": method, "wall_s_per_round": slowest_s / (steps_done / inner_steps),
+  return {"method": method, "wall_s_per_round": slowest_s / rounds,
           # The median over rounds of the longest round of any process: under NoLoCo a process that
           # catches up on a lagging partner has one long round, so this exceeds the mean above.
           "longest_round_s_median": float(np.median(walls)) if len(walls) else float("nan"),
           "tokens_per_s": steps_done * tokens_per_step / slowest_s,
           "bytes_sent_per_replica": run["last_row"].get("comm/bytes_per_replica"),
-          "idle_fraction": [p["idle_fraction"] for p in per_process], "processes": per_process}
+          "idle_fraction": [p["idle_fraction"] for p in per_process],
+          # Seconds per measured round each process blocked on its compiled round program (≈ 0 unless
+          # every round is its own program: --pairing fresh).
+          "program_wait_s": [p["program_wait_s"] / rounds for p in per_process], "processes": per_process}
 
 
-def model_idle(method: str, processes: int, factor: float, paired_share: list[float]) -> list[float]:
-  """Idle fractions of the straggler model (process 0 is `factor`× slower): a barrier costs the slowest
-  participant's compute. DiLoCo and DDP: every fast process waits at every barrier. NoLoCo: a fast
-  process waits only in the rounds it shares a group with the straggler (`paired_share[p]` of them;
-  1 / (P − 1) on average for random pairs); the lag a partner of the straggler carries into its next
-  round is ignored."""
-  slow = 1.0 - 1.0 / factor  # a fast worker waiting for a `factor`× slower one
-  if method in ("diloco", "ddp"):
-    return [0.0] + [slow] * (processes - 1)
-  return [0.0] + [slow * paired_share[p] for p in range(1, processes)]
+def model(method: str, step_times: np.ndarray, inner_steps: int, groups, copy_bytes: float, alpha: float,
+          beta: float, burst_bytes: float, tokens_per_step: int) -> dict:
+  """latency.py's figures for one job: `step_times` [steps, P] of injected compute, NoLoCo's `groups`
+  per round (the run's), DiLoCo a barrier of everyone per round, DDP one per step; the first round is
+  left out as in the measurement. `copy_bytes`: one model copy (what a replica sends per exchange)."""
+  processes = step_times.shape[1]
+  everyone = [list(range(processes))]
+  if method == "ddp":
+    compute, barriers_per_round = step_times, inner_steps
+    groups = [everyone] * len(step_times)
+  else:
+    compute, barriers_per_round = latency.per_barrier(step_times, inner_steps), 1
+    groups = groups if method == "noloco" else [everyone] * len(compute)
+  out = latency.barrier_schedule(
+      groups, compute, alpha=alpha, beta=beta, burst_bytes=burst_bytes, first=barriers_per_round,
+      bytes_by_group_size=lambda n: latency.link_bytes(LINK_METHOD[method], n, copy_bytes))
+  wall = out["wall_s_per_barrier"] * barriers_per_round
+  return {"wall_s_per_round": wall, "idle_fraction": out["idle_fraction"],
+          "wait_s_per_round": [w / (len(compute) // barriers_per_round - 1) for w in out["wait_s"]],
+          "busy_s": out["busy_s"],  # the injected compute of the measured rounds
+          "tokens_per_s": inner_steps * processes * tokens_per_step / wall}
 
 
-def pair_barrier_idle(groups_by_round: list, compute_per_round: list[float], first_round: int = 1) -> list[float]:
-  """Idle fractions when every round is a barrier within its groups only, lag carried over.
+def attach_models(setting: dict, run: dict) -> None:
+  """Adds `model` and `model_fitted` (module docstring) to one run's summary, from the run's setting,
+  its groupings and its measured waits (so that saved results can be re-modelled: --plot_from)."""
+  p, steps, h, method = run["processes_count"], setting["steps"], setting["inner_steps"], run["method"]
+  if setting.get("lognormal"):
+    step_times = latency.lognormal_step_times(p, steps, *setting["lognormal"], seed=0)
+  else:
+    step_times = latency.straggler_step_times(p, steps, setting["step_s"], setting["straggler_factor"])
+  copy_bytes = run["bytes_sent_per_replica"] / (steps if method == "ddp" else steps // h)  # one model copy
+  beta, burst, alpha0 = setting["model_beta_s_per_byte"], setting["model_burst_bytes"], setting["model_alpha_s"]
+  run["model"] = model(method, step_times, h, run["groups"], copy_bytes, alpha0, beta, burst, TOKENS_PER_STEP)
+  # One fitted parameter: α, the exchange's own cost, from the process the model has waiting least
+  # (with a straggler: the straggler, which waits for nobody's compute): its measured wait beyond it.
+  rounds = steps // h - 1
+  modelled = run["model"]["wait_s_per_round"]
+  q = int(np.argmin(modelled))
+  excess = run["processes"][q]["wait_s"] / rounds - modelled[q]
+  alpha = alpha0 + max(excess, 0.0) / (h if method == "ddp" else 1)
+  run["model_fitted"] = {"alpha_s": alpha,
+                         **model(method, step_times, h, run["groups"], copy_bytes, alpha, beta, burst, TOKENS_PER_STEP)}
 
-  Process p finishes round r at max over its group g of (finish_q(r − 1) + compute_q): a process
-  paired with the straggler leaves that round late and makes its next partner wait in turn. With one
-  group of everyone (DiLoCo, DDP) this is the global barrier. Rounds before `first_round` set the
-  clocks but are not counted (the measurement leaves the compile round out too).
-  """
-  c = np.asarray(compute_per_round, np.float64)
-  finish, wait, busy = np.zeros_like(c), np.zeros_like(c), np.zeros_like(c)
-  for r, groups in enumerate(groups_by_round):
-    ready = finish + c
-    for group in groups:
-      end = max(ready[q] for q in group)
-      for q in group:
-        if r >= first_round:
-          wait[q] += end - ready[q]
-          busy[q] += c[q]
-        finish[q] = end
-  return [float(x) for x in wait / (wait + busy)]
+
+def rate_bits_per_s(rate: str) -> float:
+  """tc's rate string ('10mbit', '500kbit', '1gbit', '800bit') in bits per second."""
+  match = re.fullmatch(r"([0-9.]+)(bit|kbit|mbit|gbit)", rate.strip().lower())
+  if not match:
+    raise SystemExit(f"--rate={rate!r} is not valid: a number and bit, kbit, mbit or gbit (e.g. 10mbit).")
+  return float(match.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[match.group(2)]
 
 
-def paired_share(groups_by_round: list, processes: int, first_round: int = 1) -> list[float]:
-  """Per process, the share of the measured rounds (from `first_round`) in which it is grouped with
-  process 0 (with one replica per process, replica p is process p)."""
-  rounds = groups_by_round[first_round:]
-  share = [0.0] * processes
-  for groups in rounds:
-    for group in groups:
-      if 0 in group:
-        for p in group:
-          share[p] += 1 / len(rounds)
-  return share
+def size_bytes(size: str) -> float:
+  """tc's size string ('128kb', '2mb', '1500b'; k and m are 1024 and 1024²) in bytes."""
+  match = re.fullmatch(r"([0-9.]+)(b|kb|k|mb|m)?", size.strip().lower())
+  if not match:
+    raise SystemExit(f"--burst={size!r} is not valid: a number and b, kb or mb (e.g. 128kb).")
+  return float(match.group(1)) * {None: 1, "b": 1, "kb": 1024, "k": 1024, "mb": 1024 ** 2, "m": 1024 ** 2}[match.group(2)]
 
 
 def plot(results: dict, path: str) -> None:
-  """Idle fraction per process, measured (bars) and the lag-carried model (dots), one panel per P."""
+  """Idle fraction per process, measured (bars) and latency.py's model (dots): a row per setting, a
+  column per P."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  labels = list(dict.fromkeys(run.get("label", "") for run in results["runs"]))
   counts = sorted({run["processes_count"] for run in results["runs"]})
-  fig, axes = plt.subplots(1, len(counts), figsize=(5 * len(counts), 3.2), squeeze=False)
-  for ax, p in zip(axes[0], counts):
-    runs = [run for run in results["runs"] if run["processes_count"] == p]
-    width = 0.8 / len(runs)
-    for i, run in enumerate(runs):
-      x = np.arange(p) + i * width
-      ax.bar(x, run["idle_fraction"], width, label=f"{run['method']} measured")
-      if "model_idle_fraction_lag_carried" in run:
-        ax.plot(x, run["model_idle_fraction_lag_carried"], "k.", markersize=8)
-    ax.set_title(f"{p} processes, process 0 a 2× straggler (dots: model)")
-    ax.set_xticks(np.arange(p) + 0.4 - width / 2, [str(q) for q in range(p)])
-    ax.set_xlabel("process")
-    ax.set_ylabel("idle fraction")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=7)
+  fig, axes = plt.subplots(len(labels), len(counts), figsize=(5.2 * len(counts), 2.9 * len(labels)), squeeze=False)
+  for row, label in enumerate(labels):
+    for col, p in enumerate(counts):
+      ax = axes[row][col]
+      runs = [run for run in results["runs"] if (run["processes_count"], run.get("label", "")) == (p, label)]
+      width = 0.8 / max(len(runs), 1)
+      for i, run in enumerate(runs):
+        x = np.arange(p) + i * width
+        ax.bar(x, run["idle_fraction"], width,
+               label=f"{run['method']}: {run['wall_s_per_round']:.2f} s/round (model {run['model']['wall_s_per_round']:.2f})")
+        ax.plot(x, run["model"]["idle_fraction"], "kx", markersize=5)
+        ax.plot(x, run["model_fitted"]["idle_fraction"], "k.", markersize=6)
+      ax.set_title(f"P = {p}, {label}", fontsize=9)
+      ax.set_xticks(np.arange(p) + 0.4 - width / 2, [str(q) for q in range(p)])
+      ax.set_xlabel("process", fontsize=8)
+      ax.set_ylabel("idle fraction", fontsize=8)
+      ax.set_ylim(0, 1)
+      ax.legend(fontsize=6, loc="upper left")
+  fig.suptitle("Measured idle fraction (bars); latency.py's model: exchange cost 0 (x), α fitted (dots)", fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=100)
+
+
+def table(results: dict) -> str:
+  """The runs as a Markdown table: measured and model side by side (experiments/RESULTS.md)."""
+  f2 = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
+  lines = ["| setting | P | method | wall s / round: measured, model, model α fitted | tokens/s: measured, model | "
+           "bytes sent / replica | idle, process 0, 1, … | model idle | α fitted (s) | model α fitted: idle |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for run in results["runs"]:
+    m, fit = run["model"], run["model_fitted"]
+    lines.append(f"| {run.get('label', '')} | {run['processes_count']} | {run['method']} | "
+                 f"{run['wall_s_per_round']:.3f}, {m['wall_s_per_round']:.3f}, {fit['wall_s_per_round']:.3f} | "
+                 f"{run['tokens_per_s']:,.0f}, {m['tokens_per_s']:,.0f} | {run['bytes_sent_per_replica']:,.0f} | "
+                 f"{f2(run['idle_fraction'])} | {f2(m['idle_fraction'])} | {fit['alpha_s']:.3f} | "
+                 f"{f2(fit['idle_fraction'])} |")
+  return "\n".join(lines)
 
 
 def _in_namespace(args) -> None:
@@ -185,7 +256,7 @@ def _in_namespace(args) -> None:
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--processes", type=int, nargs="+", default=[4, 8])
-  parser.add_argument("--methods", nargs="+", default=["noloco", "diloco", "ddp"])
+  parser.add_argument("--methods", nargs="+", default=None, help="default: noloco diloco ddp (--quick: noloco diloco)")
   parser.add_argument("--steps", type=int, default=18)
   parser.add_argument("--inner_steps", type=int, default=3)
   parser.add_argument("--step_s", type=float, default=0.1, help="simulated compute per step (a sleep)")
@@ -193,48 +264,63 @@ def main(argv=None) -> dict:
   parser.add_argument("--lognormal", default="", help="MEDIAN,SIGMA: a seeded log-normal delay per step instead")
   parser.add_argument("--rate", default="", help="tbf rate on loopback, e.g. 20mbit (a new network namespace)")
   parser.add_argument("--burst", default="128kb", help="tbf burst: above the 64 KiB loopback MTU")
-  parser.add_argument("--quick", action="store_true", help="seconds-long: P=2, 4 steps, H=2, NoLoCo and DiLoCo")
+  parser.add_argument("--model_alpha", type=float, default=0.0, help="the model's seconds per exchange")
+  parser.add_argument("--pairing", default="round_robin", choices=["round_robin", "fresh"],
+                      help="NoLoCo's outer.pairing (module docstring: fresh compiles a program per round)")
+  parser.add_argument("--quick", action="store_true", help="seconds-long: P=2, 6 steps, H=2 (tests)")
   parser.add_argument("--_in_namespace", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--out", default="", help="also write the JSON here")
   parser.add_argument("--plot", default="", help="also plot the idle fractions to this PNG")
-  parser.add_argument("--plot_from", nargs="*", default=[], help="only plot these saved JSON results")
+  parser.add_argument("--plot_from", nargs="*", default=[], help="only plot (or --table) these saved JSON results")
+  parser.add_argument("--table", action="store_true", help="print the results as a Markdown table")
   args = parser.parse_args(argv)
   if args.plot_from:
-    merged = {"runs": [run for f in args.plot_from for run in json.load(open(f))["runs"]]}
-    plot(merged, args.plot)
+    merged = {"runs": []}
+    for path in args.plot_from:
+      saved = json.load(open(path))
+      for run in saved["runs"]:
+        attach_models(saved["setting"], run)  # re-modelled with this version of latency.py
+        merged["runs"].append(run)
+    if args.plot:
+      plot(merged, args.plot)
+    if args.table:
+      print(table(merged))
     return merged
+  beta = 8.0 / rate_bits_per_s(args.rate) if args.rate else 0.0  # checked before the namespace
+  burst = size_bytes(args.burst) if args.rate else 0.0
   if args.rate and not args._in_namespace:
     _in_namespace(args)
   if args.quick:
-    args.processes, args.steps, args.inner_steps, args.methods = [2], 6, 2, ["noloco", "diloco"]
+    args.processes, args.steps, args.inner_steps = [2], 6, 2
+    args.methods = args.methods or ["noloco", "diloco"]
+  args.methods = args.methods or ["noloco", "diloco", "ddp"]
   if args.lognormal:
-    median, sigma = args.lognormal.split(",")
+    median, sigma = (float(x) for x in args.lognormal.split(","))
     faults = f"lognormal:median={median},sigma={sigma},seed=0"
+    label = f"log-normal delays (median {median:g} s, σ {sigma:g})"
   else:
     extra = args.step_s * (args.straggler_factor - 1)
     faults = f"delay:seconds={args.step_s};delay:process=0,seconds={extra}"
-  tokens_per_step = 2 * 32  # smoke: batch_size 2 × seq_len 32 per replica
+    label = f"process 0 a {args.straggler_factor:g}× straggler"
+  label += f", {args.rate}" if args.rate else ""
   results = {"setting": {"faults": faults, "rate": args.rate or None, "steps": args.steps,
-                         "inner_steps": args.inner_steps, "devices_per_process": 1}, "runs": []}
+                         "inner_steps": args.inner_steps, "devices_per_process": 1, "pairing": args.pairing,
+                         "model_alpha_s": args.model_alpha, "model_beta_s_per_byte": beta,
+                         "model_burst_bytes": burst, "step_s": args.step_s, "straggler_factor": args.straggler_factor,
+                         "lognormal": [median, sigma] if args.lognormal else None}, "runs": []}
   root = tempfile.mkdtemp(prefix="bench_network_")
   try:
     for p in args.processes:
       reference = None
       for method in sorted(args.methods, key=lambda m: m != "noloco"):  # NoLoCo first: DDP's reference
-        run = run_one(method, p, args.steps, args.inner_steps, faults, root)
-        out = summarise(method, run, args.inner_steps, p * tokens_per_step, reference)
+        run = run_one(method, p, args.steps, args.inner_steps, faults, root, args.pairing)
+        out = summarise(method, run, args.inner_steps, TOKENS_PER_STEP * p, reference)
         if method == "noloco":
           reference = [q["median_inner_s"] for q in out["processes"]]
-        if not args.lognormal:
-          share = paired_share(run["groups"], p) if run["groups"] else [1.0 / (p - 1)] * p
-          out["model_idle_fraction"] = model_idle(method, p, args.straggler_factor, share)
-          groups = run["groups"] if method == "noloco" else [[list(range(p))]] * (args.steps // args.inner_steps)
-          compute = [args.straggler_factor] + [1.0] * (p - 1)
-          out["model_idle_fraction_lag_carried"] = pair_barrier_idle(groups, compute)
-          out["groups"] = run["groups"] if method == "noloco" else None
-        out["processes_count"] = p
+        out.update(processes_count=p, label=label, groups=run["groups"])
+        attach_models(results["setting"], out)
         results["runs"].append(out)
-        print(json.dumps({k: v for k, v in out.items() if k != "processes"}), flush=True)
+        print(json.dumps({k: v for k, v in out.items() if k not in ("processes", "groups")}), flush=True)
   finally:
     shutil.rmtree(root, ignore_errors=True)
   print(json.dumps(results))
@@ -243,6 +329,8 @@ def main(argv=None) -> dict:
       json.dump(results, f, indent=2)
   if args.plot:
     plot(results, args.plot)
+  if args.table:
+    print(table(results))
   return results
 
 

@@ -1,16 +1,19 @@
-"""experiments/bench_network.py: its summaries of step traces and the straggler model, on synthetic traces.
-
-(The benchmark's processes themselves take minutes on a loaded 2-core machine; the trace format it
-reads is the one training/faults.py writes, exercised by tests/test_no_barrier.py's job.)
+"""experiments/bench_network.py: its summaries of step traces and its model column on synthetic
+inputs, then the benchmark itself in its seconds-long mode (--quick) for each of its settings: a
+straggler, seeded log-normal delays, and (root, in a network namespace) a bandwidth limit.
 """
 
+import json
 import os
+import shutil
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "experiments"))
 import bench_network  # noqa: E402
 
 
@@ -42,20 +45,93 @@ def test_ddp_wait_is_the_inner_time_beyond_the_collective_free_reference():
   assert out["idle_fraction"] == pytest.approx([0.0, 0.8])
 
 
-def test_straggler_model():
-  assert bench_network.model_idle("diloco", 4, 2.0, [1.0] * 4) == [0.0, 0.5, 0.5, 0.5]
-  groups = [[[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 2], [1, 3]], [[3, 0], [1, 2]]]  # round 0 left out
-  share = bench_network.paired_share(groups, 4)
-  np.testing.assert_allclose(share, [1.0, 0.0, 2 / 3, 1 / 3])
-  np.testing.assert_allclose(bench_network.model_idle("noloco", 4, 2.0, share), [0.0, 0.0, 1 / 3, 1 / 6])
-
-
-def test_pair_barrier_model_carries_the_lag_to_the_next_partner():
+def test_model_column_is_latency_py_on_the_runs_groupings():
+  # P = 4, process 0 a 2× straggler, H = 1 step of 1 s: compute [2, 1, 1, 1] per round.
+  steps = bench_network.latency.straggler_step_times(4, 3, 1.0, 2.0)
   groups = [[[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 3], [1, 2]]]
-  # Round 0 (clocks only): finish = [2, 2, 1, 1]. Round 1: ready [4, 3, 2, 2]; 0+2 end at 4 (2 waits 2),
-  # 1+3 at 3 (3 waits 1). Round 2: ready [6, 4, 5, 4]; 0+3 end at 6 (3 waits 2), 1+2 at 5 (1 waits 1).
-  # Waits 1, 2, 3 over 2 units of compute each.
-  idle = bench_network.pair_barrier_idle(groups, [2.0, 1.0, 1.0, 1.0])
-  np.testing.assert_allclose(idle, [0.0, 1 / 3, 2 / 4, 3 / 5])
-  everyone = [[[0, 1, 2, 3]]] * 3  # the global barrier: every fast process idles half the time
-  np.testing.assert_allclose(bench_network.pair_barrier_idle(everyone, [2.0, 1.0, 1.0, 1.0]), [0, .5, .5, .5])
+  noloco = bench_network.model("noloco", steps, 1, groups, 100.0, 0.0, 0.0, 0.0, tokens_per_step=64)
+  np.testing.assert_allclose(noloco["idle_fraction"], [0.0, 1 / 3, 2 / 4, 3 / 5])  # tests/test_latency.py
+  diloco = bench_network.model("diloco", steps, 1, None, 100.0, 0.0, 0.0, 0.0, tokens_per_step=64)
+  np.testing.assert_allclose(diloco["idle_fraction"], [0.0, 0.5, 0.5, 0.5])
+  assert diloco["wall_s_per_round"] == pytest.approx(2.0) and diloco["tokens_per_s"] == pytest.approx(4 * 64 / 2)
+  # DDP: a barrier every step; H = 3 steps of 1 s (2 s on the straggler), the first round left out.
+  ddp = bench_network.model("ddp", bench_network.latency.straggler_step_times(2, 6, 1.0, 2.0), 3, None,
+                            100.0, 0.0, 0.0, 0.0, tokens_per_step=64)
+  assert ddp["wall_s_per_round"] == pytest.approx(6.0) and ddp["idle_fraction"] == pytest.approx([0.0, 0.5])
+
+
+def test_fitted_alpha_is_the_stragglers_wait_beyond_the_model():
+  setting = {"steps": 6, "inner_steps": 2, "step_s": 1.0, "straggler_factor": 2.0, "lognormal": None,
+             "model_alpha_s": 0.0, "model_beta_s_per_byte": 0.0, "model_burst_bytes": 0.0}
+  # DiLoCo, 2 processes, rounds of 2 steps: compute [4, 2] s a round; 2 rounds measured. The straggler
+  # waited 0.2 s in them (the all-reduce's own cost): α = 0.1 s per exchange.
+  run = {"processes_count": 2, "method": "diloco", "groups": None, "bytes_sent_per_replica": 300.0,
+         "processes": [{"wait_s": 0.2}, {"wait_s": 4.5}]}
+  bench_network.attach_models(setting, run)
+  assert run["model"]["wait_s_per_round"] == pytest.approx([0.0, 2.0])
+  assert run["model_fitted"]["alpha_s"] == pytest.approx(0.1)
+  assert run["model_fitted"]["wall_s_per_round"] == pytest.approx(4.1)
+  assert run["model_fitted"]["idle_fraction"] == pytest.approx([0.1 / 4.1, 2.1 / 4.1])
+
+
+def test_rate_and_burst_strings_are_tcs():
+  assert bench_network.rate_bits_per_s("10mbit") == 10e6 and bench_network.rate_bits_per_s("500kbit") == 5e5
+  assert bench_network.size_bytes("128kb") == 128 * 1024 and bench_network.size_bytes("1500") == 1500
+  with pytest.raises(SystemExit, match="--rate='10mbps' is not valid"):
+    bench_network.rate_bits_per_s("10mbps")
+
+
+# ---- The benchmark itself, in its seconds-long mode (--quick: P = 2, 6 steps, H = 2) ----
+
+
+def _quick(*flags, methods=("noloco", "diloco")):
+  """Runs `bench_network.py --quick FLAGS` as its own program; the results it prints last."""
+  cmd = [sys.executable, os.path.join(REPO, "experiments", "bench_network.py"), "--quick", *flags,
+         "--methods", *methods]
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  results = json.loads(done.stdout.strip().splitlines()[-1])
+  assert [r["method"] for r in results["runs"]] == list(methods)
+  for run in results["runs"]:
+    for key in ("wall_s_per_round", "tokens_per_s", "bytes_sent_per_replica", "idle_fraction", "program_wait_s", "model"):
+      assert key in run, key
+    assert len(run["idle_fraction"]) == 2 and all(0.0 <= x <= 1.0 for x in run["idle_fraction"])
+    assert run["bytes_sent_per_replica"] > 0 and run["tokens_per_s"] > 0
+  return results
+
+
+def test_quick_straggler_its_partner_idles_and_the_model_says_half():
+  results = _quick()
+  for run in results["runs"]:
+    idle = run["idle_fraction"]
+    # Process 1 waits ≥ 0.2 s a round for the straggler on top of whatever the exchange costs both;
+    # a run without the straggler (or a broken trace) would give the two the same idle time.
+    assert idle[1] > idle[0] + 0.1, run
+    assert run["model"]["idle_fraction"] == pytest.approx([0.0, 0.5])
+
+
+def test_quick_lognormal_the_model_sees_the_delays_the_run_slept():
+  results = _quick("--lognormal", "0.05,0.8", methods=("noloco",))  # one job: the mode, not the method
+  for run in results["runs"]:
+    slept = [p["slept_s"] for p in run["processes"]]
+    np.testing.assert_allclose(slept, run["model"]["busy_s"], rtol=1e-6)  # the same seeded draws
+    assert slept[0] != pytest.approx(slept[1])  # each process its own stream
+
+
+def _can_unshare_with_tc() -> str | None:
+  if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("tc"):
+    return "needs root, unshare and tc (iproute2)"
+  if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
+    return "unshare -n is not permitted here"
+  return None
+
+
+@pytest.mark.skipif(_can_unshare_with_tc() is not None, reason=str(_can_unshare_with_tc()))
+def test_quick_bandwidth_limit_the_exchange_waits_for_the_link():
+  results = _quick("--rate", "1mbit", methods=("diloco",))
+  for run in results["runs"]:
+    model_wait = run["model"]["wait_s_per_round"][0]  # the straggler waits for nothing but the link
+    assert model_wait > 0.3, run["model"]  # 2 copies of 107 kB through 1 Mbit/s, less the 128 kB burst
+    measured = run["processes"][0]["wait_s"] / 2  # 2 measured rounds
+    # tbf cannot send faster than its rate: the measured wait is at least most of the model's.
+    assert measured > 0.6 * model_wait, (measured, model_wait)

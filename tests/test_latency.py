@@ -146,3 +146,64 @@ def test_script_json_output_parses_and_has_the_keys():
   assert head["key_n"] == 1024 and head["constant_speedup"] == 10.0
   assert head["params_small"] == 309_876_480
   assert len(result["alpha_beta"]["rows"]) == 3 * 2 * 2 * 3  # models × dtypes × links × N
+
+
+# ---- Section 8: barriers on one setting (tools/barrier_sim.py), the benchmark's model ----
+
+
+def test_barrier_schedule_carries_the_lag_to_the_next_partner():
+  groups = [[[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 3], [1, 2]]]
+  compute = latency.per_barrier(latency.straggler_step_times(4, 6, 0.5, 2.0), 2)  # [[2, 1, 1, 1]] × 3
+  np.testing.assert_allclose(compute, [[2.0, 1.0, 1.0, 1.0]] * 3)
+  # Barrier 0 (clocks only): finish [2, 2, 1, 1]. Barrier 1: ready [4, 3, 2, 2]; 0+2 end at 4 (2 waits
+  # 2), 1+3 at 3 (3 waits 1). Barrier 2: ready [6, 4, 5, 4]; 0+3 end at 6 (3 waits 2), 1+2 at 5 (1 waits 1).
+  out = latency.barrier_schedule(groups, compute)
+  np.testing.assert_allclose(out["finish"], [[2, 2, 1, 1], [4, 3, 4, 3], [6, 5, 5, 6]])
+  np.testing.assert_allclose(out["idle_fraction"], [0.0, 1 / 3, 2 / 4, 3 / 5])
+  # The slowest process over the counted barriers: process 3, from 1 to 6 (it caught the lag), / 2.
+  assert out["wall_s_per_barrier"] == pytest.approx(2.5)
+  everyone = [[[0, 1, 2, 3]]] * 3  # the global barrier: every fast process idles half the time
+  np.testing.assert_allclose(latency.barrier_schedule(everyone, compute)["idle_fraction"], [0, .5, .5, .5])
+
+
+def test_barrier_schedule_alpha_and_a_shared_fifo_link():
+  groups = [[[0, 1], [2, 3]]] * 2
+  compute = np.array([[1.0, 1.0, 3.0, 3.0], [1.0, 1.0, 1.0, 1.0]])
+  # α only: every exchange 0.5 s, no queueing. Finish [1.5, 1.5, 3.5, 3.5], then [3, 3, 5, 5].
+  out = latency.barrier_schedule(groups, compute, alpha=0.5, first=0)
+  np.testing.assert_allclose(out["finish"], [[1.5, 1.5, 3.5, 3.5], [3.0, 3.0, 5.0, 5.0]])
+  np.testing.assert_allclose(out["idle_fraction"], [1 / 3, 1 / 3, 1 / 5, 1 / 5])  # (2 × 0.5) / (compute + 1)
+  # A shared link of 1 s per byte, 2 bytes per pair (α = 0). Barrier 0: pair 01 ready at 1, sends
+  # until 3; pair 23 ready at 3, sends until 5. Barrier 1: 01 ready at 4, link free at 5 -> queues,
+  # ends at 7; 23 ready at 6, link free at 7 -> ends at 9.
+  out = latency.barrier_schedule(groups, compute, beta=1.0, bytes_by_group_size=lambda n: 2.0, first=0)
+  np.testing.assert_allclose(out["finish"], [[3, 3, 5, 5], [7, 7, 9, 9]])
+  assert out["wall_s_per_barrier"] == pytest.approx(4.5)
+  # A bucket of 1.5 bytes, full at 0; the link serves groups in the order they are ready. 01 at 1:
+  # 1.5 tokens, waits for 0.5 byte, ends at 1.5 (bucket empty). 01 again at 2.5 (before 23's first at
+  # 3): 1 token refilled, ends at 3.5. 23 at 3: the link is busy until 3.5, no tokens: ends at 5.5.
+  # 23 again at 6.5: 1 token, ends at 7.5.
+  out = latency.barrier_schedule(groups, compute, beta=1.0, bytes_by_group_size=lambda n: 2.0, burst_bytes=1.5,
+                                 first=0)
+  np.testing.assert_allclose(out["finish"], [[1.5, 1.5, 5.5, 5.5], [3.5, 3.5, 7.5, 7.5]])
+
+
+def test_link_bytes_of_a_pair_and_a_ring():
+  assert latency.link_bytes("pair", 2, 100.0) == 200.0
+  assert latency.link_bytes("ring", 8, 100.0) == pytest.approx(2 * 7 * 100.0)
+
+
+def test_lognormal_step_times_are_the_fault_injectors_draws():
+  from noloco_jax.training import faults  # pylint: disable=g-import-not-at-top
+  times = latency.lognormal_step_times(3, 20, 0.05, 0.5, seed=4)
+  for p in range(3):
+    injector = faults.Injector(faults.parse("lognormal:median=0.05,sigma=0.5,seed=4"), p)
+    np.testing.assert_allclose(times[:, p], [injector.delay_after(s, 0.0) for s in range(1, 21)], rtol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs,message", [({"first": 3}, "first=3"), ({"beta": 1.0}, "bytes_by_group_size")])
+def test_barrier_schedule_refuses_bad_arguments(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    latency.barrier_schedule([[[0, 1]]] * 3, np.ones((3, 2)), **kwargs)
+  with pytest.raises(ValueError, match="do not cover"):
+    latency.barrier_schedule([[[0]]] * 3, np.ones((3, 2)))

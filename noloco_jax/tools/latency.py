@@ -23,6 +23,9 @@ Sections, in order:
   4. Latency model with log-normal message times (Monte Carlo): tree, ring, pair.
   5. Global barrier vs pair barrier with noisy inner-step times (Monte Carlo).
   7. `summary`: every headline figure in one dict (used by experiments/latency_model.py).
+  8. Barriers on one concrete setting (a straggler or seeded per-step delays, the run's own
+     groupings, a shared-bucket link): tools/barrier_sim.py, re-exported here; the model column
+     of experiments/bench_network.py.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from noloco_jax.tools.alpha_beta import (  # noqa: F401
     bytes_sent_per_replica_per_round, latency_share, model_bytes, pair_exchange_alpha_beta,
     pair_exchange_reference_alpha_beta, paper_model_params, ring_allreduce_alpha_beta, seconds_per_byte,
     tree_allreduce_alpha_beta)
+from noloco_jax.tools.barrier_sim import (  # noqa: F401
+    barrier_schedule, link_bytes, lognormal_step_times, per_barrier, straggler_step_times)
 
 # ----------------------------------------------------------------------------------------------------
 # 2. Log-normal message times

@@ -10,9 +10,13 @@ come from the environment variable NOLOCO_FAULTS, a `;`-separated list of `kind:
     lognormal:process=*,median=0.05,sigma=0.5,seed=0
                                                  sleep a log-normal time after every step; the draws of
                                                  process p come from seed + p, so they are reproducible
-    stall:process=1,step=4,seconds=3             sleep 3 s once, after step 4 (what a peer sees of a
-                                                 link down for 3 s: nothing arrives, then all of it)
+    stall:process=1,step=4,seconds=3             sleep 3 s once, after step 4 (the process stops; to
+                                                 its peers much like a link down for 3 s, see linkdown)
     kill:process=1,step=5                        SIGKILL process 1 right after step 5 (a lost host)
+    linkdown:process=1,step=4,seconds=2          drop every packet of process 1's TCP sockets for 2 s
+                                                 from step 4 on while it keeps computing (a real
+                                                 outage, tc on loopback: root, inside `unshare -n`;
+                                                 training/link_faults.py)
 
 `process=*` (or leaving `process` out) applies to every process. Nothing else reads the variable;
 without it `after_step` does nothing, so a normal run carries no fault code on its path.
@@ -21,7 +25,8 @@ NOLOCO_TRACE=DIR (benchmarks: experiments/bench_network.py) also times every ste
 hooks then wait for the state to be computed (so steps no longer overlap with the host) and append
 {step, inner_s, round_s, slept_s} to DIR/trace_<process>.jsonl: inner_s from the end of the previous
 step to the end of this inner step, round_s the outer round (its exchange and any wait for partners),
-slept_s the injected delay.
+slept_s the injected delay; at a round step also program_wait_s (how long the round blocked on its
+compiled program, outer/ahead.py), compiles and compile_s (this process's compiles so far, their seconds).
 """
 
 from __future__ import annotations
@@ -34,9 +39,12 @@ import time
 
 import numpy as np
 
+from noloco_jax.io import failures
+from noloco_jax.training import link_faults
+
 ENV = "NOLOCO_FAULTS"
 TRACE_ENV = "NOLOCO_TRACE"
-KINDS = ("delay", "slowdown", "lognormal", "stall", "kill")
+KINDS = ("delay", "slowdown", "lognormal", "stall", "kill", "linkdown")
 
 
 @dataclasses.dataclass
@@ -66,7 +74,7 @@ def parse(spec: str) -> list[Fault]:
     except ValueError:
       raise ValueError(f"{ENV}: {entry!r} has a value that is not a number.") from None
     need = {"delay": {"seconds"}, "slowdown": {"factor"}, "lognormal": {"median", "sigma"},
-            "stall": {"step", "seconds"}, "kill": {"step"}}[kind]
+            "stall": {"step", "seconds"}, "kill": {"step"}, "linkdown": {"step", "seconds"}}[kind]
     if need - values.keys():
       raise ValueError(f"{ENV}: {entry!r} needs {sorted(need)}.")
     faults.append(fault)
@@ -82,9 +90,17 @@ class Injector:
       os.makedirs(trace_dir, exist_ok=True)
       self._trace = open(os.path.join(trace_dir, f"trace_{process_index}.jsonl"), "a", buffering=1)
     self._round_start = None
+    self._program = {}  # tracing: the current round's program wait and compile counts (after_program)
     self.faults = [f for f in faults if f.process in (None, process_index)]
     self._rngs = {id(f): np.random.default_rng(int(f.params.get("seed", 0)) + process_index)
                   for f in self.faults if f.kind == "lognormal"}
+    self._links = {}
+    for f in self.faults:
+      if f.kind == "linkdown":  # refused now, in one line, rather than at step k
+        reason = link_faults.unavailable_reason()
+        if reason:
+          raise failures.ReportedError(f"{ENV}: linkdown {reason}.")  # one line, no traceback (main.py)
+        self._links[id(f)] = link_faults.LinkDown(f.params["seconds"], pref=1000 + 2 * process_index)
     self._last = time.perf_counter()
     self.slept_s = 0.0  # injected seconds so far (benchmarks subtract or report it)
 
@@ -109,6 +125,13 @@ class Injector:
       _wait(state)
       self._round_start = time.perf_counter()
 
+  def after_program(self, stats) -> None:
+    """Tracing only: how long the round waited for its compiled program (outer/ahead.Stats), and the
+    compiles so far, so that a benchmark can tell compile time from exchange and partner waits."""
+    if self._trace is not None:
+      self._program = {"program_wait_s": stats.waits_s[-1] if stats.waits_s else 0.0,
+                       "compiles": stats.compiles, "compile_s": float(sum(stats.compile_s))}
+
   def after_step(self, step: int, state=None) -> None:
     if not self.faults and self._trace is None:
       return
@@ -122,11 +145,14 @@ class Injector:
       self.slept_s += seconds
     if self._trace is not None:
       self._trace.write(json.dumps({"step": step, "inner_s": inner_end - self._last, "round_s": now - inner_end,
-                                    "slept_s": seconds, "end": time.time()}) + "\n")
+                                    "slept_s": seconds, "end": time.time(), **self._program}) + "\n")
     for f in self.faults:
+      if f.kind == "linkdown" and step == int(f.params["step"]):
+        self._links[id(f)].start()
       if f.kind == "kill" and step == int(f.params["step"]):
         os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, no checkpoint: as if the host vanished
     self._round_start = None
+    self._program = {}
     self._last = time.perf_counter()
 
 

@@ -119,10 +119,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
           pairing_log.append(row)
         if exchanges is None:
           round_fn, route = round_programs.program(loop.round)  # also starts compiling the next round's
+          fault.after_program(round_programs.compiler.stats)  # NOLOCO_TRACE: the wait for the compile
           state, round_metrics = round_fn(state, route)
           loop.add_round(round_metrics, setup.weight_std(state.params) if job_wide else None, bytes_per_round)
         else:  # sent now, merged after step + τ (below): the inner steps in between do not wait for it
           loop.add_round(exchanges.send(state, loop.round, step), None, bytes_per_round)
+          fault.after_program(exchanges.sends.compiler.stats)
           loop.inflight_step = step
       if exchanges is not None and exchanges.merge_due(step, config.num_steps):
         fault.before_round(state)  # NOLOCO_TRACE counts the wait for the exchange as the round's time
