@@ -14,11 +14,13 @@ import subprocess
 import sys
 import textwrap
 
+import orbax.checkpoint as ocp
 import pytest
 
 from noloco_jax import training
 from noloco_jax.io import checkpoint
 from noloco_jax.io import workdir_lock
+from noloco_jax.io.checkpoint import data_item
 from noloco_jax.io.checkpoint import logs
 from test_checkpoint import (FLAGS, REPO, START_TIMEOUT_S, cache, checkpoint_steps, launch, rows,  # noqa: F401
                                    smoke, stderr_of, wait_for_train_row)
@@ -147,10 +149,18 @@ def test_round_guard_counts_skips_in_a_row_across_a_resume():
 
 
 # main.py in a process whose files cannot grow past 1 MiB: writes past it fail (EFBIG; Python ignores
-# SIGXFSZ). A checkpoint's state data file is 2 MB, the logs and caches this run writes are far
-# smaller: a stand-in for a full disk, without one.
+# SIGXFSZ). A checkpoint's state is 2.8 MB, the logs and caches this run writes are far smaller: a
+# stand-in for a full disk, without one. The limit is per file, and orbax by default writes the state's
+# arrays one by one (under its in-flight byte limit): the OCDBT store then packs the writes that happen
+# to be pending together into one data file, so how big each file is depends on timing. On a loaded
+# machine, step 2's files all stayed under 1 MiB (the largest 1,043,997 bytes), step 2 was saved and
+# step 4 failed instead (a true message, but not this test's case). Without that limit orbax writes
+# all arrays in one transaction, one data file per save: the save of step 2 fails on every run.
 _SMALL_DISK = textwrap.dedent("""
     import resource, runpy, sys
+    from orbax.checkpoint._src.serialization import limits
+    assert limits.get_byte_limiter(1).__class__ is limits.LimitInFlightBytes  # what is replaced below
+    limits.get_byte_limiter = lambda concurrent_bytes=None: limits.UnlimitedInFlightBytes()
     resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
     sys.argv[0] = "noloco_jax.main"
     runpy.run_module("noloco_jax.main", run_name="__main__", alter_sys=True)
@@ -176,6 +186,47 @@ def test_a_failed_save_ends_in_one_line_naming_the_cause(cache, tmp_path):
   assert not [l for l in lines if "Traceback" in l], "\n".join(lines[-40:])
   assert lines[-1].startswith("noloco_jax: error: writing checkpoint step 2 to "), lines[-1]
   assert "No earlier checkpoint exists" in lines[-1] and "run the same command to start again" in lines[-1]
+
+
+def _full_disk(*_args, **_kwargs):
+  raise OSError(28, "No space left on device")
+
+
+def test_a_save_that_fails_as_it_starts_is_named_not_the_completed_one_before_it(cache, tmp_path, monkeypatch):
+  """Before: the checkpointer still held step 2 as 'in flight' although orbax had just completed it, and
+  blamed step 4's failure on it: 'writing checkpoint step 2 failed ... No earlier checkpoint exists'."""
+  del cache
+  real_save = ocp.AsyncCheckpointer.save
+
+  def save(self, directory, *args, **kwargs):  # orbax's blocking part of step 4's save: creating its directory
+    return (_full_disk if os.path.basename(str(directory)) == "4" else real_save)(self, directory, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.AsyncCheckpointer, "save", save)
+  with pytest.raises(checkpoint.CheckpointSaveError) as failed:
+    training.train_and_evaluate(smoke(num_steps=6), str(tmp_path))
+  assert str(failed.value).startswith(f"writing checkpoint step 4 to {tmp_path}/checkpoints failed: OSError: "), failed.value
+  assert "The previous checkpoint (step 2) is intact" in str(failed.value) and "to resume" in str(failed.value)
+  assert checkpoint_steps(str(tmp_path)) == [2]
+
+
+def test_a_failed_save_with_keep_1_names_the_checkpoint_it_did_not_delete(cache, tmp_path, monkeypatch):
+  """checkpoint.keep=1: orbax drops step 2 from its list as step 4's save starts, and deletes it once that
+  save completes. Before: step 4's write failed, step 2 stayed on disk, and the run said 'No earlier
+  checkpoint exists ... start again'."""
+  del cache
+  real_save_fn = data_item.PerProcessJsonHandler._save_fn  # pylint: disable=protected-access
+
+  async def save_fn(self, x, directory):  # in orbax's background thread: surfaces at the next save
+    if os.path.basename(os.path.dirname(str(directory))).startswith("4."):
+      _full_disk()
+    return await real_save_fn(self, x, directory)
+
+  monkeypatch.setattr(data_item.PerProcessJsonHandler, "_save_fn", save_fn)
+  with pytest.raises(checkpoint.CheckpointSaveError) as failed:
+    training.train_and_evaluate(smoke(num_steps=8, checkpoint__keep=1), str(tmp_path))
+  assert str(failed.value).startswith(f"writing checkpoint step 4 to {tmp_path}/checkpoints failed: OSError: "), failed.value
+  assert "The previous checkpoint (step 2) is intact" in str(failed.value) and "to resume" in str(failed.value)
+  assert checkpoint_steps(str(tmp_path)) == [2]
 
 
 # main.py with the loss of replica 3 made NaN at the 5th inner step (nan_policy="error", the default).

@@ -98,7 +98,7 @@ class Checkpointer:
       guard.check_finite(records.pending_losses(record["pending"]), record["pending"]["steps"])
     bad = guard.nonfinite_replicas(state, self._setup.mesh)
     if bad:
-      self._manager.wait_until_finished()
+      self.wait_until_finished()
       raise guard.NonFiniteStateError(
           f"the state after step {step} holds NaN or Inf on replica(s) {bad}; it was not saved. The last "
           f"good checkpoint is step {self.latest_step()} in {self.directory}.")
@@ -113,7 +113,9 @@ class Checkpointer:
     data = {"process_index": jax.process_index(), "process_count": jax.process_count(),
             "iterator": data_iter.get_state()}
     start = time.time()
-    # orbax first waits for the previous (asynchronous) save, and raises its error if it failed.
+    # The previous (asynchronous) save is waited for here, not inside orbax's save: an error is then
+    # blamed on the save that made it. orbax's save would wait too and raise either save's error alike.
+    self.wait_until_finished()
     with self._save_errors(step):
       self._manager.save(step, force=True, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta), data=PerProcessJsonSave(data)))
@@ -123,12 +125,11 @@ class Checkpointer:
                  time.time() - start, self.directory)
 
   @contextlib.contextmanager
-  def _save_errors(self, step: int):
-    """Turns a failed write (this save's or the previous asynchronous one's) into one clear error."""
+  def _save_errors(self, failed: int):
+    """Turns a failed write of step `failed` into one clear error."""
     try:
       yield
     except Exception as e:  # pylint: disable=broad-except
-      failed = self._in_flight if self._in_flight is not None else step
       self._in_flight = None
       raise CheckpointSaveError(
           f"writing checkpoint step {failed} to {self.directory} failed: {failures.first_line(e)}. "
@@ -136,6 +137,10 @@ class Checkpointer:
           f"{'resume' if self._intact_step(failed) is not None else 'start again'}.") from None
 
   def _intact_step(self, failed: int) -> int | None:
+    # Read from disk: orbax's own list drops the steps a save will delete (checkpoint.keep) as the
+    # save starts, but deletes them only once it has completed; a failed save deleted nothing.
+    with contextlib.suppress(Exception):  # never hides the error being reported
+      self._manager.reload()
     steps = [s for s in self._manager.all_steps() if s != failed]
     return max(steps) if steps else None
 
@@ -145,7 +150,9 @@ class Checkpointer:
 
   def wait_until_finished(self) -> None:
     """Blocks until every save started so far is complete on disk."""
-    with self._save_errors(-1):
+    if self._in_flight is None:  # nothing in flight (or a synchronous save, whose errors were raised)
+      return
+    with self._save_errors(self._in_flight):
       self._manager.wait_until_finished()
     self._in_flight = None
 
