@@ -53,7 +53,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -64,7 +63,7 @@ sys.path.insert(0, REPO)
 
 from noloco_jax.io import metrics as metrics_lib  # noqa: E402
 from noloco_jax.tools import latency  # noqa: E402
-from noloco_jax.tools import launch_local  # noqa: E402
+from noloco_jax.tools import launch_local, netns  # noqa: E402
 
 TOKENS_PER_STEP = 2 * 32  # smoke: batch_size 2 × seq_len 32 per replica
 LINK_METHOD = {"noloco": "pair", "diloco": "ring", "ddp": "ring"}  # how each method's bytes cross the link
@@ -243,16 +242,6 @@ def table(results: dict) -> str:
   return "\n".join(lines)
 
 
-def _in_namespace(args) -> None:
-  """Re-runs this script in a new network namespace whose loopback has a tbf bandwidth limit."""
-  if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("tc"):
-    raise SystemExit("--rate needs root, unshare and tc (iproute2)")
-  inner = [a for a in sys.argv[1:] if not a.startswith("--_in_namespace")] + ["--_in_namespace"]
-  setup = (f"ip link set lo up && tc qdisc add dev lo root tbf rate {args.rate} burst {args.burst} "
-           f"latency 100ms && exec {sys.executable} {os.path.abspath(__file__)} " + " ".join(inner))
-  raise SystemExit(subprocess.call(["unshare", "-n", "sh", "-c", setup]))
-
-
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--processes", type=int, nargs="+", default=[4, 8])
@@ -289,7 +278,7 @@ def main(argv=None) -> dict:
   beta = 8.0 / rate_bits_per_s(args.rate) if args.rate else 0.0  # checked before the namespace
   burst = size_bytes(args.burst) if args.rate else 0.0
   if args.rate and not args._in_namespace:
-    _in_namespace(args)
+    raise SystemExit(netns.rerun_rate_limited(__file__, sys.argv[1:], rate=args.rate, burst=args.burst))
   if args.quick:
     args.processes, args.steps, args.inner_steps = [2], 6, 2
     args.methods = args.methods or ["noloco", "diloco"]

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,21 +40,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from noloco_jax.io import metrics as metrics_lib  # noqa: E402
-from noloco_jax.tools import launch_local  # noqa: E402
-
-
-def _in_namespace(args) -> None:
-  """Re-runs this script in a new network namespace: loopback at MTU 1500 behind a tbf of args.rate.
-
-  MTU 1500 lets the bucket be small (tbf drops any packet larger than its burst; the loopback default
-  MTU is 64 KiB), so that a message of ~100 KB is limited by the rate rather than carried by the burst.
-  """
-  if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("tc"):
-    raise SystemExit("--rate needs root, unshare and tc (iproute2)")
-  inner = [a for a in sys.argv[1:] if not a.startswith("--_in_namespace")] + ["--_in_namespace"]
-  setup = (f"ip link set lo mtu 1500 up && tc qdisc add dev lo root tbf rate {args.rate} burst {args.burst} "
-           f"latency 2s && exec {sys.executable} {os.path.abspath(__file__)} " + " ".join(inner))
-  raise SystemExit(subprocess.call(["unshare", "-n", "sh", "-c", setup]))
+from noloco_jax.tools import launch_local, netns  # noqa: E402
 
 
 # ---- Part 1: the concurrency probe (each process runs `_probe_worker`) ----
@@ -222,7 +207,8 @@ def main(argv=None) -> dict:
   if args.quick:
     args.rate, args.steps, args.inner_steps, args.taus, args.methods, args.step_s = "", 8, 2, [0, 1], ["noloco"], 0.0
   if args.rate and not args._in_namespace:
-    _in_namespace(args)
+    raise SystemExit(netns.rerun_rate_limited(__file__, sys.argv[1:], rate=args.rate, burst=args.burst, mtu=1500,
+                                              latency="2s"))
   if args.probe:
     results = probe(args)
     print(json.dumps(results), flush=True)
