@@ -285,10 +285,16 @@ def test_coded_bytes_match_the_compiled_collectives(compression, extra, ratio):
     ({"outer.kind": "epidemic", "outer.fanout": 0}, "outer.fanout"),
 ])
 def test_bad_compression_and_fanout_settings_name_the_field(overrides, field):
+  assert_one_line_config_error(overrides, field)
+
+
+def assert_one_line_config_error(overrides: dict, field: str) -> None:
+  """The smoke config with `overrides` ("section.name" or a top-level "name") fails validation in one
+  line that starts by naming `field` (also used by test_overlap.py)."""
   cfg = default.get_config("smoke")
   for key, value in overrides.items():
-    section, name = key.split(".")
-    cfg[section][name] = value
+    section, _, name = key.rpartition(".")
+    (cfg[section] if section else cfg)[name] = value
   with pytest.raises(config_lib.ConfigError) as info:
     config_lib.validate(cfg)
   message = str(info.value)

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from configs import default
-from noloco_jax import config as config_lib
 from noloco_jax.inner.state import TrainState
 from noloco_jax.outer import methods as outer_lib
 from noloco_jax.outer import overlap as overlap_lib
@@ -21,6 +20,7 @@ from noloco_jax.outer import rounds as rounds_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.training import loop as train
+from test_compression import assert_one_line_config_error
 
 N = 8
 SHAPES = {"w": (6, 5), "b": (3,)}
@@ -179,14 +179,7 @@ def test_overlapped_send_moves_the_bytes_counted_per_round(message_dtype):
     ({"outer.overlap_steps": 1, "nan_policy": "skip_round"}, "outer.overlap_steps"),
 ])
 def test_bad_overlap_settings_name_the_field(overrides, field):
-  cfg = default.get_config("smoke")
-  for key, value in overrides.items():
-    section, _, name = key.rpartition(".")
-    (cfg[section] if section else cfg)[name] = value
-  with pytest.raises(config_lib.ConfigError) as info:
-    config_lib.validate(cfg)
-  message = str(info.value)
-  assert message.startswith(f"config.{field}=") and "\n" not in message, message
+  assert_one_line_config_error(overrides, field)
 
 
 # ---- End to end: a run stopped inside a window resumes bitwise, the in-flight mean from disk ----
