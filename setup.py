@@ -10,7 +10,10 @@ setuptools.setup(
     name="noloco_jax",
     version="0.1.0",
     description="NoLoCo (no-all-reduce low-communication training) in JAX/Flax, with DiLoCo and DDP baselines.",
-    packages=setuptools.find_packages(include=["noloco_jax", "noloco_jax.*"]),
+    # configs/ and experiments/ (config files, the benchmarks and their library, the notebooks' helpers)
+    # are packages of the checkout too, so that scripts, notebooks and tests import them by name.
+    packages=setuptools.find_packages(include=["noloco_jax", "noloco_jax.*", "configs", "experiments",
+                                               "experiments.*"]),
     python_requires=">=3.11",  # Tested: 3.11 (CI) and 3.12.
     install_requires=[
         "jax>=0.10,<0.12",

@@ -15,7 +15,7 @@ Arguments (comma-separated, after `configs/c4.py:`):
 
 import ml_collections
 
-from noloco_jax.tools import config_files
+from noloco_jax.config import files as config_files
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -54,7 +54,7 @@ for medium and large, and for large φ and δ in pinned host memory between roun
 import ml_collections
 
 from noloco_jax.outer.paper import paper_outer
-from noloco_jax.tools import config_files
+from noloco_jax.config import files as config_files
 
 # The rows of docs/method.md §11: (model, GPUs, DP, PP).
 ROWS = (

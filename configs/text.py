@@ -12,7 +12,7 @@ Arguments after `configs/text.py:` are those of configs/default.py (smoke, model
 
 import ml_collections
 
-from noloco_jax.tools import config_files
+from noloco_jax.config import files as config_files
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

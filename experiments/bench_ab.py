@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 
@@ -36,12 +35,12 @@ def main(argv=None) -> dict:
 
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.replicas))
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  sys.path.insert(0, root)
   import jax
   import numpy as np
   from configs import default
   from noloco_jax.parallel import sharding as sharding_lib
-  from noloco_jax.tools import dryrun, experiment
+  from experiments.lib import experiment
+  from noloco_jax.tools import dryrun
   from noloco_jax.training import build as build_lib
 
   sides = {}

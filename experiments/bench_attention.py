@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 
@@ -31,7 +30,6 @@ def main(argv=None) -> dict:
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--json", action="store_true")
   args = parser.parse_args(argv)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import jax
   import jax.numpy as jnp
   from noloco_jax.models import attention

@@ -18,7 +18,6 @@ once with asynchronous and once with synchronous saves, then restores the latest
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -26,7 +25,6 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Training config.")
 _SAVES = flags.DEFINE_integer("saves", 5, "Saves to time per mode.")

@@ -8,10 +8,8 @@ replicated [N, 2] result) on the smoke and the default config, after a first cal
 
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for `configs`
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 

@@ -1,6 +1,6 @@
 """Bytes per replica per round of each message setting, relative to float32 dense (docs/compression.md).
 
-For the model of the mini setting (noloco_jax/tools/experiment.py; or --preset), prints one JSON line
+For the model of the mini setting (experiments/lib/experiment.py; or --preset), prints one JSON line
 per setting: the counted bytes (method.bytes_per_round, from the payload shapes) and, with --hlo, the
 operand bytes of the collective-permutes in the compiled round (8 fake CPU devices, one replica each),
 which must be equal. bfloat16 messages are widened to float32 by XLA:CPU after lowering (tools/hlo.py),
@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -26,7 +24,8 @@ import numpy as np  # noqa: E402
 
 from noloco_jax.outer import methods as outer_lib, pairing, rounds as rounds_lib  # noqa: E402
 from noloco_jax.parallel import mesh as mesh_lib  # noqa: E402
-from noloco_jax.tools import experiment, hlo as hlo_lib  # noqa: E402
+from experiments.lib import experiment  # noqa: E402
+from noloco_jax.tools import hlo as hlo_lib  # noqa: E402
 from noloco_jax.training import build as build_lib  # noqa: E402
 
 SETTINGS = {

@@ -18,7 +18,6 @@ Tokens count all L+1 tokens of each sequence.
 
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -26,7 +25,6 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from noloco_jax.io import data  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Training config.")

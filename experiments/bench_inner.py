@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 
@@ -34,11 +33,10 @@ def main(argv=None):
 
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.replicas))
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  sys.path.insert(0, root)
   import jax
   import numpy as np
   from configs import default
-  from noloco_jax.tools import experiment
+  from experiments.lib import experiment
   from noloco_jax.inner import step as inner
   from noloco_jax.parallel import mesh as mesh_lib
   from noloco_jax.parallel import sharding as sharding_lib

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
 
 
@@ -39,7 +38,6 @@ def main(argv=None) -> dict:
   parser.add_argument("--json", action="store_true")
   args = parser.parse_args(argv)
 
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import jax
   import jax.numpy as jnp
   from noloco_jax.models import losses

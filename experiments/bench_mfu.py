@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 
@@ -53,11 +52,12 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.devices))
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  sys.path.insert(0, root)
   import jax
   import numpy as np
-  from noloco_jax.tools import config_files, dryrun, experiment
-  from noloco_jax.tools import mfu as mfu_lib
+  from experiments.lib import experiment
+  from noloco_jax.config import files as config_files
+  from noloco_jax.tools import dryrun
+  from experiments.lib import mfu as mfu_lib
   from noloco_jax.inner import step as inner
   from noloco_jax.parallel import mesh as mesh_lib
   from noloco_jax.parallel import sharding as sharding_lib

@@ -1,6 +1,6 @@
 """Stragglers and slow links on real processes: NoLoCo vs DiLoCo vs DDP over loopback (issue 17).
 
-Runs P processes (1 CPU device, 1 replica each) with noloco_jax.tools.launch_local. The smoke model's
+Runs P processes (1 CPU device, 1 replica each) with noloco_jax.runtime.launch_local. The smoke model's
 real step takes a few ms, so a step's compute is simulated by a sleep of --step_s after it (NOLOCO_FAULTS
 delay) on top of the real step; process 0, the straggler, sleeps --straggler_factor × as long. Or every
 process gets a seeded log-normal per-step delay instead (--lognormal); optionally with a bandwidth
@@ -30,7 +30,7 @@ collective), when NoLoCo ran too. The first round (compilation, start-up skew) i
 Reported per (P, method): wall time per round (the slowest process's measured time / measured
 rounds), each process's idle fraction (wait / (busy + wait)), tokens/s (the job's, from the slowest
 process), bytes sent per replica (the method's accounting, comm/bytes_per_replica), and beside them
-`model`: the same quantities from noloco_jax/tools/latency.py (section 8, barrier_sim) for the same
+`model`: the same quantities from experiments/lib/latency.py (section 8, barrier_sim) for the same
 setting: the injected compute times (the straggler's, or the very log-normal draws the run slept),
 the run's own seeded groupings with the lag carried from round to round, and an exchange of α
 (--model_alpha) plus, under --rate, the method's bytes through one shared FIFO link at that rate
@@ -59,11 +59,11 @@ import tempfile
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from noloco_jax.io import metrics as metrics_lib  # noqa: E402
-from noloco_jax.tools import latency  # noqa: E402
-from noloco_jax.tools import launch_local, netns  # noqa: E402
+from experiments.lib import latency  # noqa: E402
+from experiments.lib import netns  # noqa: E402
+from noloco_jax.runtime import launch_local  # noqa: E402
 
 TOKENS_PER_STEP = 2 * 32  # smoke: batch_size 2 × seq_len 32 per replica
 LINK_METHOD = {"noloco": "pair", "diloco": "ring", "ddp": "ring"}  # how each method's bytes cross the link

@@ -57,7 +57,7 @@ def _config(args):
   cfg.num_replicas = args.replicas
   cfg.model.preset = args.preset
   cfg.outer.pairing = "fixed"
-  from noloco_jax.tools import experiment  # pylint: disable=g-import-not-at-top
+  from experiments.lib import experiment  # pylint: disable=g-import-not-at-top
   return experiment.apply_overrides(cfg, args.set)
 
 
@@ -67,8 +67,7 @@ def _config(args):
 
 
 def _worker(args) -> None:
-  sys.path.insert(0, ROOT)
-  from noloco_jax.parallel import distributed  # pylint: disable=g-import-not-at-top
+  from noloco_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
   multi = distributed.initialize(distributed.resolve_options())
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -146,8 +145,7 @@ def _worker(args) -> None:
 
 
 def _run_job(args, argv, num_processes: int) -> dict:
-  sys.path.insert(0, ROOT)
-  from noloco_jax.tools import launch_local  # pylint: disable=g-import-not-at-top
+  from noloco_jax.runtime import launch_local  # pylint: disable=g-import-not-at-top
   if args.replicas % num_processes:
     raise SystemExit(f"--replicas={args.replicas} is not a multiple of {num_processes} processes.")
   worker_argv = [a for a in argv if not a.startswith(("--processes", "--json"))] + ["--worker"]

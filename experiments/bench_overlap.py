@@ -1,6 +1,6 @@
 """Streaming overlap on real processes over a bandwidth-limited loopback: does it hide the exchange? (issue 16)
 
-Two parts, both with P processes of one CPU device each (noloco_jax.tools.launch_local), inside a new
+Two parts, both with P processes of one CPU device each (noloco_jax.runtime.launch_local), inside a new
 network namespace (`unshare -n`, root) whose loopback has MTU 1500 and a `tbf` qdisc of --rate (every
 process's traffic shares that one queue). No traffic leaves 127.0.0.1 of that namespace.
 
@@ -37,10 +37,10 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from noloco_jax.io import metrics as metrics_lib  # noqa: E402
-from noloco_jax.tools import launch_local, netns  # noqa: E402
+from experiments.lib import netns  # noqa: E402
+from noloco_jax.runtime import launch_local  # noqa: E402
 
 
 # ---- Part 1: the concurrency probe (each process runs `_probe_worker`) ----

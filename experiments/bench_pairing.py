@@ -56,7 +56,7 @@ def run_mode(mode: str, args) -> dict:
 
   from configs import default  # pylint: disable=g-import-not-at-top
   from noloco_jax.parallel import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  from noloco_jax.tools import experiment  # pylint: disable=g-import-not-at-top
+  from experiments.lib import experiment  # pylint: disable=g-import-not-at-top
   from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
 
   cfg = default.get_config()
@@ -120,9 +120,8 @@ def main(argv=None):
   args = _parse(argv if argv is not None else sys.argv[1:])
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  sys.path.insert(0, ROOT)
   from configs import default  # pylint: disable=g-import-not-at-top
-  from noloco_jax.tools import experiment  # pylint: disable=g-import-not-at-top
+  from experiments.lib import experiment  # pylint: disable=g-import-not-at-top
   base = experiment.apply_overrides(default.get_config(), args.set)
   result = {"replicas": base.num_replicas, "group_size": base.outer.group_size,
             "inner_steps": base.outer.inner_steps, "preset": args.preset, "overrides": args.set,

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -132,7 +131,6 @@ def main(argv=None):
   args = parser.parse_args(argv)
 
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from configs import default
   from noloco_jax.parallel import sharding as sharding_lib
   from noloco_jax.parallel import pipeline

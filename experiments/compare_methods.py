@@ -6,7 +6,7 @@
     python experiments/compare_methods.py --h-noloco 50 --h-diloco 100 --steps 600   # the paper's H
     python experiments/compare_methods.py --smoke      # seconds; plots go to the workdir
 
-The setting is noloco_jax/tools/experiment.py's "mini" one (a 2-layer Llama of width 64, ~140k parameters per
+The setting is experiments/lib/experiment.py's "mini" one (a 2-layer Llama of width 64, ~140k parameters per
 replica, on the embedded standard-library corpus). Outer hyperparameters are the paper's: NoLoCo α=0.5,
 β=γ=0.7, n=2; DiLoCo α=0.3, β=0.7, heavy-ball. H defaults to 25 (NoLoCo) and 50 (DiLoCo): the paper's
 50 and 100 halved for a 300-step run.
@@ -15,7 +15,7 @@ Reported: final validation loss and perplexity (mean ± std over seeds, sample s
 (DiLoCo − NoLoCo)/DDP perplexity, cross-replica weight std, bytes per replica, and three PNGs: validation
 loss against training tokens, against modelled wall-clock time, and weight std against steps.
 
-Wall-clock model (deterministic α–β, noloco_jax/tools/latency.py; no stragglers, no overlap of compute and
+Wall-clock model (deterministic α–β, experiments/lib/latency.py; no stragglers, no overlap of compute and
 communication): every inner step costs the compute time t_c; each method adds its communication
   NoLoCo  (n−1)·(α + S·β) per round (one message of S bytes each way per group partner; n=2: α + S·β)
   DiLoCo  2(N−1)·α + 2(N−1)/N·S·β per round (ring all-reduce of the float32 pseudo-gradient)
@@ -28,7 +28,7 @@ latency (--alpha-s, 1 ms by default) and t_c the compute time per inner step, in
   assumed   --assumed-step-time-s, 5 ms by default: the order of a step of this tiny model on its own
             accelerator, where the same bytes and latencies weigh much more (communication-bound for DDP).
 This model cannot show NoLoCo's other advantage, the absence of a global barrier (stragglers, variable
-message times: see experiments/latency_model.py and noloco_jax/tools/latency.py).
+message times: see experiments/latency_model.py and experiments/lib/latency.py).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def comm_model(config, num_params: int, alpha: float, beta: float) -> dict:
   """Communication per round and per step (seconds) and bytes one replica sends, for one method."""
-  from noloco_jax.tools import latency
+  from experiments.lib import latency
 
   kind, n = config.outer.kind, config.num_replicas
   s_f32 = latency.model_bytes(num_params, "float32")
@@ -118,7 +118,7 @@ def plot(results, comms, step_times: dict, plot_dir, args) -> list[str]:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  from noloco_jax.tools import experiment
+  from experiments.lib import experiment
 
   os.makedirs(plot_dir, exist_ok=True)
   n = args.replicas
@@ -189,11 +189,10 @@ def main(argv=None) -> dict:
   # Fake CPU devices must exist before JAX starts: one per replica (respecting a value already set).
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(max(8, args.replicas)))
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  sys.path.insert(0, REPO)
   import numpy as np
 
-  from noloco_jax.tools import experiment
-  from noloco_jax.tools import latency
+  from experiments.lib import experiment
+  from experiments.lib import latency
 
   experiment.enable_compile_cache()
   base = experiment.base_config(smoke=args.smoke, num_replicas=args.replicas, num_steps=args.steps)

@@ -2,7 +2,7 @@
 
     python experiments/elastic_restart.py --out=runs/elastic [--num_steps=24 --kill_step=14 --every=6]
 
-Runs, each with `python -m noloco_jax.main` processes started by noloco_jax/tools/launch_local.py over
+Runs, each with `python -m noloco_jax.main` processes started by noloco_jax/runtime/launch_local.py over
 loopback (2 processes × 4 CPU devices, 8 replicas, the smoke model):
 
   reference   the job uninterrupted, to num_steps
@@ -24,13 +24,11 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from noloco_jax.io import metrics as metrics_lib  # noqa: E402
-from noloco_jax.tools import launch_local  # noqa: E402
+from noloco_jax.runtime import launch_local  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESUMES = {

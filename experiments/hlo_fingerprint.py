@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import re
-import sys
 
 
 def normalise(hlo_text: str) -> list[str]:
@@ -35,12 +34,11 @@ def main(argv=None) -> dict:
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
   args = parser.parse_args(argv)
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-  sys.path.insert(0, os.getcwd())
   import jax
   import numpy as np
   from configs import default
   from noloco_jax.parallel import sharding as sharding_lib
-  from noloco_jax.tools import experiment
+  from experiments.lib import experiment
   from noloco_jax.training import build as build_lib
 
   cfg = default.get_config()

@@ -1,6 +1,6 @@
 """Latency and α–β communication models of docs/method.md §6: all-reduce vs NoLoCo's pair exchange.
 
-The models live in noloco_jax/tools/latency.py (pure functions, importable from notebooks); this script
+The models live in experiments/lib/latency.py (pure functions, importable from notebooks); this script
 only parses flags, calls `latency.summary`, and prints tables, a JSON line and/or a plot.
 
     python experiments/latency_model.py                        # readable tables, a few seconds
@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 try:
-  from noloco_jax.tools import latency
+  from experiments.lib import latency
 except ImportError:  # run from a checkout without `pip install -e .`
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from noloco_jax.tools import latency
+  from experiments.lib import latency
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import sys
 
 import numpy as np
 from scipy import stats
@@ -88,7 +87,6 @@ def routing_stats() -> dict:
 
 
 def main() -> None:
-  sys.path.insert(0, ROOT)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   out = {"pairing": {mode: {str(n): pairing_stats(mode, n) for n in (8, 16, 64)} for mode in ("fresh", "round_robin")},
          "routing": routing_stats()}

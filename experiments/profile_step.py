@@ -21,7 +21,6 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
 
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "f64": 8}
@@ -63,7 +62,6 @@ def main(argv=None) -> dict:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--json", action="store_true")
   args = parser.parse_args(argv)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import jax
   import numpy as np
   import optax
@@ -71,7 +69,7 @@ def main(argv=None) -> dict:
   from noloco_jax import models
   from noloco_jax.inner import step as inner
   from noloco_jax.inner.state import TrainState
-  from noloco_jax.tools import experiment
+  from experiments.lib import experiment
 
   cfg = default.get_config(args.config_arg or None)
   experiment.apply_overrides(cfg, args.set)

@@ -1,7 +1,7 @@
 """Command line: python -m noloco_jax.main --config=configs/default.py --workdir=DIR [--config.x=y ...]
 
 Flags and platform set-up only; the work happens in training.train_and_evaluate. Multi-process jobs
-(SLURM, TPU pods, launch_local.py) are set up by noloco_jax/parallel/distributed.py: see its docstring for the
+(SLURM, TPU pods, launch_local.py) are set up by noloco_jax/runtime/distributed.py: see its docstring for the
 flags --distributed, --coordinator_address, --num_processes, --process_id and their NOLOCO_* variables.
 """
 
@@ -10,13 +10,13 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from noloco_jax.io import checkpoint
-from noloco_jax.io import failures
+from noloco_jax.runtime import failures
 from noloco_jax import config as config_lib
 from noloco_jax.config import cli
 from noloco_jax.outer import stability
-from noloco_jax.parallel import distributed, peer_watch
-from noloco_jax.tools import compile_cache, dryrun
+from noloco_jax.runtime import distributed, peer_watch
+from noloco_jax.runtime import compile_cache, preemption
+from noloco_jax.tools import dryrun
 from noloco_jax import training
 
 FLAGS = flags.FLAGS
@@ -29,7 +29,7 @@ flags.DEFINE_string("topology", "8x80GB", "With --dry_run: DEVICESxMEMORY, e.g. 
                     "when this machine has fewer).")
 flags.DEFINE_string("compile_cache", None, "Directory of JAX's persistent compilation cache (on by default: "
                     "$NOLOCO_COMPILE_CACHE, else ~/.cache/noloco_jax/jax_compile_cache); '' or 'off' disables. "
-                    "See noloco_jax/tools/compile_cache.py.")
+                    "See noloco_jax/runtime/compile_cache.py.")
 flags.mark_flags_as_required(["config"])
 distributed.define_flags()
 
@@ -76,8 +76,8 @@ def main(argv):
 
   # SIGTERM (preemption): finish the current step, save a checkpoint, exit 0. Installed after
   # jax.distributed, so that this handler, not the runtime's, receives the signal.
-  checkpoint.install_preemption_handler()
-  # A failure ends in its cause and one last line saying what to do, exit status 1 (io/failures.py).
+  preemption.install_preemption_handler()
+  # A failure ends in its cause and one last line saying what to do, exit status 1 (runtime/failures.py).
   with failures.exit_on_failure(FLAGS.workdir), distributed.fail_fast():
     watch = None
     if multi_process:  # a dead peer ends this process within a second, with one line (peer_watch.py)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from noloco_jax.models import llama as model_lib
-from noloco_jax.tools import mfu
+from experiments.lib import mfu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

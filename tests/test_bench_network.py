@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "experiments"))
-import bench_network  # noqa: E402
+from experiments import bench_network  # noqa: E402
 
 
 def _trace(inner_s, round_s, slept_s, steps, h, start=0.0):

@@ -1,4 +1,4 @@
-"""The persistent compilation cache (tools/compile_cache.py): where it goes, how it is turned off, and
+"""The persistent compilation cache (runtime/compile_cache.py): where it goes, how it is turned off, and
 that a program compiled by one process is loaded from it (a cache hit) by the next."""
 
 import os
@@ -8,7 +8,7 @@ import sys
 import jax
 import pytest
 
-from noloco_jax.tools import compile_cache
+from noloco_jax.runtime import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +42,7 @@ def test_resolution_order(monkeypatch, tmp_path, restore_jax_config):
 
 _PROGRAM = """
 import sys, jax, jax.numpy as jnp
-from noloco_jax.tools import compile_cache
+from noloco_jax.runtime import compile_cache
 hits = []
 jax.monitoring.register_event_listener(lambda e, **kw: hits.append(e == "/jax/compilation_cache/cache_hits"))
 compile_cache.enable(sys.argv[1])

@@ -27,7 +27,7 @@ from noloco_jax.io.checkpoint import resize
 from noloco_jax.outer import epidemic
 from noloco_jax.outer import pairing
 from noloco_jax.parallel import permutations
-from noloco_jax.tools import launch_local
+from noloco_jax.runtime import launch_local
 from noloco_jax.training import build as build_lib
 from noloco_jax.training.loop_state import LoopState
 

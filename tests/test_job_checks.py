@@ -10,8 +10,8 @@ import sys
 import time
 
 from configs import default
-from noloco_jax.parallel import job_checks
-from noloco_jax.tools import launch_local
+from noloco_jax.runtime import job_checks
+from noloco_jax.runtime import launch_local
 from test_multiprocess import REPO, _flags
 
 

@@ -1,4 +1,4 @@
-"""NumPy reference checks of noloco_jax/tools/latency.py and experiments/latency_model.py (fast; JAX only for the model sizes)."""
+"""NumPy reference checks of experiments/lib/latency.py and experiments/latency_model.py (fast; JAX only for the model sizes)."""
 
 import json
 import math
@@ -10,11 +10,7 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-  from noloco_jax.tools import latency
-except ImportError:  # a checkout without `pip install -e .`
-  sys.path.insert(0, REPO)
-  from noloco_jax.tools import latency
+from experiments.lib import latency
 
 
 # ---- Constant message times ----
@@ -148,7 +144,7 @@ def test_script_json_output_parses_and_has_the_keys():
   assert len(result["alpha_beta"]["rows"]) == 3 * 2 * 2 * 3  # models × dtypes × links × N
 
 
-# ---- Section 8: barriers on one setting (tools/barrier_sim.py), the benchmark's model ----
+# ---- Section 8: barriers on one setting (experiments/lib/barrier_sim.py), the benchmark's model ----
 
 
 def test_barrier_schedule_carries_the_lag_to_the_next_partner():

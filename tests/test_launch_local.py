@@ -24,7 +24,7 @@ def _alive(pid: int) -> bool:
 def test_a_signal_to_the_launcher_reaches_its_processes_before_it_exits(tmp_path, sig):
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
   launcher = subprocess.Popen(
-      [sys.executable, "-m", "noloco_jax.tools.launch_local", "--num_processes=2", "--module=launch_signal_child",
+      [sys.executable, "-m", "noloco_jax.runtime.launch_local", "--num_processes=2", "--module=launch_signal_child",
        "--", str(tmp_path)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   ready = [tmp_path / f"child_{i}.ready" for i in range(2)]
   pids = []

@@ -25,7 +25,6 @@ def test_main_and_a_run_set_up_import_no_tensorflow(tmp_path):
 import json, sys
 import noloco_jax.main
 after_import = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))
-sys.path.insert(0, {REPO!r})
 from configs import default
 from noloco_jax.io import data, metrics
 from noloco_jax.training import loop

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from noloco_jax.io import failures
+from noloco_jax.runtime import failures
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.training import faults
 from noloco_jax.training import link_faults
@@ -62,7 +62,7 @@ def test_partner_waits_out_a_three_second_link_drop_and_the_job_completes(tmp_pa
   # NoLoCo, 2 processes × 1 device, H = 3 (rounds at steps 3 and 6), one compiled round program
   # (round_robin) so that no compile sits in the round we look at. Process 1's link drops after step
   # 4; it computes steps 5 and 6 and then cannot deliver its half of round 2 until the link is back.
-  launch = [sys.executable, "-m", "noloco_jax.tools.launch_local", "--num_processes=2", "--devices_per_process=1",
+  launch = [sys.executable, "-m", "noloco_jax.runtime.launch_local", "--num_processes=2", "--devices_per_process=1",
             f"--log_dir={tmp_path / 'logs'}", "--timeout_s=240", "--grace_s=20", "--",
             "--config=configs/default.py:smoke", f"--workdir={workdir}", "--config.num_replicas=2",
             "--config.num_steps=6", "--config.outer.inner_steps=3", "--config.outer.pairing=round_robin",

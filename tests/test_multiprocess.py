@@ -1,6 +1,6 @@
 """Multi-process jobs over loopback: 2 processes × 4 fake CPU devices against 1 process × 8 devices.
 
-The 2-process jobs run as real subprocesses (noloco_jax.tools.launch_local, gloo collectives over
+The 2-process jobs run as real subprocesses (noloco_jax.runtime.launch_local, gloo collectives over
 127.0.0.1); the 1-process runs are in this pytest process, whose 8 fake devices come from conftest.py.
 
 Tolerance: every metric of the 2-process job equals the 1-process one to rtol 1e-5. Observed: all
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from configs import default
-from noloco_jax.parallel import distributed
-from noloco_jax.tools import launch_local
+from noloco_jax.runtime import distributed
+from noloco_jax.runtime import launch_local
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax import training

@@ -21,7 +21,7 @@ from noloco_jax.io import process_metrics
 from noloco_jax.outer import rounds as rounds_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
-from noloco_jax.tools import launch_local
+from noloco_jax.runtime import launch_local
 from noloco_jax.training import build as build_lib
 from noloco_jax.training import faults
 

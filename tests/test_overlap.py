@@ -215,7 +215,7 @@ def test_two_processes_with_the_threaded_send_match_one_process(tmp_path):
   agreement (6) and a checkpoint (4) fall inside windows and wait for the exchange. Same metrics as one
   process, whose send is dispatched in order."""
   from noloco_jax.io import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-  from noloco_jax.tools import launch_local  # pylint: disable=g-import-not-at-top
+  from noloco_jax.runtime import launch_local  # pylint: disable=g-import-not-at-top
 
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   overrides = {"num_replicas": 2, "checkpoint_every": 4, "outer.overlap_steps": 2}

@@ -19,7 +19,7 @@ import pytest
 
 from noloco_jax import training
 from noloco_jax.io import checkpoint
-from noloco_jax.io import workdir_lock
+from noloco_jax.runtime import workdir_lock
 from noloco_jax.io.checkpoint import data_item
 from noloco_jax.io.checkpoint import logs
 from test_checkpoint import (FLAGS, REPO, START_TIMEOUT_S, cache, checkpoint_steps, launch, rows,  # noqa: F401
@@ -173,7 +173,9 @@ def _run_main(script: str, tmp_path, env) -> tuple[subprocess.CompletedProcess, 
   with open(log, "w") as out:
     proc = subprocess.run(
         [sys.executable, "-c", script, "--config=configs/default.py:smoke", f"--workdir={workdir}", *FLAGS],
-        cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S)
+        # PYTHONPATH: the injected scripts import helpers of tests/test_checkpoint.py.
+        cwd=REPO, env={**env, "PYTHONPATH": os.path.join(REPO, "tests")}, stdout=out, stderr=subprocess.STDOUT,
+        timeout=START_TIMEOUT_S)
   lines = stderr_of(log)
   print("\n".join(lines[-12:]))  # shown by pytest -s / on failure: what the user sees last
   return proc, lines, workdir
@@ -233,7 +235,6 @@ def test_a_failed_save_with_keep_1_names_the_checkpoint_it_did_not_delete(cache,
 _NAN_AT_STEP_5 = textwrap.dedent("""
     import sys
     from absl import app
-    sys.path.insert(0, "tests")
     from noloco_jax import main
     from noloco_jax.training import build as build_lib
     from test_checkpoint import poisoned
@@ -286,7 +287,7 @@ def test_asyncio_records_about_orbax_tasks_lose_their_traceback():
   import logging as py_logging
   import sys
 
-  from noloco_jax.io import failures
+  from noloco_jax.runtime import failures
 
   namespace = {}
   exec(compile("def write():\n  raise ValueError('OUT_OF_RANGE: File too large')\n",

@@ -1,13 +1,13 @@
 """Set-up shared by the ablation notebooks: `from common import *` as a notebook's first code line.
 
-Creates the fake CPU devices before JAX starts, puts the repository on sys.path, turns on JAX's
+Creates the fake CPU devices before JAX starts, turns on JAX's
 persistent compilation cache, and reads the smoke switch:
 
     NOLOCO_SMOKE=1   tiny sizes (configs/default.py:smoke), one seed, short sweeps: seconds per run
                      (what tests/test_notebooks.py executes)
     NOLOCO_SEEDS=0,1,2   seeds of a full run (default 0,1)
 
-Everything else comes from noloco_jax.tools.experiment and its plots, noloco_jax.tools.plots,
+Everything else comes from experiments.lib.experiment and its plots, experiments.lib.plots,
 re-exported here as `experiment` and `plots`.
 """
 
@@ -17,11 +17,9 @@ import sys
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before the first `import jax`
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
 
-from noloco_jax.tools import experiment  # noqa: E402
-from noloco_jax.tools import plots  # noqa: E402
+from experiments.lib import experiment  # noqa: E402
+from experiments.lib import plots  # noqa: E402
 from noloco_jax import config as config_lib  # noqa: E402
 from noloco_jax.outer import stability  # noqa: E402
 

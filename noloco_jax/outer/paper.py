@@ -1,5 +1,5 @@
 """The NoLoCo paper's outer hyperparameters per method: the one place configs/paper.py and
-tools/experiment.py (the notebooks' sweeps) take them from. Standard library only: config files
+experiments/lib/experiment.py (the notebooks' sweeps) take them from. Standard library only: config files
 import it while flags are parsed.
 
 NoLoCo: α (`outer_momentum`) = 0.5, β (`outer_lr`) = γ (`consensus_weight`) = 0.7, groups of n = 2, H = 50 inner steps.

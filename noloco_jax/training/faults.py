@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from noloco_jax.io import failures
+from noloco_jax.runtime import failures
 from noloco_jax.training import link_faults
 
 ENV = "NOLOCO_FAULTS"

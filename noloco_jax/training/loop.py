@@ -22,9 +22,10 @@ from noloco_jax.io import checkpoint as checkpoint_lib
 from noloco_jax.io import data as data_lib
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.io import process_metrics
-from noloco_jax.io import workdir_lock
+from noloco_jax.runtime import workdir_lock
 from noloco_jax.outer import overlap as overlap_lib
-from noloco_jax.parallel import distributed
+from noloco_jax.runtime import distributed
+from noloco_jax.runtime import preemption
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.training import faults
@@ -38,7 +39,7 @@ NonFiniteLossError = checkpoint_lib.NonFiniteLossError
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains `config.num_replicas` replicas for `config.num_steps` steps; returns the final metrics.
 
-  One run per workdir: the workdir is locked for the whole run (io/workdir_lock.py).
+  One run per workdir: the workdir is locked for the whole run (runtime/workdir_lock.py).
   """
   os.makedirs(workdir, exist_ok=True)
   with workdir_lock.hold(workdir):
@@ -151,7 +152,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
 
       if exchanges is not None and step % max(stop_every, 1) == 0:
         exchanges.settle()  # the stop agreement gathers over processes
-      preempted = checkpoint_lib.stop_requested(step, stop_every)  # SIGTERM; agreed by all processes
+      preempted = preemption.stop_requested(step, stop_every)  # SIGTERM; agreed by all processes
       if checkpointer.due(step) or preempted:
         # Every log row up to this step on disk before the checkpoint that covers it (checkpoint/logs.py).
         writer.flush()

@@ -1,4 +1,4 @@
-"""Checkpoints and exact resume; preemption (SIGTERM); corrupt-checkpoint fallback; the NaN guard.
+"""Checkpoints and exact resume; corrupt-checkpoint fallback; the NaN guard. (SIGTERM: runtime/preemption.py.)
 
 One module per job:
 
@@ -8,7 +8,6 @@ One module per job:
   logs.py        metrics.jsonl / pairings.jsonl / elastic.jsonl: durable rows, each once after a resume
   checksum.py    a checksum of every replica's state, stored at save and verified on restore
   quarantine.py  unreadable steps moved to workdir/checkpoints_corrupt/
-  preemption.py  the SIGTERM flag, agreed by all processes
   guard.py       no NaN is saved; nan_policy "error" and "skip_round" (RoundGuard)
   resize.py      elastic resume: another replica set (checkpoint.elastic drop | recreate | grow)
 
@@ -47,8 +46,6 @@ from noloco_jax.io.checkpoint.manager import CheckpointSaveError
 from noloco_jax.io.checkpoint.manager import Checkpointer
 from noloco_jax.io.checkpoint.manager import IncompatibleCheckpointError
 from noloco_jax.io.checkpoint.manager import NoReadableCheckpointError
-from noloco_jax.io.checkpoint.preemption import install_preemption_handler
-from noloco_jax.io.checkpoint.preemption import stop_requested
 from noloco_jax.io.checkpoint.quarantine import CORRUPT_DIR
 from noloco_jax.io.checkpoint.records import FORMAT
 from noloco_jax.io.checkpoint.records import pending_from_host

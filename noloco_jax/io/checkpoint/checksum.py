@@ -6,7 +6,7 @@ item therefore carries one checksum per replica of the whole state (every leaf, 
 computed from the arrays being saved; restore computes it again from the arrays read and treats a
 mismatch like any unreadable step (quarantined, the previous step taken, a warning).
 
-The per-leaf sums are those of the start-up check (parallel/distributed.py: changing any word of a
+The per-leaf sums are those of the start-up check (runtime/distributed.py: changing any word of a
 replica's leaf changes them), combined over leaves with odd weights. They are computed on the
 devices, each replica where it lives, layout-independent: a checkpoint restored onto another device
 or process count checks out. Cost: one jitted reduction per save, ~20 ms for the default job's 79 MB
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from noloco_jax.inner.state import TrainState
-from noloco_jax.parallel import distributed
+from noloco_jax.runtime import distributed
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
 

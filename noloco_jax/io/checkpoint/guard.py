@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from noloco_jax.inner.state import TrainState
-from noloco_jax.io import failures
+from noloco_jax.runtime import failures
 from noloco_jax.io.checkpoint import records
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib

@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from noloco_jax.inner.state import TrainState
-from noloco_jax.io import failures
+from noloco_jax.runtime import failures
 from noloco_jax.io.checkpoint import checksum
 from noloco_jax.io.checkpoint import guard
 from noloco_jax.io.checkpoint import logs
@@ -68,7 +68,7 @@ class Checkpointer:
     ck = self._config.checkpoint
     py_logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # a no-op when already added
     py_logging.getLogger("asyncio").addFilter(_QUIET_ORBAX)  # orbax's abandoned write fragments
-    failures.quiet_orbax_noise()  # the closed-event-loop tracebacks of a failed read (io/failures.py)
+    failures.quiet_orbax_noise()  # the closed-event-loop tracebacks of a failed read (runtime/failures.py)
     self._in_flight: int | None = None  # the step of an asynchronous save not yet known complete
     self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=ck.keep, enable_async_checkpointing=ck.async_save, create=True,

@@ -50,7 +50,7 @@ import numpy as np
 
 from noloco_jax.config.checkpoint import parse_replica_list
 from noloco_jax.io.checkpoint import checksum
-from noloco_jax.parallel import distributed
+from noloco_jax.runtime import distributed
 from noloco_jax.parallel import permutations
 
 

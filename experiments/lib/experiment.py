@@ -1,7 +1,7 @@
 """Small experiments on top of `training.train_and_evaluate`: configs, seed sweeps, summaries and plots.
 
 Shared by experiments/compare_methods.py and the ablation notebooks in experiments/ablations/, so that
-they differ only in what they sweep. Their plots are in tools/plots.py (matplotlib is imported only there). JAX must already have its devices: set JAX_NUM_CPU_DEVICES
+they differ only in what they sweep. Their plots are in experiments/lib/plots.py (matplotlib is imported only there). JAX must already have its devices: set JAX_NUM_CPU_DEVICES
 before the first `import jax` (a notebook's first cell, a script's first lines).
 
 The setting ("mini"): the embedded standard-library corpus with the byte tokenizer, a 2-layer Llama
@@ -31,7 +31,8 @@ import ml_collections
 import numpy as np
 
 from noloco_jax.outer.paper import PAPER_OUTER
-from noloco_jax.tools import compile_cache, config_files
+from noloco_jax.config import files as config_files
+from noloco_jax.runtime import compile_cache
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax import training
 
@@ -55,7 +56,7 @@ def smoke_from_env() -> bool:
 def enable_compile_cache(path: str | None = None) -> str | None:
   """Turns on JAX's persistent compilation cache (runs of one sweep share most of their programs).
 
-  The same mechanism as main.py's: noloco_jax/tools/compile_cache.py (where, and how to turn it off).
+  The same mechanism as main.py's: noloco_jax/runtime/compile_cache.py (where, and how to turn it off).
   """
   return compile_cache.enable(path)
 

@@ -1,9 +1,9 @@
 """Barriers on a concrete setting: the model that experiments/bench_network.py puts beside its measurement.
 
-tools/latency.py §5 asks what barriers cost on average over random step times. This module answers
+experiments/lib/latency.py §5 asks what barriers cost on average over random step times. This module answers
 the same question for ONE setting, the one a benchmark ran: its per-process compute times (a
 persistent straggler, or the very log-normal draws NOLOCO_FAULTS made), its actual seeded groupings,
-and an α–β exchange whose bytes go through one shared link. Re-exported by tools/latency.py (section 8).
+and an α–β exchange whose bytes go through one shared link. Re-exported by experiments/lib/latency.py (section 8).
 
 The model. Barrier b (an outer round, or for DDP an inner step) is a barrier within each of its groups
 only. Process q computes c[b, q] after it left barrier b − 1; its group g is ready when its last member
@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from noloco_jax.tools.alpha_beta import bytes_sent_per_replica_per_round
+from experiments.lib.alpha_beta import bytes_sent_per_replica_per_round
 
 Groups = Sequence[Sequence[int]]
 

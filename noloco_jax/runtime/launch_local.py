@@ -2,7 +2,7 @@
 
 For tests, demos and benchmarks of the multi-host code paths without a cluster:
 
-    python -m noloco_jax.tools.launch_local --num_processes=2 --devices_per_process=4 -- \\
+    python -m noloco_jax.runtime.launch_local --num_processes=2 --devices_per_process=4 -- \\
         --config=configs/default.py:smoke --workdir=runs/mp2
 
 Everything after `--` goes to every process (by default `python -m noloco_jax.main`). Each process gets

@@ -17,14 +17,14 @@ Units: in the latency and barrier models time is in units of the mean message ti
 inner-step time); in the α–β model, seconds, bytes and bits per second.
 
 Sections, in order:
-  1. Model sizes and 6. the α–β cost model: tools/alpha_beta.py (re-exported here).
+  1. Model sizes and 6. the α–β cost model: experiments/lib/alpha_beta.py (re-exported here).
   2. Log-normal message times parameterised by mean and standard deviation.
   3. Latency model with constant message times (closed forms).
   4. Latency model with log-normal message times (Monte Carlo): tree, ring, pair.
   5. Global barrier vs pair barrier with noisy inner-step times (Monte Carlo).
   7. `summary`: every headline figure in one dict (used by experiments/latency_model.py).
   8. Barriers on one concrete setting (a straggler or seeded per-step delays, the run's own
-     groupings, a shared-bucket link): tools/barrier_sim.py, re-exported here; the model column
+     groupings, a shared-bucket link): experiments/lib/barrier_sim.py, re-exported here; the model column
      of experiments/bench_network.py.
 """
 
@@ -36,12 +36,12 @@ from typing import Sequence
 import numpy as np
 
 # Re-exported, so that `latency` stays the study's one entry point (tests, experiments/latency_model.py).
-from noloco_jax.tools.alpha_beta import (  # noqa: F401
+from experiments.lib.alpha_beta import (  # noqa: F401
     BYTES_PER_PARAM, PAPER_MODELS, PAPER_SEQ_LEN, PAPER_VOCAB_SIZE, alpha_beta_table,
     bytes_sent_per_replica_per_round, latency_share, model_bytes, pair_exchange_alpha_beta,
     pair_exchange_reference_alpha_beta, paper_model_params, ring_allreduce_alpha_beta, seconds_per_byte,
     tree_allreduce_alpha_beta)
-from noloco_jax.tools.barrier_sim import (  # noqa: F401
+from experiments.lib.barrier_sim import (  # noqa: F401
     barrier_schedule, link_bytes, lognormal_step_times, per_barrier, straggler_step_times)
 
 # ----------------------------------------------------------------------------------------------------

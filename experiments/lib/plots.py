@@ -1,4 +1,4 @@
-"""Plots of experiment sweeps (tools/experiment.py): curves against inner steps, final metrics against a swept value.
+"""Plots of experiment sweeps (experiments/lib/experiment.py): curves against inner steps, final metrics against a swept value.
 
 Imported only by the notebooks and the experiment scripts: matplotlib is not a dependency of the core
 (the `plots` extra installs it).
@@ -12,10 +12,10 @@ try:
   import matplotlib
   import matplotlib.pyplot as plt
 except ImportError as e:  # The core install has no matplotlib (setup.py: extra "plots").
-  raise ImportError("noloco_jax.tools.plots needs matplotlib: pip install -e '.[plots]'") from e
+  raise ImportError("experiments.lib.plots needs matplotlib: pip install -e '.[plots]'") from e
 
-from noloco_jax.tools import experiment
-from noloco_jax.tools.experiment import Run
+from experiments.lib import experiment
+from experiments.lib.experiment import Run
 
 
 def plot_sweep(results: Mapping[str, Sequence[Run]], title: str = "",

@@ -1,7 +1,7 @@
 """The package's shape as JSON: module sizes, the longest function, the import graph and its cycles.
 
-    python -m noloco_jax.tools.import_graph            # this checkout
-    python -m noloco_jax.tools.import_graph --root DIR # another checkout (DIR holds noloco_jax/)
+    python scripts/import_graph.py            # this checkout
+    python scripts/import_graph.py --root DIR # another checkout (DIR holds noloco_jax/)
 
 Reads the source with `ast` only (nothing is imported, so it also runs on an old checkout). An edge
 A -> B means module A imports module B of the package, at module level or inside a function: both
@@ -173,7 +173,7 @@ def _folders(graph: dict[str, set[str]], modules: dict[str, str]) -> dict[str, l
 
 def default_root() -> str:
   """The directory holding this checkout's noloco_jax package."""
-  return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> None:

@@ -32,9 +32,9 @@ import threading
 
 import jax
 
-from noloco_jax.parallel import job_checks
+from noloco_jax.runtime import job_checks
+from noloco_jax.runtime.failures import EXIT_FAILED
 
-EXIT_FAILED = 1  # as distributed.EXIT_FAILED
 _BYE = b"bye\n"
 _ID_BYTES = 8  # a connecting process first sends its index, zero-padded to this many digits
 

@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from noloco_jax.parallel import job_checks
+from noloco_jax.runtime import job_checks
+from noloco_jax.runtime.failures import EXIT_FAILED
 from noloco_jax.parallel import mesh as mesh_lib
 
 ENV = {
@@ -50,7 +51,6 @@ ENV = {
     "shutdown_timeout_s": "NOLOCO_SHUTDOWN_TIMEOUT_S",
 }
 MODES = ("auto", "on", "off")
-EXIT_FAILED = 1  # exit status of a process that fail_fast ended
 
 
 class ConsistencyError(RuntimeError):

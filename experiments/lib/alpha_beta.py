@@ -1,4 +1,4 @@
-"""Model sizes and the α–β communication cost model, for the latency study (tools/latency.py).
+"""Model sizes and the α–β communication cost model, for the latency study (experiments/lib/latency.py).
 
 Sizes come from the model interface (noloco_jax/models/): the paper's three Llama sizes as presets.
 The α–β model prices a message of S bytes at α + S·β seconds (α: latency per message, β: seconds

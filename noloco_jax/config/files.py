@@ -1,4 +1,4 @@
-"""Loading one config file from another. configs/ is not a package (main loads configs by path), so a
+"""Loading one config file from another. main loads config files by path (ml_collections), so a
 config that builds on configs/default.py imports its sibling by path too. Standard library only:
 config files are read while flags are parsed, before JAX is set up."""
 

@@ -33,7 +33,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from noloco_jax.io import failures
+from noloco_jax.runtime import failures
 
 LOCK_NAME = "run.lock"
 
