@@ -31,6 +31,7 @@ from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.training import faults
 from noloco_jax.training import build as build_lib
 from noloco_jax.training import dispatch
+from noloco_jax.training import summary as summary_lib
 from noloco_jax.training.loop_state import LoopState
 
 NonFiniteLossError = checkpoint_lib.NonFiniteLossError
@@ -190,7 +191,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   if preempted:
     writer.close()
     return {"preempted": True, "step": loop.step, "state": state, "history": loop.history}
-  summary = _summary(config, loop, setup.model.num_params(), time.time() - start_time)
+  summary = summary_lib.summarize(config, loop, setup.model.num_params(), time.time() - start_time)
   if is_main:
     print(summary["text"], flush=True)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
@@ -298,31 +299,3 @@ def _train_scalars(config, loop: LoopState, rates: dict[str, float], local_ids=N
       scalars["replicas/weight_std"] = float(rounds[-1][1])
   loop.history["train"] = scalars
   return scalars
-
-
-def _summary(config, loop: LoopState, num_params: int, seconds: float) -> dict[str, Any]:
-  evals, comm_bytes = loop.history["eval"], loop.comm_bytes
-  first, last = evals[0], evals[-1]
-  train = loop.history.get("train", {})
-  lines = [
-      "=" * 72,
-      f"noloco_jax: {config.outer.kind} | {config.num_replicas} replicas | {config.num_steps} steps "
-      f"| H={config.outer.inner_steps} | model {config.model.arch} {config.model.preset} "
-      f"({num_params:,} params per replica)",
-      f"eval/loss   {first['eval/loss']:.4f} (step {first['step']}) -> {last['eval/loss']:.4f} (step {last['step']})",
-      f"eval/ppl    {last['eval/ppl']:.3f}",
-      f"train/loss  {train.get('train/loss', float('nan')):.4f}",
-      f"replicas/weight_std  {last['replicas/weight_std']:.3e}",
-      f"comm/bytes_per_replica  {comm_bytes:,} ({comm_bytes / 2**20:.1f} MiB)",
-      f"wall time   {seconds:.1f} s  ({train.get('perf/steps_per_s', float('nan')):.2f} steps/s at the last log)",
-  ]
-  skipped = loop.history.get("skipped_rounds", [])
-  if config.nan_policy == "skip_round":
-    lines.append(f"skipped rounds  {len(skipped)} (nan_policy=skip_round)"
-                 + (f": steps {', '.join(f'{a}-{b}' for a, b in skipped[:8])}{' ...' if len(skipped) > 8 else ''}"
-                    if skipped else ""))
-  lines.append("=" * 72)
-  return {"text": "\n".join(lines), "eval/loss": last["eval/loss"], "eval/ppl": last["eval/ppl"],
-          "eval/loss_first": first["eval/loss"], "replicas/weight_std": last["replicas/weight_std"],
-          "comm/bytes_per_replica": comm_bytes, "wall_time_s": seconds, "model/num_params": num_params,
-          "outer/skipped_rounds": len(skipped)}
