@@ -1,4 +1,5 @@
-"""The package's shape as JSON: module sizes, the longest function, the import graph and its cycles.
+"""The package's shape as JSON: module sizes, the longest function, the step loop's size, the import
+graph, its cycles and its upward imports.
 
     python scripts/import_graph.py            # this checkout
     python scripts/import_graph.py --root DIR # another checkout (DIR holds noloco_jax/)
@@ -11,6 +12,10 @@ them too, except to the importer's own parent packages (already initialised, or 
 when it runs). Cycles are the strongly connected components of more than one module (or a module
 importing itself). `folders` is the same graph with modules merged into their folders, for reading
 the layering (`folder_cycles`: its cycles; a folder-level cycle is not an import cycle).
+`upward_imports` are the edges that go against the layers of docs/architecture.md (`LAYERS`: a module
+may import only its own layer or lower ones). `step_loop` is the function holding the training loop
+(`for step in range(...)`): its lines, the loop's lines and `if`s, and how many of the package's
+modules its module imports.
 """
 
 from __future__ import annotations
@@ -23,6 +28,31 @@ import sys
 from typing import Any
 
 PACKAGE = "noloco_jax"
+# The layers, bottom first (docs/architecture.md): a module's layer is that of its longest listed prefix.
+LAYERS = (("noloco_jax.config",), ("noloco_jax.models", "noloco_jax.inner", "noloco_jax.io.data"),
+          ("noloco_jax.parallel", "noloco_jax.runtime"), ("noloco_jax.outer", "noloco_jax.io"),
+          ("noloco_jax.training",), ("noloco_jax.tools",), ("noloco_jax.main", "noloco_jax"))
+
+
+def layer(module: str) -> int:
+  best, level = -1, len(LAYERS)
+  for i, prefixes in enumerate(LAYERS):
+    for p in prefixes:
+      if (module == p or module.startswith(p + ".")) and len(p) > best:
+        best, level = len(p), i
+  return level
+
+
+def _step_loop(tree: ast.Module, module: str):
+  """(function name, its lines, the loop's lines, the loop's ifs) of a function holding `for step ...`."""
+  for fn in ast.walk(tree):
+    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      for node in ast.walk(fn):
+        if (isinstance(node, ast.For) and isinstance(node.target, ast.Name) and node.target.id == "step"
+            and isinstance(node.iter, ast.Call) and getattr(node.iter.func, "id", None) == "range"):
+          ifs = sum(isinstance(n, ast.If) for n in ast.walk(node))
+          return (f"{module}:{fn.name}", fn.end_lineno - fn.lineno + 1, node.end_lineno - node.lineno + 1, ifs)
+  return None
 
 
 def _modules(root: str) -> dict[str, str]:
@@ -124,7 +154,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def analyse(root: str) -> dict[str, Any]:
   modules = _modules(root)
   graph: dict[str, set[str]] = {m: set() for m in modules}
-  sizes, function_imports, functions = {}, [], []
+  sizes, function_imports, functions, loops = {}, [], [], []
   for module, path in modules.items():
     with open(path) as f:
       source = f.read()
@@ -140,8 +170,14 @@ def analyse(root: str) -> dict[str, Any]:
       if in_function:
         function_imports.append(f"{module}:{line} imports {target}")
     functions.extend(_functions(tree, module))
+    loop = _step_loop(tree, module)
+    if loop is not None:
+      loops.append(loop)
   longest = max(functions, key=lambda f: f[1])
   folders = _folders(graph, modules)
+  upward = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts if layer(t) > layer(m))
+  step_loop = [{"function": name, "lines": lines, "loop_lines": loop_lines, "loop_ifs": ifs,
+                "module_imports": len(graph[name.split(":")[0]])} for name, lines, loop_lines, ifs in loops]
   return {
       "root": os.path.abspath(root),
       "num_modules": len(modules),
@@ -150,11 +186,13 @@ def analyse(root: str) -> dict[str, Any]:
       "modules_over_400_lines": sorted(m for m, n in sizes.items() if n > 400),
       "longest_function": {"name": longest[0], "lines": longest[1]},
       "functions_over_100_lines": sorted(f"{n} ({k})" for n, k in functions if k > 100),
+      "step_loop": step_loop,
       "imports": {m: sorted(t) for m, t in sorted(graph.items())},
       "function_level_imports": function_imports,
       "cycles": _cycles(graph),
       "folders": folders,
       "folder_cycles": _cycles({k: set(v) for k, v in folders.items()}),
+      "upward_imports": upward,
   }
 
 

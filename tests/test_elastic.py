@@ -10,6 +10,8 @@ The killed job runs once per module (about 30 s); each resume copies its workdir
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -25,6 +27,7 @@ from noloco_jax.io.checkpoint import checksum
 from noloco_jax.io.checkpoint import logs
 from noloco_jax.io.checkpoint import resize
 from noloco_jax.outer import epidemic
+from noloco_jax.outer import methods as outer_lib
 from noloco_jax.outer import pairing
 from noloco_jax.parallel import permutations
 from noloco_jax.runtime import launch_local
@@ -125,12 +128,19 @@ def test_recreate_under_epidemic_copies_a_replica_it_received_from():
       assert plan.recreated[r] not in (2, 5)
 
 
+def _noloco(**outer):
+  """NoLoCo's method (outer/methods.py), whose new_replica rule grow applies."""
+  config = default.get_config("smoke")
+  config.outer.update(outer)
+  return outer_lib.make_method(config.outer)
+
+
 def test_grow_starts_new_replicas_from_a_peers_slow_weights():
   old = host_state(4)
   plan = resize.plan_grow(4, 7, seed=0, step=6)
   peers = [plan.added[i] for i in (4, 5, 6)]
   assert len(set(peers)) == 3 and plan.source == (0, 1, 2, 3, *peers)
-  new = resize.resize_state(old, plan)
+  new = resize.resize_state(old, plan, _noloco().new_replica)  # the method makes its new replicas
   assert_trees_equal(rows_of(new, range(4)), old)  # the old replicas as they were
   for i, p in plan.added.items():
     one = rows_of(new, [i])
@@ -148,7 +158,7 @@ def test_grow_inside_an_overlap_window_gives_new_replicas_a_merge_that_keeps_the
   old = old.replace(outer={**old.outer, "inflight": jax.tree.map(lambda x: x + 100.0, old.outer["slow"])})
   plan = resize.plan_grow(4, 6, seed=0, step=6)
   alpha, gamma = 0.5, 0.7
-  new = resize.resize_state(old, plan, consensus_weight=gamma)
+  new = resize.resize_state(old, plan, _noloco(overlap_steps=1, outer_momentum=alpha, consensus_weight=gamma).new_replica)
   assert_trees_equal(rows_of(new, range(4)).outer["inflight"], old.outer["inflight"])  # old ones: as sent
   for i in plan.added:
     one = rows_of(new, [i]).outer
@@ -417,3 +427,49 @@ def test_killed_job_resumed_by_the_survivor_trains_to_the_end(killed, tmp_path, 
   text, _ = resume_job(workdir, tmp_path / "logs_again", extra + ["--config.num_steps=15"], processes)
   assert "elastic resume" not in text
   assert len(metrics_lib.read_jsonl(os.path.join(workdir, "elastic.jsonl"))) == 1
+
+
+# ---- Elastic resume of an overlapped run, through the command line (issue 22: one state shape) ----
+
+
+def _main(workdir, env, *flags) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "noloco_jax.main", "--config=configs/default.py:smoke",
+                         f"--workdir={workdir}", "--config.outer.overlap_steps=2", *flags], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("mode,flags,replicas", [
+    ("drop", ["--config.num_replicas=6", "--config.checkpoint.elastic=drop",
+              "--config.checkpoint.elastic_replicas=1,6"], 6),
+    ("recreate", ["--config.checkpoint.elastic=recreate", "--config.checkpoint.elastic_replicas=3"], 8),
+    ("grow", ["--config.num_replicas=10", "--config.checkpoint.elastic=grow"], 10),
+])
+def test_elastic_resume_of_an_overlapped_run_from_inside_a_window(mode, flags, replicas, tmp_path, overlapped_run):
+  """The step-4 checkpoint of an overlapped run (H = 3, τ = 2) holds an exchange in flight (sent at 3, merged
+  at 5); drop, recreate and grow resume it from the command line and train to the end. Before the state had
+  one shape, each crashed in resize.place on the missing in-flight buffer."""
+  source, env = overlapped_run
+  workdir = str(tmp_path / mode)
+  shutil.copytree(source, workdir)
+  done = _main(workdir, env, "--config.num_steps=8", *flags)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert f"elastic resume ({mode})" in done.stderr and "resumed from step 4" in done.stderr
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert np.isfinite(summary["eval/loss"])
+  event = json.loads(open(os.path.join(workdir, "elastic.jsonl")).readline())
+  assert event["elastic"] == mode and event["replicas_after"] == replicas
+
+
+@pytest.fixture(scope="module")
+def overlapped_run(tmp_path_factory):
+  """An overlapped smoke run stopped after its step-4 checkpoint (an exchange in flight), from the command line."""
+  root = tmp_path_factory.mktemp("overlapped")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
+             JAX_COMPILATION_CACHE_DIR=str(root / "cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  workdir = str(root / "run")
+  done = _main(workdir, env, "--config.num_steps=8", "--config.checkpoint_every=4")
+  assert done.returncode == 0, done.stderr[-3000:]
+  meta = json.load(open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")))
+  assert meta["inflight_step"] == 3
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))  # resume from step 4, inside the window
+  return workdir, env

@@ -3,8 +3,8 @@
 `open_run(setup, workdir, cleanup)` is the loop's set-up phase, top to bottom: this process's data,
 the state built sharded, the start-up consistency check of a multi-process job, then the state and the
 loop record to start from (the latest checkpoint of the workdir, else a warm start, else fresh:
-io/checkpoint), the run's config written beside its checkpoints, and the metric writer. Every
-resource it opens registers its closer with `cleanup` as it opens.
+io/checkpoint; a resume also rewrites the logs), the run's config written beside its checkpoints,
+and the metric writer. Every resource it opens registers its closer with `cleanup` as it opens.
 """
 
 from __future__ import annotations
@@ -102,8 +102,6 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
   """The run's set-up phase (module docstring); every resource it opens closes with `cleanup`."""
   config, mesh, n = setup.config, setup.mesh, setup.config.num_replicas
   close = lambda closer: on_exit(cleanup, closer)
-  writer = metrics_lib.make_writer(workdir)
-  close(lambda failed: writer.close())
   local_ids = mesh_lib.local_replica_ids(mesh, n)  # each process reads only the replicas its devices hold
   data = data_lib.make_train_iterator(config.data, seed=config.seed, replica_ids=local_ids, num_replicas=n,
                                       vocab_size=setup.model.vocab_size)
@@ -129,6 +127,10 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
   if jax.process_index() == 0:  # only now: a refused resume leaves the config that describes the checkpoints
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json(indent=2))
+  # Opened after the restore, which rewrites the logs for a resume (io/checkpoint/logs.py): a writer opened
+  # before would append to the file the rewrite replaced.
+  writer = metrics_lib.make_writer(workdir)
+  close(lambda failed: writer.close())
   one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
   run = Run(setup=setup, workdir=workdir, state=state, loop=loop, data=data, eval_batches=eval_batches,
             writer=writer, checkpointer=checkpointer, on_exit=close,
