@@ -1,8 +1,12 @@
 """experiments/lib/harness.py: config overrides and their one-line errors, the final JSON line, quick
-mode and fake devices."""
+mode and fake devices; then every script under experiments/ answers --help, run both as a file and as
+a module (cheap: the harness parses flags before any JAX work)."""
 
+import glob
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -176,3 +180,22 @@ def test_cpu_devices_are_set_before_jax_starts_and_a_value_already_set_wins(monk
   monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
   bench.parse(["--replicas=2"])
   assert os.environ["JAX_NUM_CPU_DEVICES"] == "8"
+
+
+# ---- Every script's --help, as a file and as a module ----
+
+SCRIPTS = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(REPO, "experiments", "*.py"))
+                 if not p.endswith("__init__.py"))
+NO_HARNESS = {"plot_stability"}  # writes a figure and a table: no measurement, no JSON
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help_as_a_file_and_as_a_module(script):
+  # --help parses flags and exits before any JAX work; the imports alone take a few seconds on a loaded
+  # machine (2 cores, load ~10: up to ~6 s a run measured), hence ten times that as the limit.
+  for cmd in ([sys.executable, os.path.join("experiments", f"{script}.py"), "--help"],
+              [sys.executable, "-m", f"experiments.{script}", "--help"]):
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, (cmd, done.stderr[-2000:])
+    assert done.stdout.startswith("usage:"), (cmd, done.stdout[:500])
+    assert (script in NO_HARNESS) != ("--json" in done.stdout), (cmd, done.stdout)
