@@ -10,26 +10,24 @@ its median time ratio to `einsum` (the reference). `cudnn` runs only on an NVIDI
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import time
 
+from experiments.lib import harness
+
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--batch", type=int, default=4)
-  parser.add_argument("--seq_len", type=int, default=128)
-  parser.add_argument("--heads", type=int, default=4)
-  parser.add_argument("--kv_heads", type=int, default=0, help="key/value heads (0 = --heads)")
-  parser.add_argument("--head_dim", type=int, default=32)
-  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  parser.add_argument("--impl", action="append", default=[], help="implementations (default einsum, xla)")
-  parser.add_argument("--steps", type=int, default=10)
-  parser.add_argument("--repeats", type=int, default=20)
-  parser.add_argument("--json", action="store_true")
-  args = parser.parse_args(argv)
+  bench = harness.Bench(__doc__)
+  bench.add_argument("--batch", type=int, default=4)
+  bench.add_argument("--seq_len", type=int, default=128)
+  bench.add_argument("--heads", type=int, default=4)
+  bench.add_argument("--kv_heads", type=int, default=0, help="key/value heads (0 = --heads)")
+  bench.add_argument("--head_dim", type=int, default=32)
+  bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  bench.add_argument("--impl", action="append", default=[], help="implementations (default einsum, xla)")
+  bench.add_argument("--steps", type=int, default=10)
+  bench.add_argument("--repeats", type=int, default=20)
+  args = bench.parse(argv)
   import jax
   import jax.numpy as jnp
   from noloco_jax.models import attention
@@ -59,12 +57,9 @@ def main(argv=None) -> dict:
     if "einsum" in times:
       entry["time_ratio_vs_einsum_median"] = statistics.median(a / e for a, e in zip(times[impl], times["einsum"]))
     result[impl] = entry
-  if not args.json:
-    for impl in impls:
-      print(f"{impl:7s} {result[impl]['step_s'] * 1e3:8.2f} ms  ratio {result[impl].get('time_ratio_vs_einsum_median')}")
-  print(json.dumps(result))
-  return result
+  return bench.finish(result, text=lambda r: "\n".join(
+      f"{impl:7s} {r[impl]['step_s'] * 1e3:8.2f} ms  ratio {r[impl].get('time_ratio_vs_einsum_median')}" for impl in impls))
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -15,19 +15,12 @@ once with asynchronous and once with synchronous saves, then restores the latest
   restore_s          reading the latest step back onto the mesh (meta, state, data).
 """
 
-import json
 import os
 import statistics
 import tempfile
 import time
 
-from absl import app
-from absl import flags
-from ml_collections import config_flags
-
-
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Training config.")
-_SAVES = flags.DEFINE_integer("saves", 5, "Saves to time per mode.")
+from experiments.lib import harness
 
 
 def _dir_bytes(path: str) -> int:
@@ -50,18 +43,19 @@ def _like_trained(state):
   return jax.block_until_ready(jax.jit(noise, out_shardings=shardings)(state))
 
 
-def main(argv):
-  del argv
+def main(argv=None) -> dict:
+  bench = harness.Bench(__doc__, config=True)
+  bench.add_argument("--saves", type=int, default=5, help="saves to time per mode")
+  args = bench.parse(argv)
+  config = bench.override(bench.config())
+  harness.use_cpu_devices(config.num_replicas)  # one CPU device per replica, as main.py (CPU backend only)
   import jax  # pylint: disable=g-import-not-at-top
-  if "JAX_NUM_CPU_DEVICES" not in os.environ:  # one CPU device per replica, as main.py (CPU backend only)
-    jax.config.update("jax_num_cpu_devices", _CONFIG.value.num_replicas)
   from noloco_jax.io import checkpoint  # pylint: disable=g-import-not-at-top
   from noloco_jax.io import data  # pylint: disable=g-import-not-at-top
   from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.training.loop_state import LoopState  # pylint: disable=g-import-not-at-top
 
-  config = _CONFIG.value
   setup = build_lib.build(config)
   state = _like_trained(setup.init_state())
   train_iter = data.make_train_iterator(
@@ -76,7 +70,7 @@ def main(argv):
     with tempfile.TemporaryDirectory() as workdir:
       ckpt = checkpoint.Checkpointer(setup, workdir)
       blocking, total = [], []
-      for step in range(1, _SAVES.value + 1):
+      for step in range(1, args.saves + 1):
         start = time.perf_counter()
         ckpt.save(step, state, LoopState(step=step), train_iter)
         blocking.append(time.perf_counter() - start)
@@ -86,7 +80,7 @@ def main(argv):
       if mode == "async":
         out["save_blocking_s"] = statistics.median(blocking)
         out["save_async_total_s"] = statistics.median(total)
-        out["checkpoint_bytes"] = _dir_bytes(os.path.join(ckpt.directory, str(_SAVES.value)))
+        out["checkpoint_bytes"] = _dir_bytes(os.path.join(ckpt.directory, str(args.saves)))
       else:
         out["save_sync_s"] = statistics.median(total)
         start = time.perf_counter()
@@ -94,10 +88,10 @@ def main(argv):
                                                                            LoopState())
         jax.block_until_ready(restored)
         out["restore_s"] = time.perf_counter() - start
-        assert resume.step == _SAVES.value
+        assert resume.step == args.saves
   train_iter.close()
-  print(json.dumps(out, indent=2))
+  return bench.finish(out)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  harness.run(main)

@@ -1,32 +1,19 @@
 """Bytes per replica per round of each message setting, relative to float32 dense (docs/compression.md).
 
 For the model of the mini setting (experiments/lib/experiment.py; or --preset), prints one JSON line
-per setting: the counted bytes (method.bytes_per_round, from the payload shapes) and, with --hlo, the
-operand bytes of the collective-permutes in the compiled round (8 fake CPU devices, one replica each),
-which must be equal. bfloat16 messages are widened to float32 by XLA:CPU after lowering (tools/hlo.py),
+per setting (with --json, one object holding them all): the counted bytes (method.bytes_per_round,
+from the payload shapes) and, with --hlo, the operand bytes of the collective-permutes in the compiled
+round (8 fake CPU devices, one replica each), which must be equal. bfloat16 messages are widened to float32 by XLA:CPU after lowering (tools/hlo.py),
 so their compiled figure is not compared.
 
-    python experiments/bench_compression.py [--hlo] [--preset tiny]
+    python experiments/bench_compression.py [--hlo] [--preset tiny] [--json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from noloco_jax.outer import methods as outer_lib, pairing, rounds as rounds_lib  # noqa: E402
-from noloco_jax.parallel import mesh as mesh_lib  # noqa: E402
-from experiments.lib import experiment  # noqa: E402
-from noloco_jax.tools import hlo as hlo_lib  # noqa: E402
-from noloco_jax.training import build as build_lib  # noqa: E402
+from experiments.lib import harness
 
 SETTINGS = {
     "float32": {},
@@ -39,16 +26,25 @@ SETTINGS = {
 }
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--hlo", action="store_true", help="also compile each round and read its collectives")
-  parser.add_argument("--preset", default="", help="model.preset instead of the mini model")
-  args = parser.parse_args(argv)
+def main(argv=None) -> dict:
+  bench = harness.Bench(__doc__, cpu_devices=8, cpu_only=True)
+  bench.add_argument("--hlo", action="store_true", help="also compile each round and read its collectives")
+  bench.add_argument("--preset", default="", help="model.preset instead of the mini model")
+  args = bench.parse(argv)
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from experiments.lib import experiment  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import pairing, rounds as rounds_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.tools import hlo as hlo_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
+
   base = experiment.base_config()
   if args.preset:
     base.model.preset = args.preset
     base.model.d_model = base.model.num_layers = base.model.num_heads = base.model.mlp_dim = 0
-  dense = None
+  dense, rows = None, []
   for name, outer in SETTINGS.items():
     config = experiment.method_config(base, "noloco", **outer)
     setup = build_lib.build(config, vocab_size=257)
@@ -66,8 +62,9 @@ def main(argv=None):
           jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings), jnp.int32(0))
       row["compiled_permute_bytes"] = hlo_lib.collective_bytes(lowered.compile().as_text(), "collective-permute")
       row["compiled_equals_counted"] = None if name == "bfloat16" else row["compiled_permute_bytes"] == counted
-    print(json.dumps(row), flush=True)
+    rows.append(row)
+  return bench.finish({"settings": rows}, text=lambda r: "\n".join(json.dumps(row) for row in r["settings"]))
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

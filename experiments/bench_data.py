@@ -17,30 +17,19 @@ Tokens count all L+1 tokens of each sequence.
 """
 
 import json
-import os
 import tempfile
 import time
 
-from absl import app
-from absl import flags
-from ml_collections import config_flags
-
-from noloco_jax.io import data  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Training config.")
-_STEPS = flags.DEFINE_integer("steps", 2000, "Batches to time (after one warm-up batch).")
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of text.")
-_COLD = flags.DEFINE_bool("cold", False, "Use an empty temporary data dir: time the corpus build too.")
-_CONSUMED = flags.DEFINE_float("consumed_steps_per_s", 0.0, "Training steps/s to compare with.")
-_METRICS = flags.DEFINE_string("metrics", "", "A run's metrics.jsonl: read its last perf/steps_per_s.")
+from experiments.lib import harness
+from noloco_jax.io import data
 
 
-def _consumed_steps_per_s() -> float | None:
-  if _CONSUMED.value > 0:
-    return _CONSUMED.value
-  if _METRICS.value:
+def _consumed_steps_per_s(args) -> float | None:
+  if args.consumed_steps_per_s > 0:
+    return args.consumed_steps_per_s
+  if args.metrics:
     value = None
-    with open(_METRICS.value) as f:
+    with open(args.metrics) as f:
       for line in f:
         value = json.loads(line).get("perf/steps_per_s", value)
     return value
@@ -63,41 +52,42 @@ def _time(config, steps: int) -> tuple[float, float]:
   return setup, rate
 
 
-def main(argv):
-  del argv
-  config = _CONFIG.value
+def main(argv=None) -> dict:
+  bench = harness.Bench(__doc__, config=True)
+  bench.add_argument("--steps", type=int, default=2000, help="batches to time (after one warm-up batch)")
+  bench.add_argument("--cold", action="store_true", help="use an empty temporary data dir: time the corpus build too")
+  bench.add_argument("--consumed_steps_per_s", type=float, default=0.0, help="training steps/s to compare with")
+  bench.add_argument("--metrics", default="", help="a run's metrics.jsonl: read its last perf/steps_per_s")
+  args = bench.parse(argv)
+  config = bench.override(bench.config())
   tmp = None
-  if _COLD.value:
+  if args.cold:
     tmp = tempfile.TemporaryDirectory()
     config.data.data_dir = tmp.name
   per_step = config.num_replicas * config.data.batch_size * (config.data.seq_len + 1)
-  setup, rate = _time(config, _STEPS.value)
+  setup, rate = _time(config, args.steps)
   workers = config.data.get("workers", 0)
   config.data.prefetch = 0
   if workers:
     config.data.workers = 0
-  _, sync_rate = _time(config, _STEPS.value)
+  _, sync_rate = _time(config, args.steps)
   result = {
       "source": config.data.source, "mode": config.data.mode or "(source default)",
       "tokenizer": config.data.tokenizer, "num_replicas": config.num_replicas, "workers": workers,
       "batch_size": config.data.batch_size, "seq_len": config.data.seq_len,
-      "tokens_per_step": per_step, "cold_cache": _COLD.value, "setup_s": round(setup, 3),
+      "tokens_per_step": per_step, "cold_cache": args.cold, "setup_s": round(setup, 3),
       "produced_steps_per_s": round(rate, 1), "produced_tokens_per_s": round(rate * per_step),
       "produced_sync_steps_per_s": round(sync_rate, 1),
       "produced_sync_tokens_per_s": round(sync_rate * per_step),
   }
-  consumed = _consumed_steps_per_s()
+  consumed = _consumed_steps_per_s(args)
   if consumed:
     result.update(consumed_steps_per_s=round(consumed, 3), consumed_tokens_per_s=round(consumed * per_step),
                   headroom=round(rate / consumed, 1))
   if tmp:
     tmp.cleanup()
-  if _JSON.value:
-    print(json.dumps(result))
-  else:
-    for k, v in result.items():
-      print(f"{k:28s} {v}")
+  return bench.finish(result, text=lambda r: "\n".join(f"{k:28s} {v}" for k, v in r.items()))
 
 
 if __name__ == "__main__":  # Also keeps Grain's spawned workers from re-running main.
-  app.run(main)
+  harness.run(main)

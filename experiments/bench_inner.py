@@ -8,44 +8,33 @@ timed alternately in the same process, several times, and the median ratio is re
 machine noise hits both sides alike.
 
     python experiments/bench_inner.py --json                       # default config, 8 replicas
-    python experiments/bench_inner.py --steps=20 --config_arg=smoke --json
+    python experiments/bench_inner.py --steps=20 --config=configs/default.py:smoke --json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import time
 
+from experiments.lib import harness
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--replicas", type=int, default=8)
-  parser.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
-  parser.add_argument("--repeats", type=int, default=5, help="alternating repetitions of both sides")
-  parser.add_argument("--config_arg", default="", help="argument string for configs/default.py, e.g. smoke")
-  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                      help="config override, e.g. --set model.num_layers=4 (repeatable)")
-  parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-  args = parser.parse_args(argv)
 
-  os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.replicas))
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def main(argv=None) -> dict:
+  bench = harness.Bench(__doc__, config=True, cpu_devices=lambda args: args.replicas)
+  bench.add_argument("--replicas", type=int, default=8)
+  bench.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
+  bench.add_argument("--repeats", type=int, default=5, help="alternating repetitions of both sides")
+  args = bench.parse(argv)
   import jax
   import numpy as np
-  from configs import default
-  from experiments.lib import experiment
   from noloco_jax.inner import step as inner
-  from noloco_jax.parallel import mesh as mesh_lib
-  from noloco_jax.parallel import sharding as sharding_lib
   from noloco_jax.training import build as build_lib
+  from noloco_jax.parallel import sharding as sharding_lib
 
-  cfg = default.get_config(args.config_arg or None)
+  cfg = bench.config()
   cfg.num_replicas = args.replicas
   cfg.outer.kind = "none"  # only the inner step is measured
-  experiment.apply_overrides(cfg, args.set)
+  bench.override(cfg)
 
   setup = build_lib.build(cfg, vocab_size=257)
   n = cfg.num_replicas
@@ -108,11 +97,10 @@ def main(argv=None):
       "ratio_median": statistics.median(ratios),
       "ratios": ratios,
   }
-  if not args.json:
-    print(f"mapped {result['mapped_step_s'] * 1e3:.1f} ms/step, sequential {result['sequential_step_s'] * 1e3:.1f} "
-          f"ms/step, throughput ratio mapped/sequential = {result['ratio_median']:.3f}")
-  print(json.dumps(result))
+  return bench.finish(result, text=lambda r: f"mapped {r['mapped_step_s'] * 1e3:.1f} ms/step, sequential "
+                      f"{r['sequential_step_s'] * 1e3:.1f} ms/step, throughput ratio mapped/sequential = "
+                      f"{r['ratio_median']:.3f}")
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -20,7 +20,6 @@ Optionally (--baseline_python) the size of its venv and steps 3-4 for another in
 checkout, for before/after in the same run.
 """
 
-import json
 import os
 import statistics
 import subprocess
@@ -28,16 +27,9 @@ import sys
 import tempfile
 import time
 
-from absl import app
-from absl import flags
+from experiments.lib import harness
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
-_PYTHON = flags.DEFINE_string("python", sys.executable, "Interpreter that creates the venv.")
-_KEEP = flags.DEFINE_string("keep", "", "Create the venv here and keep it (default: a temporary dir).")
-_IMPORTS = flags.DEFINE_integer("imports", 5, "Timed import runs.")
-_BASE_PY = flags.DEFINE_string("baseline_python", "", "A venv's python to compare with (e.g. the old one).")
-_BASE_REPO = flags.DEFINE_string("baseline_repo", "", "The checkout that --baseline_python runs.")
+REPO = harness.REPO
 
 _IMPORT_CODE = "import time; t = time.perf_counter(); import {}; print(time.perf_counter() - t)"
 
@@ -48,12 +40,12 @@ def _run(cmd, cwd=REPO, env=None) -> float:
   return time.perf_counter() - t
 
 
-def _import_s(python: str, repo: str, module: str) -> float:
+def _import_s(python: str, repo: str, module: str, imports: int) -> float:
   env = {**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"}
   subprocess.run([python, "-c", f"import {module}"], cwd=repo, env=env, check=True)
   runs = [float(subprocess.run([python, "-c", _IMPORT_CODE.format(module)], cwd=repo, env=env, check=True,
                                capture_output=True, text=True).stdout.strip().splitlines()[-1])
-          for _ in range(_IMPORTS.value)]
+          for _ in range(imports)]
   return statistics.median(runs)
 
 
@@ -68,20 +60,26 @@ def _first_step_s(python: str, repo: str, scratch: str) -> tuple[float, float]:
   return times[0], times[1]
 
 
-def _measure(python: str, repo: str, scratch: str) -> dict:
+def _measure(python: str, repo: str, scratch: str, imports: int) -> dict:
   cold, warm = _first_step_s(python, repo, scratch)
-  return {"import_s": round(_import_s(python, repo, "noloco_jax.main"), 3),
-          "import_loop_s": round(_import_s(python, repo, "noloco_jax.training.loop"), 3),
+  return {"import_s": round(_import_s(python, repo, "noloco_jax.main", imports), 3),
+          "import_loop_s": round(_import_s(python, repo, "noloco_jax.training.loop", imports), 3),
           "first_step_s": round(cold, 1),
           "first_step_warm_s": round(warm, 1)}
 
 
-def main(argv):
-  del argv
+def main(argv=None) -> dict:
+  bench = harness.Bench(__doc__)
+  bench.add_argument("--python", default=sys.executable, help="interpreter that creates the venv")
+  bench.add_argument("--keep", default="", help="create the venv here and keep it (default: a temporary dir)")
+  bench.add_argument("--imports", type=int, default=5, help="timed import runs")
+  bench.add_argument("--baseline_python", default="", help="a venv's python to compare with (e.g. the old one)")
+  bench.add_argument("--baseline_repo", default="", help="the checkout that --baseline_python runs")
+  args = bench.parse(argv)
   with tempfile.TemporaryDirectory() as tmp:
-    venv = _KEEP.value or os.path.join(tmp, "venv")
+    venv = args.keep or os.path.join(tmp, "venv")
     t = time.perf_counter()
-    subprocess.run([_PYTHON.value, "-m", "venv", venv], check=True)
+    subprocess.run([args.python, "-m", "venv", venv], check=True)
     venv_s = time.perf_counter() - t
     pip = os.path.join(venv, "bin", "pip")
     install_s = _run([pip, "install", "--no-cache-dir", "--quiet", "-e", REPO])
@@ -93,19 +91,15 @@ def main(argv):
                              check=True, capture_output=True, text=True).stdout.split()
     result = {"python": version[0], "jax": version[1], "venv_create_s": round(venv_s, 1),
               "install_s": round(install_s, 1), "venv_bytes": size, "venv_gb": round(size / 1e9, 3),
-              "tensorflow_installed": has_tf, **_measure(python, REPO, os.path.join(tmp, "new"))}
-    if _BASE_PY.value:
-      base = _measure(_BASE_PY.value, _BASE_REPO.value or REPO, os.path.join(tmp, "base"))
-      base_venv = os.path.dirname(os.path.dirname(_BASE_PY.value))
+              "tensorflow_installed": has_tf, **_measure(python, REPO, os.path.join(tmp, "new"), args.imports)}
+    if args.baseline_python:
+      base = _measure(args.baseline_python, args.baseline_repo or REPO, os.path.join(tmp, "base"), args.imports)
+      base_venv = os.path.dirname(os.path.dirname(args.baseline_python))
       base["venv_bytes"] = int(subprocess.run(["du", "-sb", base_venv], check=True, capture_output=True,
                                               text=True).stdout.split()[0])
       result.update({f"baseline_{k}": v for k, v in base.items()})
-  if _JSON.value:
-    print(json.dumps(result))
-  else:
-    for k, v in result.items():
-      print(f"{k:28s} {v}")
+  return bench.finish(result, text=lambda r: "\n".join(f"{k:28s} {v}" for k, v in r.items()))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  harness.run(main)

@@ -17,26 +17,23 @@ chunk) — the head's FLOPs in units of one logits matmul.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import re
 import statistics
 import time
 
+from experiments.lib import harness
+
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--batch", type=int, default=4)
-  parser.add_argument("--seq_len", type=int, default=128)
-  parser.add_argument("--d_model", type=int, default=128)
-  parser.add_argument("--vocab", type=int, default=32768)
-  parser.add_argument("--chunk", type=int, default=32, help="sequence positions per chunk")
-  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  parser.add_argument("--steps", type=int, default=5)
-  parser.add_argument("--repeats", type=int, default=7)
-  parser.add_argument("--json", action="store_true")
-  args = parser.parse_args(argv)
+  bench = harness.Bench(__doc__)
+  bench.add_argument("--batch", type=int, default=4)
+  bench.add_argument("--seq_len", type=int, default=128)
+  bench.add_argument("--d_model", type=int, default=128)
+  bench.add_argument("--vocab", type=int, default=32768)
+  bench.add_argument("--chunk", type=int, default=32, help="sequence positions per chunk")
+  bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  bench.add_argument("--steps", type=int, default=5)
+  bench.add_argument("--repeats", type=int, default=7)
+  args = bench.parse(argv)
 
   import jax
   import jax.numpy as jnp
@@ -100,14 +97,14 @@ def main(argv=None) -> dict:
                     "max_abs_diff_vs_plain": {"loss": float(abs(value - value_p)),
                                               "dx": float(jnp.max(jnp.abs(gx.astype(jnp.float32) - gx_p.astype(jnp.float32)))),
                                               "dw": float(jnp.max(jnp.abs(gw - gw_p)))}}
-  if not args.json:
-    for name in fns:
-      r = result[name]
-      print(f"{name:8s} {r['step_s'] * 1e3:8.2f} ms  ratio {r['time_ratio_vs_plain_median']:.3f}  "
-            f"temp {r['temp_bytes'] / 2 ** 20:8.1f} MiB  vocab matmuls {r['vocab_matmuls']}")
-  print(json.dumps(result))
-  return result
+
+  def text(r):
+    return "\n".join(f"{name:8s} {r[name]['step_s'] * 1e3:8.2f} ms  ratio {r[name]['time_ratio_vs_plain_median']:.3f}  "
+                     f"temp {r[name]['temp_bytes'] / 2 ** 20:8.1f} MiB  vocab matmuls {r[name]['vocab_matmuls']}"
+                     for name in fns)
+
+  return bench.finish(result, text=text)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

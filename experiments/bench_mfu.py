@@ -16,68 +16,52 @@ device's dense bf16 peak (null on CPU or an unknown device). Memory, per program
 
     python experiments/bench_mfu.py --json                                  # default job's model, 1 replica
     python experiments/bench_mfu.py --preset=small --vocab=128002 --batch=8 --seq_len=1024 \
-        --set model.dtype=bfloat16 --json                                  # the paper's small row, 1 GPU
+        --config.model.dtype=bfloat16 --json                               # the paper's small row, 1 GPU
     python experiments/bench_mfu.py --preset=small --replicas_per_device=4 --batch=8 --seq_len=1024 ...
-    python experiments/bench_mfu.py --config_arg=smoke --steps=2 --repeats=1 --json   # seconds on CPU
+    python experiments/bench_mfu.py --config=configs/default.py:smoke --steps=2 --repeats=1 --json   # seconds on CPU
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import time
 
-
-def parse_args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--config", default="", help="config file (default: configs/default.py)")
-  parser.add_argument("--config_arg", default="", help="its argument string, e.g. smoke")
-  parser.add_argument("--preset", default="", help="model preset: tiny | small | medium | large")
-  parser.add_argument("--vocab", type=int, default=0, help="vocabulary size (0 = the byte tokenizer's 257)")
-  parser.add_argument("--batch", type=int, default=0, help="sequences per replica (0 = the config's)")
-  parser.add_argument("--seq_len", type=int, default=0, help="tokens per sequence (0 = the config's)")
-  parser.add_argument("--replicas_per_device", type=int, default=1)
-  parser.add_argument("--devices", type=int, default=1, help="devices the mapped step spans")
-  parser.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
-  parser.add_argument("--repeats", type=int, default=3, help="alternating repetitions of both programs")
-  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                      help="config override, e.g. --set model.dtype=bfloat16 (repeatable)")
-  parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-  return parser.parse_args(argv)
+from experiments.lib import harness
 
 
 def main(argv=None) -> dict:
-  args = parse_args(argv)
-  os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.devices))
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  bench = harness.Bench(__doc__, config=True, cpu_devices=lambda args: args.devices)
+  bench.add_argument("--preset", default="", help="model preset: tiny | small | medium | large")
+  bench.add_argument("--vocab", type=int, default=0, help="vocabulary size (0 = the byte tokenizer's 257)")
+  bench.add_argument("--batch", type=int, default=0, help="sequences per replica (0 = the config's)")
+  bench.add_argument("--seq_len", type=int, default=0, help="tokens per sequence (0 = the config's)")
+  bench.add_argument("--replicas_per_device", type=int, default=1)
+  bench.add_argument("--devices", type=int, default=1, help="devices the mapped step spans")
+  bench.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
+  bench.add_argument("--repeats", type=int, default=3, help="alternating repetitions of both programs")
+  args = bench.parse(argv)
   import jax
   import numpy as np
-  from experiments.lib import experiment
-  from noloco_jax.config import files as config_files
-  from noloco_jax.tools import dryrun
   from experiments.lib import mfu as mfu_lib
   from noloco_jax.inner import step as inner
   from noloco_jax.parallel import mesh as mesh_lib
   from noloco_jax.parallel import sharding as sharding_lib
+  from noloco_jax.tools import dryrun
   from noloco_jax.training import build as build_lib
 
-  config_path = args.config or os.path.join(root, "configs", "default.py")
-  cfg = config_files.load_sibling(config_path, os.path.splitext(os.path.basename(config_path))[0]).get_config(
-      args.config_arg or None)
+  cfg = bench.config()
   cfg.num_devices = args.devices
   cfg.num_replicas = args.devices * args.replicas_per_device
   cfg.outer.kind = "none"  # the inner step only
   if args.preset:
     cfg.model.preset = args.preset
     for field in ("d_model", "num_layers", "num_heads", "mlp_dim"):
-      cfg.model[field] = 0  # the preset's sizes, not a config_arg's overrides
+      cfg.model[field] = 0  # the preset's sizes, not a config argument's overrides
   cfg.data.batch_size = args.batch or cfg.data.batch_size
   cfg.data.seq_len = args.seq_len or cfg.data.seq_len
   vocab = args.vocab or 257
   cfg.model.vocab_size = vocab
-  experiment.apply_overrides(cfg, args.set)
+  bench.override(cfg)
 
   devices = jax.devices()[:args.devices]
   mesh = mesh_lib.make_mesh(cfg.num_replicas, cfg.num_devices, devices=devices)
@@ -168,13 +152,14 @@ def main(argv=None) -> dict:
   }
   # Throughput of the mapped step per device over the plain step's (1.0 = the mapping costs nothing).
   result["throughput_ratio_vs_plain"] = (result["tokens_per_s"] / len(devices)) / result["plain"]["tokens_per_s"]
-  if not args.json:
-    mfu_text = "n/a" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
-    print(f"mapped {result['step_s'] * 1e3:.1f} ms/step, {result['tokens_per_s']:,.0f} tokens/s, MFU {mfu_text}; "
-          f"plain {result['plain']['step_s'] * 1e3:.1f} ms/step; ratio {result['throughput_ratio_vs_plain']:.3f}")
-  print(json.dumps(result))
-  return result
+
+  def text(r):
+    mfu_text = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    return (f"mapped {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu_text}; "
+            f"plain {r['plain']['step_s'] * 1e3:.1f} ms/step; ratio {r['throughput_ratio_vs_plain']:.3f}")
+
+  return bench.finish(result, text=text)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -58,12 +58,13 @@ import tempfile
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments.lib import harness
+from experiments.lib import latency
+from experiments.lib import netns
+from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.runtime import launch_local
 
-from noloco_jax.io import metrics as metrics_lib  # noqa: E402
-from experiments.lib import latency  # noqa: E402
-from experiments.lib import netns  # noqa: E402
-from noloco_jax.runtime import launch_local  # noqa: E402
+REPO = harness.REPO
 
 TOKENS_PER_STEP = 2 * 32  # smoke: batch_size 2 × seq_len 32 per replica
 LINK_METHOD = {"noloco": "pair", "diloco": "ring", "ddp": "ring"}  # how each method's bytes cross the link
@@ -243,26 +244,26 @@ def table(results: dict) -> str:
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--processes", type=int, nargs="+", default=[4, 8])
-  parser.add_argument("--methods", nargs="+", default=None, help="default: noloco diloco ddp (--quick: noloco diloco)")
-  parser.add_argument("--steps", type=int, default=18)
-  parser.add_argument("--inner_steps", type=int, default=3)
-  parser.add_argument("--step_s", type=float, default=0.1, help="simulated compute per step (a sleep)")
-  parser.add_argument("--straggler_factor", type=float, default=2.0, help="process 0 this many times slower")
-  parser.add_argument("--lognormal", default="", help="MEDIAN,SIGMA: a seeded log-normal delay per step instead")
-  parser.add_argument("--rate", default="", help="tbf rate on loopback, e.g. 20mbit (a new network namespace)")
-  parser.add_argument("--burst", default="128kb", help="tbf burst: above the 64 KiB loopback MTU")
-  parser.add_argument("--model_alpha", type=float, default=0.0, help="the model's seconds per exchange")
-  parser.add_argument("--pairing", default="round_robin", choices=["round_robin", "fresh"],
-                      help="NoLoCo's outer.pairing (module docstring: fresh compiles a program per round)")
-  parser.add_argument("--quick", action="store_true", help="seconds-long: P=2, 6 steps, H=2 (tests)")
-  parser.add_argument("--_in_namespace", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--out", default="", help="also write the JSON here")
-  parser.add_argument("--plot", default="", help="also plot the idle fractions to this PNG")
-  parser.add_argument("--plot_from", nargs="*", default=[], help="only plot (or --table) these saved JSON results")
-  parser.add_argument("--table", action="store_true", help="print the results as a Markdown table")
-  args = parser.parse_args(argv)
+  bench = harness.Bench(__doc__, quick=dict(processes=[2], steps=6, inner_steps=2, methods=["noloco", "diloco"]),
+                        quick_help="P=2, 6 steps, H=2, noloco and diloco", out=True)
+  bench.add_argument("--processes", type=int, nargs="+", default=[4, 8])
+  bench.add_argument("--methods", nargs="+", default=["noloco", "diloco", "ddp"])
+  bench.add_argument("--steps", type=int, default=18)
+  bench.add_argument("--inner_steps", type=int, default=3)
+  bench.add_argument("--step_s", type=float, default=0.1, help="simulated compute per step (a sleep)")
+  bench.add_argument("--straggler_factor", type=float, default=2.0, help="process 0 this many times slower")
+  bench.add_argument("--lognormal", default="", help="MEDIAN,SIGMA: a seeded log-normal delay per step instead")
+  bench.add_argument("--rate", default="", help="tbf rate on loopback, e.g. 20mbit (a new network namespace)")
+  bench.add_argument("--burst", default="128kb", help="tbf burst: above the 64 KiB loopback MTU")
+  bench.add_argument("--model_alpha", type=float, default=0.0, help="the model's seconds per exchange")
+  bench.add_argument("--pairing", default="round_robin", choices=["round_robin", "fresh"],
+                     help="NoLoCo's outer.pairing (module docstring: fresh compiles a program per round)")
+  bench.add_argument("--_in_namespace", action="store_true", help=argparse.SUPPRESS)
+  bench.add_argument("--plot", default="", help="also plot the idle fractions to this PNG")
+  bench.add_argument("--plot_from", nargs="*", default=[], help="only plot (or --table) these saved JSON results")
+  bench.add_argument("--table", action="store_true", help="print the results as a Markdown table")
+  args = bench.parse(argv)
+  text = table if args.table else None
   if args.plot_from:
     merged = {"runs": []}
     for path in args.plot_from:
@@ -272,17 +273,11 @@ def main(argv=None) -> dict:
         merged["runs"].append(run)
     if args.plot:
       plot(merged, args.plot)
-    if args.table:
-      print(table(merged))
-    return merged
+    return bench.finish(merged, text=text)
   beta = 8.0 / rate_bits_per_s(args.rate) if args.rate else 0.0  # checked before the namespace
   burst = size_bytes(args.burst) if args.rate else 0.0
   if args.rate and not args._in_namespace:
     raise SystemExit(netns.rerun_rate_limited(__file__, sys.argv[1:], rate=args.rate, burst=args.burst))
-  if args.quick:
-    args.processes, args.steps, args.inner_steps = [2], 6, 2
-    args.methods = args.methods or ["noloco", "diloco"]
-  args.methods = args.methods or ["noloco", "diloco", "ddp"]
   if args.lognormal:
     median, sigma = (float(x) for x in args.lognormal.split(","))
     faults = f"lognormal:median={median},sigma={sigma},seed=0"
@@ -309,19 +304,13 @@ def main(argv=None) -> dict:
         out.update(processes_count=p, label=label, groups=run["groups"])
         attach_models(results["setting"], out)
         results["runs"].append(out)
-        print(json.dumps({k: v for k, v in out.items() if k not in ("processes", "groups")}), flush=True)
+        bench.note(json.dumps({k: v for k, v in out.items() if k not in ("processes", "groups")}))
   finally:
     shutil.rmtree(root, ignore_errors=True)
-  print(json.dumps(results))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(results, f, indent=2)
   if args.plot:
     plot(results, args.plot)
-  if args.table:
-    print(table(results))
-  return results
+  return bench.finish(results, text=text)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -16,7 +16,7 @@ round uses one fixed pairing (outer.pairing=fixed: a fresh round is one such pro
 lax.switch runs one such branch).
 
     python experiments/bench_outer.py --json                                  # tiny preset, P = 1, 2, 4
-    python experiments/bench_outer.py --preset=small --set model.num_layers=2 --processes=1,2 --json
+    python experiments/bench_outer.py --preset=small --config.model.num_layers=2 --processes=1,2 --json
 
 On a machine with fewer cores than devices, every "device" shares the same cores, so these times
 measure compute and memory traffic under contention as much as communication (see RESULTS.md).
@@ -31,34 +31,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments.lib import harness
+
+ROOT = harness.REPO
 RESULT_TAG = "BENCH_OUTER_RESULT "
-
-
-def _parse(argv):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--processes", default="1,2,4", help="comma-separated process counts")
-  parser.add_argument("--replicas", type=int, default=8, help="N replicas = N fake CPU devices in all")
-  parser.add_argument("--preset", default="tiny", help="model preset (tiny | small | medium | large)")
-  parser.add_argument("--config_arg", default="", help="argument string for configs/default.py, e.g. smoke")
-  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                      help="config override, e.g. --set model.d_model=256 (repeatable)")
-  parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
-  parser.add_argument("--warmup", type=int, default=3, help="untimed calls first")
-  parser.add_argument("--timeout_s", type=float, default=900, help="per job")
-  parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-  return parser.parse_args(argv)
-
-
-def _config(args):
-  from configs import default  # pylint: disable=g-import-not-at-top
-  cfg = default.get_config(args.config_arg or None)
-  cfg.num_replicas = args.replicas
-  cfg.model.preset = args.preset
-  cfg.outer.pairing = "fixed"
-  from experiments.lib import experiment  # pylint: disable=g-import-not-at-top
-  return experiment.apply_overrides(cfg, args.set)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -66,7 +42,7 @@ def _config(args):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _worker(args) -> None:
+def _worker(args, cfg) -> None:
   from noloco_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
   multi = distributed.initialize(distributed.resolve_options())
   import jax  # pylint: disable=g-import-not-at-top
@@ -97,7 +73,7 @@ def _worker(args) -> None:
     return carry, {"median_ms": 1e3 * float(np.median(slowest)), "p10_ms": 1e3 * float(np.percentile(slowest, 10)),
                    "p90_ms": 1e3 * float(np.percentile(slowest, 90))}
 
-  results, cfg = {}, _config(args)
+  results = {}
   n = cfg.num_replicas
   for kind in ("noloco", "diloco"):
     cfg.outer.kind = kind
@@ -186,12 +162,25 @@ def _table(runs: list[dict]) -> tuple[str, dict]:
   return "\n".join(rows), ratios
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict | None:
   argv = list(sys.argv[1:] if argv is None else argv)
-  args = _parse(argv)
+  bench = harness.Bench(__doc__, config=True)
+  bench.add_argument("--processes", default="1,2,4", help="comma-separated process counts")
+  bench.add_argument("--replicas", type=int, default=8, help="N replicas = N fake CPU devices in all")
+  bench.add_argument("--preset", default="tiny", help="model preset (tiny | small | medium | large)")
+  bench.add_argument("--repeats", type=int, default=20, help="timed calls per measurement")
+  bench.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+  bench.add_argument("--timeout_s", type=float, default=900, help="per job")
+  bench.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  args = bench.parse(argv)
+  cfg = bench.config()
+  cfg.num_replicas = args.replicas
+  cfg.model.preset = args.preset
+  cfg.outer.pairing = "fixed"
+  bench.override(cfg)
   if args.worker:
-    _worker(args)
-    return
+    _worker(args, cfg)
+    return None
   runs = []
   for p in [int(x) for x in args.processes.split(",") if x]:
     start = time.time()
@@ -200,14 +189,13 @@ def main(argv=None) -> None:
     print(f"bench_outer: {p} process(es) done in {runs[-1]['job_wall_s']} s", file=sys.stderr, flush=True)
   table, ratios = _table(runs)
   first = runs[0]
-  print(f"model: preset {args.preset} {args.set or ''}, {first['params_per_replica']:,} parameters per replica "
-        f"({first['model_bytes_f32']:,} bytes in float32); {args.replicas} replicas; median of {args.repeats} calls, "
-        "slowest process.")
-  print(table)
-  if args.json:
-    print(json.dumps({"preset": args.preset, "overrides": args.set, "replicas": args.replicas,
-                      "repeats": args.repeats, "runs": runs, "ratios_noloco_over_diloco": ratios}))
+  header = (f"model: preset {args.preset} {bench.overrides() or ''}, {first['params_per_replica']:,} parameters per "
+            f"replica ({first['model_bytes_f32']:,} bytes in float32); {args.replicas} replicas; median of "
+            f"{args.repeats} calls, slowest process.")
+  return bench.finish({"preset": args.preset, "overrides": bench.overrides(), "replicas": args.replicas,
+                       "repeats": args.repeats, "runs": runs, "ratios_noloco_over_diloco": ratios},
+                      text=lambda _: header + "\n" + table)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

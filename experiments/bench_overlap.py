@@ -36,11 +36,12 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments.lib import harness
+from experiments.lib import netns
+from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.runtime import launch_local
 
-from noloco_jax.io import metrics as metrics_lib  # noqa: E402
-from experiments.lib import netns  # noqa: E402
-from noloco_jax.runtime import launch_local  # noqa: E402
+REPO = harness.REPO
 
 
 # ---- Part 1: the concurrency probe (each process runs `_probe_worker`) ----
@@ -181,37 +182,33 @@ def summarise(method: str, tau: int, traces: list, last_row: dict, inner_steps: 
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--processes", type=int, default=2)
-  parser.add_argument("--methods", nargs="+", default=["noloco", "gossip"])
-  parser.add_argument("--taus", type=int, nargs="+", default=[0, 5])
-  parser.add_argument("--mix", type=float, default=0.5, help="outer.overlap_mix")
-  parser.add_argument("--steps", type=int, default=100)
-  parser.add_argument("--inner_steps", type=int, default=10)
-  parser.add_argument("--step_s", type=float, default=0.1, help="simulated compute per step (a sleep)")
-  parser.add_argument("--rate", default="4mbit", help="tbf rate on loopback (a new network namespace; '' = none)")
-  parser.add_argument("--burst", default="16kb", help="tbf bucket: above the namespace's 1500-byte MTU")
-  parser.add_argument("--probe", action="store_true", help="part 1: what XLA:CPU runs concurrently")
-  parser.add_argument("--probe_mb", type=float, default=2.0)
-  parser.add_argument("--probe_layers", type=int, default=5, help="matrix products in the compute program")
-  parser.add_argument("--probe_reps", type=int, default=5)
-  parser.add_argument("--quick", action="store_true", help="seconds-long: no bandwidth limit, 8 steps, noloco τ=0,1")
-  parser.add_argument("--out", default="", help="also write the JSON here")
-  parser.add_argument("--keep", default="", help="keep the runs' workdirs (traces, logs) under this folder")
-  parser.add_argument("--_probe_worker", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--_in_namespace", action="store_true", help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
+  bench = harness.Bench(__doc__, quick=dict(rate="", steps=8, inner_steps=2, taus=[0, 1], methods=["noloco"], step_s=0.0),
+                        quick_help="no bandwidth limit, 8 steps, noloco τ=0,1", out=True)
+  bench.add_argument("--processes", type=int, default=2)
+  bench.add_argument("--methods", nargs="+", default=["noloco", "gossip"])
+  bench.add_argument("--taus", type=int, nargs="+", default=[0, 5])
+  bench.add_argument("--mix", type=float, default=0.5, help="outer.overlap_mix")
+  bench.add_argument("--steps", type=int, default=100)
+  bench.add_argument("--inner_steps", type=int, default=10)
+  bench.add_argument("--step_s", type=float, default=0.1, help="simulated compute per step (a sleep)")
+  bench.add_argument("--rate", default="4mbit", help="tbf rate on loopback (a new network namespace; '' = none)")
+  bench.add_argument("--burst", default="16kb", help="tbf bucket: above the namespace's 1500-byte MTU")
+  bench.add_argument("--probe", action="store_true", help="part 1: what XLA:CPU runs concurrently")
+  bench.add_argument("--probe_mb", type=float, default=2.0)
+  bench.add_argument("--probe_layers", type=int, default=5, help="matrix products in the compute program")
+  bench.add_argument("--probe_reps", type=int, default=5)
+  bench.add_argument("--keep", default="", help="keep the runs' workdirs (traces, logs) under this folder")
+  bench.add_argument("--_probe_worker", action="store_true", help=argparse.SUPPRESS)
+  bench.add_argument("--_in_namespace", action="store_true", help=argparse.SUPPRESS)
+  args = bench.parse(argv)
   if args._probe_worker:
     _probe_worker(args.probe_mb, args.probe_layers, args.probe_reps)
     return {}
-  if args.quick:
-    args.rate, args.steps, args.inner_steps, args.taus, args.methods, args.step_s = "", 8, 2, [0, 1], ["noloco"], 0.0
   if args.rate and not args._in_namespace:
     raise SystemExit(netns.rerun_rate_limited(__file__, sys.argv[1:], rate=args.rate, burst=args.burst, mtu=1500,
                                               latency="2s"))
   if args.probe:
     results = probe(args)
-    print(json.dumps(results), flush=True)
   else:
     results = {"part": "training", "setting": {"rate": args.rate or None, "processes": args.processes,
                                                "steps": args.steps, "inner_steps": args.inner_steps,
@@ -222,16 +219,12 @@ def main(argv=None) -> dict:
         for tau in args.taus:
           out = run_one(method, tau, args, root)
           results["runs"].append(out)
-          print(json.dumps(out), flush=True)
+          bench.note(json.dumps(out))
     finally:
       if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps(results))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(results, f, indent=2)
-  return results
+  return bench.finish(results)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

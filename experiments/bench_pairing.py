@@ -21,48 +21,33 @@ round but the first: round 0's boundary also waits for the inner step's own firs
                 for round_s (a slower fresh round_s would be the background compile competing for CPU).
 
     python experiments/bench_pairing.py --json                         # default outer config, tiny model
-    python experiments/bench_pairing.py --modes=fresh --rounds=20 --set model.d_model=256 --json
+    python experiments/bench_pairing.py --modes=fresh --rounds=20 --config.model.d_model=256 --json
 
 The default config's outer settings are used as they are (N = 8, n = 2, H = 50, fresh); only the model
-is shrunk (--preset, --set) so that it runs on CPU. Every fake device shares the same cores.
+is shrunk (--preset, --config.model.FIELD=VALUE) so that it runs on CPU. Every fake device shares the same cores.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments.lib import harness
+
 MODES = ("fresh", "fresh_inline", "round_robin")
 
 
-def _parse(argv):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
-  parser.add_argument("--rounds", type=int, default=12, help="outer rounds per mode")
-  parser.add_argument("--preset", default="tiny", help="model preset")
-  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                      help="config override, e.g. --set outer.inner_steps=20 (repeatable)")
-  parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-  return parser.parse_args(argv)
-
-
-def run_mode(mode: str, args) -> dict:
+def run_mode(mode: str, args, bench) -> dict:
   import jax  # pylint: disable=g-import-not-at-top (after the fake-device flags are set)
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from configs import default  # pylint: disable=g-import-not-at-top
   from noloco_jax.parallel import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  from experiments.lib import experiment  # pylint: disable=g-import-not-at-top
   from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
 
-  cfg = default.get_config()
+  cfg = bench.config()
   cfg.model.preset = args.preset
   cfg.outer.pairing = "round_robin" if mode == "round_robin" else "fresh"
-  cfg = experiment.apply_overrides(cfg, args.set)
+  bench.override(cfg)
   vocab = 257
   setup = build_lib.build(cfg, vocab_size=vocab)
   N, H = cfg.num_replicas, cfg.outer.inner_steps
@@ -116,28 +101,28 @@ def run_mode(mode: str, args) -> dict:
   }
 
 
-def main(argv=None):
-  args = _parse(argv if argv is not None else sys.argv[1:])
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-  from configs import default  # pylint: disable=g-import-not-at-top
-  from experiments.lib import experiment  # pylint: disable=g-import-not-at-top
-  base = experiment.apply_overrides(default.get_config(), args.set)
-  result = {"replicas": base.num_replicas, "group_size": base.outer.group_size,
-            "inner_steps": base.outer.inner_steps, "preset": args.preset, "overrides": args.set,
-            "rounds": args.rounds, "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0], "modes": {}}
-  for mode in args.modes.split(","):
+def main(argv=None) -> dict:
+  bench = harness.Bench(__doc__, config=True, cpu_devices=8, cpu_only=True)
+  bench.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
+  bench.add_argument("--rounds", type=int, default=12, help="outer rounds per mode")
+  bench.add_argument("--preset", default="tiny", help="model preset")
+  args = bench.parse(argv)
+  modes = args.modes.split(",")
+  for mode in modes:
     if mode not in MODES:
-      raise SystemExit(f"--modes: {mode!r} is not one of {MODES}")
-    result["modes"][mode] = run_mode(mode, args)
-    if not args.json:
-      m = result["modes"][mode]
-      print(f"{mode:13s} round {m['steady_mean_round_s']:.3f} s  stall mean {m['steady_mean_stall_s'] * 1e3:.1f} ms "
-            f"max {m['steady_max_stall_s'] * 1e3:.1f} ms  stall/round {100 * m['steady_stall_fraction']:.2f}%  "
-            f"boundary/round {100 * m['steady_boundary_fraction']:.3f}%")
-  if args.json:
-    print(json.dumps(result))
+      harness.usage_error(f"--modes: {mode!r} is not one of {MODES}")
+  base = bench.override(bench.config())
+  result = {"replicas": base.num_replicas, "group_size": base.outer.group_size,
+            "inner_steps": base.outer.inner_steps, "preset": args.preset, "overrides": bench.overrides(),
+            "rounds": args.rounds, "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0], "modes": {}}
+  for mode in modes:
+    result["modes"][mode] = run_mode(mode, args, bench)
+    m = result["modes"][mode]
+    bench.note(f"{mode:13s} round {m['steady_mean_round_s']:.3f} s  stall mean {m['steady_mean_stall_s'] * 1e3:.1f} ms "
+               f"max {m['steady_max_stall_s'] * 1e3:.1f} ms  stall/round {100 * m['steady_stall_fraction']:.2f}%  "
+               f"boundary/round {100 * m['steady_boundary_fraction']:.3f}%")
+  return bench.finish(result)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -8,7 +8,7 @@ median step time gives tokens/s and the ratio to one stage. Also printed: GPipe'
 every device shares the same cores (the bubble slots still compute, on ignored values): M/(M+S−1).
 
     python experiments/bench_pipeline.py --json
-    python experiments/bench_pipeline.py --json --set model.num_layers=8 --set data.batch_size=8
+    python experiments/bench_pipeline.py --json --config.model.num_layers=8 --config.data.batch_size=8
 
 Routing ablation (`--ablation`, docs/method.md §8): no outer steps (outer.kind=none), 2 stages ×
 4 replicas, the same steps with routing random and fixed; reports the cross-replica weight std and
@@ -19,38 +19,29 @@ the validation loss of each (through training.train_and_evaluate, so the figures
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import tempfile
 import time
 
-
-def _apply_overrides(cfg, items):
-  for item in items:
-    key, _, value = item.partition("=")
-    node = cfg
-    *path, leaf = key.split(".")
-    for part in path:
-      node = node[part]
-    old = node[leaf]
-    node[leaf] = (value == "True") if isinstance(old, bool) else type(old)(value)
+from experiments.lib import harness
 
 
-def throughput(args, default, build_lib, sharding_lib, pipeline):
+def throughput(args, bench):
   import jax
   import numpy as np
+  from noloco_jax.parallel import pipeline
+  from noloco_jax.parallel import sharding as sharding_lib
+  from noloco_jax.training import build as build_lib
   stage_counts = [int(s) for s in args.stages.split(",")]
   setups, states, batches = {}, {}, {}
   rng = np.random.default_rng(0)
   for S in stage_counts:
-    cfg = default.get_config(args.config_arg or None)
+    cfg = bench.config()
     cfg.num_replicas, cfg.num_devices, cfg.num_stages = args.replicas, args.replicas, S
     cfg.outer.kind = "none"  # only the inner step is measured
     cfg.model.num_layers = 4
     cfg.pipeline.routing = args.routing
-    _apply_overrides(cfg, args.set)
+    bench.override(cfg)
     setup = build_lib.build(cfg, vocab_size=257)
     n = cfg.num_replicas
     tokens = rng.integers(0, 257, size=(n, cfg.data.batch_size, cfg.data.seq_len + 1)).astype(np.int32)
@@ -90,10 +81,11 @@ def throughput(args, default, build_lib, sharding_lib, pipeline):
           "steps": args.steps, "repeats": args.repeats, "rows": rows}
 
 
-def ablation(args, default, training):
+def ablation(args, bench):
+  from noloco_jax import training
   results = {}
   for mode in ("random", "fixed"):
-    cfg = default.get_config(args.config_arg or None)
+    cfg = bench.config()
     cfg.num_replicas, cfg.num_stages = 4, 2
     cfg.model.num_layers = 2
     cfg.outer.kind = "none"  # no outer steps: only the routing can bring replicas together
@@ -101,7 +93,7 @@ def ablation(args, default, training):
     cfg.num_steps = args.steps
     cfg.eval_every = max(args.steps // 4, 1)
     cfg.log_every = max(args.steps // 8, 1)
-    _apply_overrides(cfg, args.set)
+    bench.override(cfg)
     workdir = tempfile.mkdtemp(prefix=f"bench_pipeline_{mode}_")
     t0 = time.time()
     out = training.train_and_evaluate(cfg, workdir)
@@ -116,42 +108,24 @@ def ablation(args, default, training):
           "ppl_random_over_fixed": r["eval/ppl"] / f["eval/ppl"]}
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--stages", default="1,2,4", help="stage counts to compare (the first is the baseline)")
-  parser.add_argument("--replicas", type=int, default=2)
-  parser.add_argument("--routing", default="fixed", choices=("fixed", "random"))
-  parser.add_argument("--steps", type=int, default=10, help="timed steps per repetition (ablation: training steps)")
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--ablation", action="store_true", help="run the routing ablation instead")
-  parser.add_argument("--config_arg", default="", help="argument string for configs/default.py, e.g. smoke")
-  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                      help="config override, e.g. --set data.batch_size=8 (repeatable)")
-  parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-  args = parser.parse_args(argv)
-
-  os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-  from configs import default
-  from noloco_jax.parallel import sharding as sharding_lib
-  from noloco_jax.parallel import pipeline
-  from noloco_jax import training
-  from noloco_jax.training import build as build_lib
-
+def main(argv=None) -> dict:
+  bench = harness.Bench(__doc__, config=True, cpu_devices=8)
+  bench.add_argument("--stages", default="1,2,4", help="stage counts to compare (the first is the baseline)")
+  bench.add_argument("--replicas", type=int, default=2)
+  bench.add_argument("--routing", default="fixed", choices=("fixed", "random"))
+  bench.add_argument("--steps", type=int, default=10, help="timed steps per repetition (ablation: training steps)")
+  bench.add_argument("--repeats", type=int, default=5)
+  bench.add_argument("--ablation", action="store_true", help="run the routing ablation instead")
+  args = bench.parse(argv)
   if args.ablation:
-    result = ablation(args, default, training)
-    if not args.json:
-      for mode, r in result["results"].items():
-        print(f"{mode:6s}  eval/loss {r['eval/loss']:.4f}  ppl {r['eval/ppl']:.3f}  "
-              f"weight_std {r['replicas/weight_std']:.4e}")
-  else:
-    result = throughput(args, default, build_lib, sharding_lib, pipeline)
-    if not args.json:
-      for row in result["rows"]:
-        print(f"S={row['stages']} ({row['devices']} devices, M={row['microbatches']}): "
-              f"{row['step_s'] * 1e3:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s, ratio {row['ratio_to_first']:.3f} "
-              f"(bubble {row['bubble']:.2f}, ideal on shared cores {row['ideal_ratio_shared_cores']:.3f})")
-  print(json.dumps(result))
+    return bench.finish(ablation(args, bench), text=lambda r: "\n".join(
+        f"{mode:6s}  eval/loss {m['eval/loss']:.4f}  ppl {m['eval/ppl']:.3f}  weight_std {m['replicas/weight_std']:.4e}"
+        for mode, m in r["results"].items()))
+  return bench.finish(throughput(args, bench), text=lambda r: "\n".join(
+      f"S={row['stages']} ({row['devices']} devices, M={row['microbatches']}): "
+      f"{row['step_s'] * 1e3:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s, ratio {row['ratio_to_first']:.3f} "
+      f"(bubble {row['bubble']:.2f}, ideal on shared cores {row['ideal_ratio_shared_cores']:.3f})" for row in r["rows"]))
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

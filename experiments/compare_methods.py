@@ -33,18 +33,17 @@ message times: see experiments/latency_model.py and experiments/lib/latency.py).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments.lib import harness
+
+REPO = harness.REPO
 METHODS = ("ddp", "diloco", "noloco")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_flags(p: harness.Bench) -> None:
   p.add_argument("--replicas", type=int, default=8, help="N, model replicas (8 or 16)")
   p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one run per method and seed")
   p.add_argument("--steps", type=int, default=None, help="inner steps per run (default 300; smoke 12)")
@@ -63,8 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="run directories, emptied per run (default runs/compare_methods; smoke: runs/compare_methods_smoke)")
   p.add_argument("--plot-dir", default=None, help="where the PNGs go (default experiments/plots; smoke: workdir)")
   p.add_argument("--smoke", action="store_true", help="configs/default.py:smoke sizes: seconds per run")
-  p.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
-  return p.parse_args(argv)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -184,10 +181,11 @@ def _git_rev() -> str | None:
 
 
 def main(argv=None) -> dict:
-  args = parse_args(argv)
+  # Fake CPU devices, one per replica (at least 8), before JAX starts.
+  bench = harness.Bench(__doc__, cpu_devices=lambda args: max(8, args.replicas))
+  add_flags(bench)
+  args = bench.parse(argv)
   args.workdir = args.workdir or os.path.join(REPO, "runs", "compare_methods_smoke" if args.smoke else "compare_methods")
-  # Fake CPU devices must exist before JAX starts: one per replica (respecting a value already set).
-  os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(max(8, args.replicas)))
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   import numpy as np
 
@@ -252,29 +250,6 @@ def main(argv=None) -> dict:
   plot_dir = args.plot_dir or (args.workdir if args.smoke else os.path.join(REPO, "experiments", "plots"))
   plots = plot(results, comms, step_times, plot_dir, args)
 
-  # ---- Report. ----
-  print(f"\n{args.replicas} replicas, {base.num_steps} steps, {experiment.tokens_per_step(base):,} tokens/step, "
-        f"{num_params:,} params/replica ({latency.model_bytes(num_params, 'float32'):,} B float32), seeds {args.seeds}")
-  print(experiment.table(results))
-  t_meas, t_assumed = step_times["measured"], step_times["assumed"]
-  print(f"\nwall-clock model: {args.link_gbps:g} Gb/s, α = {args.alpha_s * 1e3:g} ms; t_c = {t_meas * 1e3:.1f} ms "
-        f"per inner step ({'given' if args.step_time_s else 'measured'}) or {t_assumed * 1e3:g} ms (assumed)")
-  print("| method | H | rounds | bytes sent/replica (model) | comm s/round | comm s/step | comm s total "
-        "| latency share of comm | wall s, comm share (measured t_c) | wall s, comm share (assumed t_c) |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
-  for kind, m in methods.items():
-    lat = m["latency_share_of_comm"]
-    w = m["wallclock"]
-    print(f"| {kind} | {m['inner_steps']} | {m['rounds']} | {m['sent_bytes_per_replica_modelled']:,.0f} "
-          f"| {m['comm_s_per_round']:.4f} | {m['comm_s_per_step']:.4f} | {m['modelled_comm_s']:.3f} "
-          f"| {'-' if lat is None else f'{lat:.0%}'} "
-          f"| {w['measured']['modelled_wall_s']:.1f}, {w['measured']['comm_share']:.1%} "
-          f"| {w['assumed']['modelled_wall_s']:.2f}, {w['assumed']['comm_share']:.1%} |")
-  if paper_metric:
-    print(f"\n(DiLoCo − NoLoCo)/DDP perplexity: {paper_metric['percent_mean']:+.2f} ± "
-          f"{paper_metric['percent_std']:.2f} % over seeds (of the means: {paper_metric['percent_of_means']:+.2f} %)")
-  print("plots:", ", ".join(plots))
-
   summary = {
       "command": "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), REPO)] + sys.argv[1:])
       if argv is None else "main(" + repr(argv) + ")",
@@ -285,10 +260,33 @@ def main(argv=None) -> dict:
                           "measured_step_time_source": "given" if args.step_time_s else "measured"},
       "methods": methods, "paper_metric_diloco_minus_noloco_over_ddp_ppl": paper_metric, "plots": plots,
   }
-  if args.json:
-    print(json.dumps(summary))
-  return summary
+
+  def report(_) -> str:
+    t_meas, t_assumed = step_times["measured"], step_times["assumed"]
+    lines = [f"\n{args.replicas} replicas, {base.num_steps} steps, {experiment.tokens_per_step(base):,} tokens/step, "
+             f"{num_params:,} params/replica ({latency.model_bytes(num_params, 'float32'):,} B float32), seeds {args.seeds}",
+             experiment.table(results),
+             f"\nwall-clock model: {args.link_gbps:g} Gb/s, α = {args.alpha_s * 1e3:g} ms; t_c = {t_meas * 1e3:.1f} ms "
+             f"per inner step ({'given' if args.step_time_s else 'measured'}) or {t_assumed * 1e3:g} ms (assumed)",
+             "| method | H | rounds | bytes sent/replica (model) | comm s/round | comm s/step | comm s total "
+             "| latency share of comm | wall s, comm share (measured t_c) | wall s, comm share (assumed t_c) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for kind, m in methods.items():
+      lat = m["latency_share_of_comm"]
+      w = m["wallclock"]
+      lines.append(f"| {kind} | {m['inner_steps']} | {m['rounds']} | {m['sent_bytes_per_replica_modelled']:,.0f} "
+                   f"| {m['comm_s_per_round']:.4f} | {m['comm_s_per_step']:.4f} | {m['modelled_comm_s']:.3f} "
+                   f"| {'-' if lat is None else f'{lat:.0%}'} "
+                   f"| {w['measured']['modelled_wall_s']:.1f}, {w['measured']['comm_share']:.1%} "
+                   f"| {w['assumed']['modelled_wall_s']:.2f}, {w['assumed']['comm_share']:.1%} |")
+    if paper_metric:
+      lines.append(f"\n(DiLoCo − NoLoCo)/DDP perplexity: {paper_metric['percent_mean']:+.2f} ± "
+                   f"{paper_metric['percent_std']:.2f} % over seeds (of the means: {paper_metric['percent_of_means']:+.2f} %)")
+    lines.append("plots: " + ", ".join(plots))
+    return "\n".join(lines)
+
+  return bench.finish(summary, text=report)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -12,18 +12,19 @@ A NumPy simulation of NoLoCo's outer loop on a noisy quadratic (no JAX, seconds 
   none    no communication.
 
 Loss = mean over replicas of f(φ_i), f(x) = ½ Σ_k h_k (x_k − x*_k)², h log-uniform in [1e-3, 1]; each inner
-step is SGD with gradient noise. Prints one JSON line per option: final loss, replica spread, bytes
-per replica per round relative to dense float32.
+step is SGD with gradient noise. Prints one JSON line per option (with --json, one object holding them
+all): final loss, replica spread, bytes per replica per round relative to dense float32.
 
     python experiments/compression_reference_choice.py [--rounds 60] [--replicas 8] [--seeds 0,1,2] [--noise 0.5]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
+
+from experiments.lib import harness
 
 CHUNK, DENSITY, BITS = 4096, 0.01, 2
 
@@ -98,23 +99,24 @@ def bytes_ratio(option, dim=4 * CHUNK):
           "split": (sparse + dim + 4 * chunks) / (4 * dim)}[option]
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--rounds", type=int, default=60)
-  parser.add_argument("--replicas", type=int, default=8)
-  parser.add_argument("--seeds", default="0,1,2")
-  parser.add_argument("--noise", type=float, default=0.5, help="gradient noise scale (0.5: noise-dominated)")
-  args = parser.parse_args(argv)
+def main(argv=None) -> dict:
+  bench = harness.Bench(__doc__)
+  bench.add_argument("--rounds", type=int, default=60)
+  bench.add_argument("--replicas", type=int, default=8)
+  bench.add_argument("--seeds", default="0,1,2")
+  bench.add_argument("--noise", type=float, default=0.5, help="gradient noise scale (0.5: noise-dominated)")
+  args = bench.parse(argv)
   seeds = [int(s) for s in args.seeds.split(",")]
+  rows = []
   for option in ("dense", "split", "peer", "none"):
     runs = [simulate(option, seed=s, replicas=args.replicas, rounds=args.rounds, noise=args.noise) for s in seeds]
     losses, spreads = np.array(runs).T
-    print(json.dumps({"option": option, "noise": args.noise, "replicas": args.replicas, "rounds": args.rounds, "seeds": seeds,
-                      "final_loss_mean": float(losses.mean()), "final_loss_std": float(losses.std()),
-                      "spread_mean": float(spreads.mean()),
-                      "bytes_vs_dense_f32": round(bytes_ratio(option), 5),
-                      "extra_state_copies_per_replica": {"peer": 2 * (args.replicas - 1), "split": 1}.get(option, 0)}))
+    rows.append({"option": option, "noise": args.noise, "replicas": args.replicas, "rounds": args.rounds,
+                 "seeds": seeds, "final_loss_mean": float(losses.mean()), "final_loss_std": float(losses.std()),
+                 "spread_mean": float(spreads.mean()), "bytes_vs_dense_f32": round(bytes_ratio(option), 5),
+                 "extra_state_copies_per_replica": {"peer": 2 * (args.replicas - 1), "split": 1}.get(option, 0)})
+  return bench.finish({"options": rows}, text=lambda r: "\n".join(json.dumps(row) for row in r["options"]))
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

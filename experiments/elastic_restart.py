@@ -20,17 +20,15 @@ loss, and the elastic event (elastic.jsonl).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import time
 
+from experiments.lib import harness
+from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.runtime import launch_local
 
-from noloco_jax.io import metrics as metrics_lib  # noqa: E402
-from noloco_jax.runtime import launch_local  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = harness.REPO
 RESUMES = {
     "same": [],
     "drop": ["--config.num_replicas=4", "--config.checkpoint.elastic=drop"],
@@ -54,13 +52,13 @@ def run(name: str, workdir: str, processes: int, flags: list[str], env: dict[str
           "event": metrics_lib.read_jsonl(event_path) if os.path.exists(event_path) else []}
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", default="runs/elastic")
-  parser.add_argument("--num_steps", type=int, default=24)
-  parser.add_argument("--kill_step", type=int, default=14)
-  parser.add_argument("--every", type=int, default=6, help="checkpoint_every and eval_every")
-  opts = parser.parse_args()
+def main(argv=None) -> dict:
+  bench = harness.Bench(__doc__)
+  bench.add_argument("--out", default="runs/elastic")
+  bench.add_argument("--num_steps", type=int, default=24)
+  bench.add_argument("--kill_step", type=int, default=14)
+  bench.add_argument("--every", type=int, default=6, help="checkpoint_every and eval_every")
+  opts = bench.parse(argv)
   if os.path.exists(opts.out):
     shutil.rmtree(opts.out)
   os.makedirs(opts.out)
@@ -75,8 +73,8 @@ def main() -> None:
   for name, extra in RESUMES.items():
     shutil.copytree(killed, join(name))
     results.append(run(name, join(name), 1, flags + extra))
-  print(json.dumps({"num_steps": opts.num_steps, "kill_step": opts.kill_step, "runs": results}, indent=1))
+  return bench.finish({"num_steps": opts.num_steps, "kill_step": opts.kill_step, "runs": results})
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

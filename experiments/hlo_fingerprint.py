@@ -6,17 +6,31 @@ checkouts compile the same program exactly when their fingerprints agree. The tr
 one on PYTHONPATH (configs/ is read from the current directory):
 
     cd OLD_CHECKOUT && PYTHONPATH=$PWD python NEW_CHECKOUT/experiments/hlo_fingerprint.py
-    PYTHONPATH=$PWD python experiments/hlo_fingerprint.py --set model.attention=xla
+    PYTHONPATH=$PWD python experiments/hlo_fingerprint.py --config.model.attention=xla
+
+The benchmark harness is loaded from beside this file, so that OLD_CHECKOUT may predate it (overrides
+are checked with the tree's own config schema, which needs a tree that has noloco_jax.config.cli's
+`unknown_field`).
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
 import hashlib
-import json
+import importlib.util
 import os
 import re
+
+
+def _harness():
+  """experiments/lib/harness.py of this script's checkout (not of the tree on PYTHONPATH: see above)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "harness.py")
+  spec = importlib.util.spec_from_file_location("hlo_fingerprint_harness", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+harness = _harness()
 
 
 def normalise(hlo_text: str) -> list[str]:
@@ -30,20 +44,16 @@ def normalise(hlo_text: str) -> list[str]:
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-  args = parser.parse_args(argv)
-  os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+  bench = harness.Bench(__doc__, config=True, cpu_devices=8)
+  bench.parse(argv)
   import jax
   import numpy as np
-  from configs import default
   from noloco_jax.parallel import sharding as sharding_lib
-  from experiments.lib import experiment
   from noloco_jax.training import build as build_lib
 
-  cfg = default.get_config()
+  cfg = bench.config()
   cfg.outer.kind = "none"
-  experiment.apply_overrides(cfg, args.set)
+  bench.override(cfg)
   setup = build_lib.build(cfg, vocab_size=257, check_data=False)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        jax.eval_shape(setup.init_state), setup.state_shardings)
@@ -51,11 +61,10 @@ def main(argv=None) -> dict:
   batch = sharding_lib.global_array(setup.mesh, np.zeros((n, cfg.data.batch_size, cfg.data.seq_len + 1), np.int32), n)
   lines = normalise(setup.inner_step.lower(state, batch).compile().as_text())
   result = {"benchmark": "hlo_fingerprint", "tree": os.path.dirname(os.path.dirname(os.path.dirname(build_lib.__file__))),
-            "overrides": args.set, "instructions": len(lines),
+            "overrides": bench.overrides(), "instructions": len(lines),
             "sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest()}
-  print(json.dumps(result))
-  return result
+  return bench.finish(result)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

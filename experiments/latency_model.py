@@ -1,30 +1,29 @@
 """Latency and α–β communication models of docs/method.md §6: all-reduce vs NoLoCo's pair exchange.
 
 The models live in experiments/lib/latency.py (pure functions, importable from notebooks); this script
-only parses flags, calls `latency.summary`, and prints tables, a JSON line and/or a plot.
+only parses flags, calls `latency.summary`, and prints tables or a JSON line, and/or a plot.
 
     python experiments/latency_model.py                        # readable tables, a few seconds
     python experiments/latency_model.py --json --plot experiments/plots/latency.png
     python experiments/latency_model.py --trials 20000 --ring-trials 8 --barrier-trials 200  # tighter
 
 With --json the last line of stdout is one JSON object holding every figure ("headline" has the key
-ones). Time in the latency and barrier models is in units of the mean message (resp. inner-step) time.
+ones; the tables then go to stderr). Time in the latency and barrier models is in units of the mean
+message (resp. inner-step) time.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import io
 import os
 
-try:
-  from experiments.lib import latency
-except ImportError:  # run from a checkout without `pip install -e .`
-  from experiments.lib import latency
+from experiments.lib import harness
+from experiments.lib import latency
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_flags(p: harness.Bench) -> None:
   p.add_argument("--seed", type=int, default=0, help="seed of every Monte Carlo stream")
   p.add_argument("--max-n", type=int, default=4096, help="largest N (powers of two from 2)")
   p.add_argument("--key-n", type=int, default=1024, help="N at which the headline figures are taken")
@@ -46,9 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--links-mbps", type=float, nargs="+", default=[100.0, 1000.0],
                  help="link bandwidths in Mb/s for the α–β table")
   p.add_argument("--ab-ns", type=int, nargs="+", default=[16, 64, 1024], help="P in the α–β table")
-  p.add_argument("--json", action="store_true", help="print only one JSON object (the last line)")
   p.add_argument("--plot", metavar="PATH.png", help="write a PNG of the three models")
-  return p.parse_args(argv)
 
 
 def compute(args: argparse.Namespace) -> dict:
@@ -195,18 +192,24 @@ def plot(r: dict, path: str) -> None:
   plt.close(fig)
 
 
-def main(argv=None) -> None:
-  args = parse_args(argv)
+def main(argv=None) -> dict:
+  bench = harness.Bench(__doc__)
+  add_flags(bench)
+  args = bench.parse(argv)
   r = compute(args)
   if args.plot:
     plot(r, args.plot)
-  if args.json:
-    print(json.dumps(r))
-  else:
-    print_tables(r)
-    if args.plot:
-      print(f"\nwrote {args.plot}")
+
+  def text(_):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      print_tables(r)
+      if args.plot:
+        print(f"\nwrote {args.plot}")
+    return out.getvalue().rstrip("\n")
+
+  return bench.finish(r, text=text)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

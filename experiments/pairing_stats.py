@@ -16,13 +16,11 @@ over replicas (N = 16, S = 4, M = 20, 600 steps).
 from __future__ import annotations
 
 import itertools
-import json
-import os
 
 import numpy as np
 from scipy import stats
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments.lib import harness
 
 
 def pairing_stats(mode: str, num: int, rounds: int = 1000) -> dict:
@@ -86,12 +84,13 @@ def routing_stats() -> dict:
           "distinct_step_routes": len({t.tobytes() for t in tables})}
 
 
-def main() -> None:
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def main(argv=None) -> dict:
+  bench = harness.Bench(__doc__, cpu_only=True)
+  bench.parse(argv)
   out = {"pairing": {mode: {str(n): pairing_stats(mode, n) for n in (8, 16, 64)} for mode in ("fresh", "round_robin")},
          "routing": routing_stats()}
-  print(json.dumps(out))
+  return bench.finish(out)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

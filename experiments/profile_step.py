@@ -10,18 +10,17 @@ and, for the gradient program, the element-type conversions in the optimized HLO
 RMSNorm and RoPE make of bf16 activations) with the bytes they write.
 
     python experiments/profile_step.py --json                                  # the default job's model
-    python experiments/profile_step.py --set model.dtype=bfloat16 --json       # bf16 compute
-    python experiments/profile_step.py --set model.remat=True --set model.remat_policy=dots --json
+    python experiments/profile_step.py --config.model.dtype=bfloat16 --json    # bf16 compute
+    python experiments/profile_step.py --config.model.remat=True --config.model.remat_policy=dots --json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import re
 import statistics
 import time
+
+from experiments.lib import harness
 
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "f64": 8}
 
@@ -55,24 +54,17 @@ def convert_bytes(hlo_text: str) -> dict:
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--config_arg", default="")
-  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-  parser.add_argument("--steps", type=int, default=5)
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--json", action="store_true")
-  args = parser.parse_args(argv)
+  bench = harness.Bench(__doc__, config=True)
+  bench.add_argument("--steps", type=int, default=5)
+  bench.add_argument("--repeats", type=int, default=5)
+  args = bench.parse(argv)
   import jax
   import numpy as np
-  import optax
-  from configs import default
   from noloco_jax import models
   from noloco_jax.inner import step as inner
   from noloco_jax.inner.state import TrainState
-  from experiments.lib import experiment
 
-  cfg = default.get_config(args.config_arg or None)
-  experiment.apply_overrides(cfg, args.set)
+  cfg = bench.override(bench.config())
   vocab = cfg.model.vocab_size or 257
   model = models.get(cfg.model.arch).resolve(cfg.model, vocab_size=vocab, seq_len=cfg.data.seq_len)
   batch = np.random.default_rng(0).integers(0, vocab, (cfg.data.batch_size, cfg.data.seq_len + 1)).astype(np.int32)
@@ -91,7 +83,7 @@ def main(argv=None) -> dict:
       "grads": (jax.jit(lambda p, b: inner.compute_grads(p, b, model.loss)), (params, batch)),
       "optimizer": (jax.jit(lambda s, g: inner.apply_grads(s, g, optimizer)), (state, grads0)),
   }
-  result = {"benchmark": "profile_step", "platform": jax.devices()[0].platform, "overrides": args.set,
+  result = {"benchmark": "profile_step", "platform": jax.devices()[0].platform, "overrides": bench.overrides(),
             "num_params": model.num_params(), "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len}
   compiled = {}
   for name, (fn, fn_args) in parts.items():
@@ -114,13 +106,10 @@ def main(argv=None) -> dict:
   for name in parts:
     result[name]["step_s"] = statistics.median(result[name]["times"])
   result["optimizer_share_of_step"] = result["optimizer"]["step_s"] / result["step"]["step_s"]
-  if not args.json:
-    for name in parts:
-      r = result[name]
-      print(f"{name:10s} {r['step_s'] * 1e3:8.2f} ms  {r['flops'] / 1e9:8.3f} GFLOP  {r['bytes_accessed'] / 2**20:8.1f} MiB")
-  print(json.dumps(result))
-  return result
+  return bench.finish(result, text=lambda r: "\n".join(
+      f"{name:10s} {r[name]['step_s'] * 1e3:8.2f} ms  {r[name]['flops'] / 1e9:8.3f} GFLOP  "
+      f"{r[name]['bytes_accessed'] / 2**20:8.1f} MiB" for name in parts))
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

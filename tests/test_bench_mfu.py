@@ -23,8 +23,8 @@ def _bench():
 
 
 def test_bench_prints_the_fields_on_a_tiny_model(capsys):
-  result = _bench().main(["--config_arg=smoke", "--steps=1", "--repeats=1", "--replicas_per_device=2",
-                          "--set", "model.loss_chunk=8", "--json"])
+  result = _bench().main(["--config=configs/default.py:smoke", "--steps=1", "--repeats=1", "--replicas_per_device=2",
+                          "--config.model.loss_chunk=8", "--json"])
   assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"benchmark": "bench_mfu"')
   assert result["platform"] == "cpu" and result["mfu"] is None and result["plain"]["mfu"] is None
   assert result["replicas"] == 2 and result["loss_chunk"] == 8

@@ -98,19 +98,6 @@ def method_config(base: ml_collections.ConfigDict, kind: str, *, smoke: bool = F
   return config
 
 
-def apply_overrides(config: ml_collections.ConfigDict, items: Iterable[str]) -> ml_collections.ConfigDict:
-  """Applies "field.path=value" strings (the benchmarks' --set flags), converting to the field's type."""
-  for item in items:
-    key, _, value = item.partition("=")
-    node = config
-    *path, leaf = key.split(".")
-    for part in path:
-      node = node[part]
-    kind = node.get_type(leaf)  # a placeholder (an old, renamed field's name) has a type but no value
-    node[leaf] = value == "True" if kind is bool else kind(value)
-  return config
-
-
 def tokens_per_step(config: ml_collections.ConfigDict) -> int:
   """Training tokens consumed per inner step by all replicas together."""
   return config.num_replicas * config.data.batch_size * config.data.seq_len

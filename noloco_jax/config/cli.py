@@ -54,7 +54,7 @@ def explain(argv: Sequence[str], error: Exception, flag_values: flags.FlagValues
     for arg in argv[1:]:
       match = _OVERRIDE.match(arg)
       if match and match["flag"] == config_flag:
-        unknown = _unknown_field(config, match["path"])
+        unknown = unknown_field(config, match["path"])
         if unknown:
           return unknown
     match = _BAD_VALUE.search(str(error))
@@ -85,7 +85,7 @@ def _load_config(argv, flag_values, config_flag) -> ml_collections.ConfigDict | 
   return None
 
 
-def _unknown_field(config: ml_collections.ConfigDict, path: str) -> str | None:
+def unknown_field(config: ml_collections.ConfigDict, path: str) -> str | None:
   """The error for an override path that names no field of `config`, or None if it names one."""
   node, section, walked = config, Config, []
   for name in path.split("."):
