@@ -235,6 +235,7 @@ def make_method(outer_cfg: ml_collections.ConfigDict | OuterConfig,
 def make_schedule(config: ml_collections.ConfigDict) -> PairingSchedule | epidemic.EpidemicSchedule:
   if config.outer.kind == "epidemic":
     return epidemic.EpidemicSchedule(seed=config.seed, num_replicas=config.num_replicas,
-                                     fanout=config.outer.fanout, mode=config.outer.pairing)
+                                     fanout=config.outer.fanout, mode=config.outer.pairing,
+                                     topology=config.outer.topology)
   return PairingSchedule(seed=config.seed, num_replicas=config.num_replicas,
                          group_size=config.outer.group_size, mode=config.outer.pairing)
