@@ -13,6 +13,8 @@ python, bash, source, sbatch, pip, pytest or jupyter. For each one:
 - `--config=FILE[:ARG]` names a config file that loads with that argument, every `--config.X=V` is a
   field of the config it builds (for noloco_jax.main, after launch_local's `--` too), and the config with
   all its overrides passes the schema's validation;
+- a benchmark's `--set FIELD=VALUE` (bench_ab's `--a` / `--b` too) names a field of the schema and a
+  value of its type;
 - `pip install ".[extra]"` names extras that setup.py declares.
 
 A `--config.X=V` anywhere else in a code span (a flag quoted in prose) must name a field of the schema.
@@ -75,12 +77,15 @@ def snippets(path: str) -> list[Snippet]:
       continue
     indented = not fenced and re.match(r"^( {4,}|\t)\S", line) and (i == 0 or not lines[i - 1].strip() or
                                                                     lines[i - 1].startswith((" " * 4, "\t")))
-    if fenced or (indented and line.strip().split(" ")[0].split("=")[-1] in PROGRAMS + (".venv/bin/python",)):
+    if fenced or indented:
       start, logical = i, line
       while logical.rstrip().endswith("\\") and i + 1 < len(lines):
         i += 1
         logical = logical.rstrip()[:-1] + " " + lines[i].strip()
-      out.append(Snippet(f"{path}:{start + 1}", logical.strip(), True))
+      if fenced or _commands_of(logical):  # an indented line: a code block only if it is a command
+        out.append(Snippet(f"{path}:{start + 1}", logical.strip(), True))
+      else:
+        prose += [(n, lines[n]) for n in range(start, i + 1)]
     else:
       prose.append((i, line))
     i += 1
@@ -135,7 +140,7 @@ def commands(snippet: Snippet) -> list[list[str]]:
 
 def is_template(token: str) -> bool:
   """A placeholder in a syntax description, not a value: [optional], a|b, FIELD, VALUE, PATH, ..."""
-  return bool(re.search(r"[\[\]|…<>]|\.\.\.|\b(?:FIELD|VALUE|NAME|PATH|WORKDIR|DIR|TEXT)\b", token))
+  return bool(re.search(r"[\[\]|…<>]|\.\.\.|\b(?:FIELD|VALUE|NAME|PATH|WORKDIR|DIR|TEXT|OLD|NEW)\b", token))
 
 
 # ---- What exists: modules, flags, config fields ----
@@ -408,6 +413,8 @@ def test_the_extraction_finds_the_commands_it_should():
   assert "bash scripts/run_default.sh" in joined  # README fence
   assert any(c.startswith("python -m noloco_jax.io.data.train_spm --config=configs/c4.py") for _, c in found)  # indented
   assert any(c.startswith("python -m noloco_jax.runtime.launch_local") and " -- " in c for _, c in found)
+  assert any(c.startswith(".venv/bin/jupyter execute --inplace") for _, c in found)  # after NOLOCO_SEEDS=0,1
+  assert any(c.startswith("python experiments/bench_inner.py") for _, c in found)  # after XLA_FLAGS=...
   assert len([1 for f, _ in found if f == "experiments/RESULTS.md"]) > 30
 
 
