@@ -33,7 +33,7 @@ MAX_CHUNK = 65536  # top-k offsets within a chunk travel as uint16
 # Epidemic Learning's graphs (noloco_jax/outer/epidemic.py): de Vos et al. 2023's two variants.
 TOPOLOGIES = ("oracle", "local")
 # EL-Oracle's graph is drawn exactly (configuration model, rejection) for min(s, N − 1 − s) ≤ this; the
-# acceptance rate falls like exp(−s − (s−1)²/2): ≥ 0.3 % at 3 (≤ 10 ms a graph at N = 256), 0.01 % at 4.
+# acceptance rate falls like exp(−s − (s−1)²/2): ≥ 0.3 % at 3 (12 ms a graph at N = 256), ~0.01 % at 4.
 ORACLE_MAX_DEGREE = 3
 
 
