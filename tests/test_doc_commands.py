@@ -400,7 +400,6 @@ def problems_in_the_tree() -> list[str]:
 
 
 def test_every_documented_command_names_what_exists():
-  os.chdir(REPO)
   problems = problems_in_the_tree()
   assert not problems, "\n" + "\n".join(problems)
 
