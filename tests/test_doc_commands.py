@@ -59,8 +59,7 @@ def _markdown(path: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Snippet:
   where: str  # file:line
-  text: str
-  block: bool  # a line of a code block (else an inline code span)
+  text: str  # one logical line of a code block, or one inline code span
 
 
 def snippets(path: str) -> list[Snippet]:
@@ -83,7 +82,7 @@ def snippets(path: str) -> list[Snippet]:
         i += 1
         logical = logical.rstrip()[:-1] + " " + lines[i].strip()
       if fenced or _commands_of(logical):  # an indented line: a code block only if it is a command
-        out.append(Snippet(f"{path}:{start + 1}", logical.strip(), True))
+        out.append(Snippet(f"{path}:{start + 1}", logical.strip()))
       else:
         prose += [(n, lines[n]) for n in range(start, i + 1)]
     else:
@@ -98,7 +97,7 @@ def snippets(path: str) -> list[Snippet]:
     if "\n\n" in m.group(1):
       continue
     line_no = next(n for end, n in numbers if end > m.start()) + 1
-    out.append(Snippet(f"{path}:{line_no}", " ".join(m.group(1).split()), False))
+    out.append(Snippet(f"{path}:{line_no}", " ".join(m.group(1).split())))
   return out
 
 
@@ -437,14 +436,14 @@ def test_the_checks_catch_what_they_should():
           "no markdown heading",
   }
   for text, expected in bad.items():
-    (tokens,) = commands(Snippet("here", text, True))
+    (tokens,) = commands(Snippet("here", text))
     issues = check_command(tokens)
     assert any(expected in i for i in issues), (text, issues)
   good = ["python -m noloco_jax.main --config=configs/default.py:smoke --workdir=runs/x --config.outer.kind=diloco",
           "NOLOCO_SMOKE=1 python experiments/bench_compression.py --hlo",
           "python -m noloco_jax.main --config=configs/default.py --workdir=runs/demo [--config.FIELD=VALUE ...]"]
   for text in good:
-    (tokens,) = commands(Snippet("here", text, True))
+    (tokens,) = commands(Snippet("here", text))
     assert check_command(tokens) == [], text
   assert check_config_mention("--config.outer.pairing_pool=4")
   assert not check_config_mention("--config.outer.pairing=fresh")
