@@ -13,11 +13,11 @@ from ml_collections import config_flags
 from noloco_jax.runtime import failures
 from noloco_jax import config as config_lib
 from noloco_jax.config import cli
-from noloco_jax.outer import stability
 from noloco_jax.runtime import distributed, peer_watch
 from noloco_jax.runtime import compile_cache, preemption
 from noloco_jax.tools import dryrun
 from noloco_jax import training
+from noloco_jax.training import build as build_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for metrics, TensorBoard events, checkpoints and the config.")
@@ -51,8 +51,9 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   try:  # an invalid config is one line and exit status 2, before anything starts
-    config = config_lib.validate(FLAGS.config)
-    stability.check_config(config)  # an unstable NoLoCo (α, γ, n, N), unless outer.allow_unstable
+    # Parsed and checked once: the schema, then NoLoCo's stability (α, γ, n, N) unless outer.allow_unstable.
+    # Everything below receives this typed config (or its sections), never the ConfigDict.
+    config = build_lib.load_config(FLAGS.config)
   except config_lib.ConfigError as e:
     cli.exit_usage(str(e))
   if not FLAGS.workdir and not FLAGS.dry_run:

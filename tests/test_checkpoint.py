@@ -347,7 +347,8 @@ def test_the_loop_state_round_trips_whole_through_json():
   rng = np.random.default_rng(1)
   loop = training.LoopState(step=7, round=2, comm_bytes=12345, history={"eval": [{"step": 0, "eval/loss": 5.5}]})
   loop.add_step(8, {"loss": rng.normal(size=4).astype(np.float32), "grad_norm": rng.random(4, np.float32)}, 10)
-  loop.add_round({"pseudo_grad_norm": rng.random(4, np.float32)}, np.float32(0.25), 100)
+  loop.add_round(8, {"pseudo_grad_norm": rng.random(4, np.float32)}, 100)
+  loop.set_round_weight_std(np.float32(0.25))
   back = training.LoopState.from_record(json.loads(json.dumps(loop.to_record())))
   assert (back.step, back.round, back.comm_bytes, back.history) == (8, 3, 12455, loop.history)
   assert back.pending_steps == [8]

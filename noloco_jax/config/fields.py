@@ -19,6 +19,7 @@ valid; main.py prints it as `noloco_jax: MESSAGE` and exits with status 2.
 
 import dataclasses
 import difflib
+import json
 import logging
 from typing import Any, ClassVar, Mapping
 
@@ -136,6 +137,22 @@ class Section:
       for old, new in self.RENAMED.items():
         out[old] = ml_collections.config_dict.placeholder(types[new])
     return out
+
+  def to_dict(self) -> dict[str, Any]:
+    """The section as nested plain dicts (JSON-able), every field under its current name."""
+    return {f.name: (getattr(self, f.name).to_dict() if isinstance(getattr(self, f.name), Section)
+                     else getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+  def to_json(self, **kwargs) -> str:
+    """`json.dumps(self.to_dict(), **kwargs)`: what config.json, checkpoint metadata and the start-up
+    consistency check hold (the same text ml_collections' to_json_best_effort gave)."""
+    return json.dumps(self.to_dict(), **kwargs)
+
+  def replace(self, **changes) -> "Section":
+    """A checked copy with `changes` (a frozen section is never modified in place)."""
+    section = dataclasses.replace(self, **changes)
+    section.check()
+    return section
 
   # Read a section like a ConfigDict: section["lr"], section.get("lr").
   def __getitem__(self, name: str):

@@ -18,13 +18,15 @@ import dataclasses
 
 from noloco_jax.config.fields import Section, at_least, fail, one_of
 
-KINDS = ("noloco", "diloco", "gossip", "epidemic", "epidemic_adam", "ddp", "none")
+# The kinds of outer/methods.py's registry. The schema sits below the methods in the import graph, so a
+# method registered at run time (outer.methods.register) adds its kind here through `register_kind`.
+KINDS: list[str] = ["noloco", "diloco", "gossip", "epidemic", "epidemic_adam", "ddp", "none"]
 MESSAGE_DTYPES = ("float32", "bfloat16")
 STATE_DTYPES = ("", "float32", "bfloat16")
 PAIRINGS = ("fresh", "round_robin", "fixed")
 GROUP_KINDS = ("noloco", "gossip")  # the NoLoCo-update kinds: compressed messages exist for these
 # The kinds that average within random groups of group_size (outer/pairing.py draws the groups).
-GROUPED_KINDS = GROUP_KINDS + ("epidemic_adam",)
+GROUPED_KINDS: list[str] = [*GROUP_KINDS, "epidemic_adam"]
 # Compressed messages (noloco_jax/outer/compression.py, docs/compression.md).
 COMPRESSIONS = ("none", "int8", "int4", "topk")
 TOPK_BITS = (2, 3, 4, 5, 6, 7, 8)  # bits per kept top-k value (packed); int8 / int4 imply 8 / 4
@@ -35,6 +37,15 @@ TOPOLOGIES = ("oracle", "local")
 # EL-Oracle's graph is drawn exactly (configuration model, rejection) for min(s, N − 1 − s) ≤ this; the
 # acceptance rate falls like exp(−s − (s−1)²/2): ≥ 0.3 % at 3 (12 ms a graph at N = 256), ~0.01 % at 4.
 ORACLE_MAX_DEGREE = 3
+
+
+def register_kind(kind: str, *, grouped: bool = False) -> None:
+  """Makes `kind` a valid config.outer.kind (called by noloco_jax.outer.methods.register); `grouped`: its
+  rounds average within random groups of group_size, which is then checked like NoLoCo's."""
+  if kind not in KINDS:
+    KINDS.append(kind)
+  if grouped and kind not in GROUPED_KINDS:
+    GROUPED_KINDS.append(kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +98,7 @@ class OuterConfig(Section):
   #   local  = EL-Local: every replica sends to s others of its own uniform choice; the in-degree is
   #            random, Binomial(N − 1, s/(N − 1)) (a replica may receive nothing).
   topology: str = "oracle"
-  # Streaming overlap (noloco, gossip with compression='none'; docs/method.md §13): τ inner steps run
+  # Streaming overlap (noloco, gossip, any compression; docs/method.md §13): τ inner steps run
   # while a round's exchange is in flight; its group mean is merged after step tH + τ. 0 = wait for it.
   overlap_steps: int = 0  # τ, in [0, inner_steps)
   # λ of the delayed merge θ ← λ·θ_local + (1 − λ)·φ_new (Streaming DiLoCo's mixing factor; 0.5 there):
@@ -144,6 +155,3 @@ class OuterConfig(Section):
     if self.overlap_steps and self.kind not in GROUP_KINDS:
       fail("outer.overlap_steps", self.overlap_steps,
            f"0 with outer.kind={self.kind!r} (the overlapped exchange exists for noloco and gossip)")
-    if self.overlap_steps and self.compression != "none":
-      fail("outer.overlap_steps", self.overlap_steps,
-           f"0 with outer.compression={self.compression!r} (the overlapped exchange sends plain messages)")

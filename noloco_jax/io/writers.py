@@ -157,11 +157,12 @@ class ProgressLog:
   results, so device work inside the block is finished when it ends.
   """
 
-  def __init__(self, num_train_steps: int, every_secs: float = 30.0):
+  def __init__(self, num_train_steps: int, every_secs: float = 30.0, parts: dict[str, float] | None = None):
+    """`parts`: {name: seconds} kept by the caller (or by `timed`), shown as shares of the time."""
     self._num_steps, self._every = num_train_steps, every_secs
     self._t0 = self._last_t = time.monotonic()
     self._last_step = None
-    self._parts: dict[str, float] = {}
+    self._parts: dict[str, float] = parts if parts is not None else {}
 
   def __call__(self, step: int) -> None:
     now = time.monotonic()

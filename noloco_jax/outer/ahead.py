@@ -108,21 +108,13 @@ class AheadCompiler:
 class RoundPrograms:
   """The compiled program and the route of each outer round, each compiled one round ahead.
 
-  `plan(round)` gives (program key, route) (outer/rounds.Rounds.plan); `build(key)` the jitted round
-  function of a key; `abstract_state` the state's ShapeDtypeStructs with their shardings;
-  `route_sharding` where the route argument lives (replicated over the mesh).
+  `plan(round)` gives (program key, route) (outer/rounds.Rounds.plan); `lower(key)` the program of a
+  key lowered for its abstract arguments (`jit(...).lower(*structs)`; outer/rounds.py builds them).
   """
 
-  def __init__(self, plan: Callable[[int], tuple[Hashable, np.ndarray]], build: Callable[[Hashable], Callable],
-               abstract_state: Any, schedule, route_sharding, capacity: int = 4):
+  def __init__(self, plan: Callable[[int], tuple[Hashable, np.ndarray]], lower: Callable[[Hashable], Any],
+               capacity: int = 4):
     self._plan = plan
-
-    def lower(key):
-      # Mesh programs take the pool index (a scalar); the one-device program the [n−1, N] source table.
-      shape = () if key is not None else (schedule.group_size - 1, schedule.num_replicas)
-      route = jax.ShapeDtypeStruct(shape, np.int32, sharding=route_sharding)
-      return build(key).lower(abstract_state, route)
-
     self.compiler = AheadCompiler(lower, capacity=capacity)
 
   def prefetch(self, round_: int) -> None:

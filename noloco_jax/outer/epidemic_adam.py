@@ -42,7 +42,7 @@ def make_round(pool, num_devices: int, message_dtype, optimizer: optax.GradientT
   def round_fn(states, route):
     theta = states.params
     metrics = {"pseudo_grad_norm": jax.vmap(optax.tree.norm)(rules.pseudo_gradient(theta, states.outer["slow"]))}
-    mean = exchange.group_mean_for_round(theta, pool, route, num_devices, message_dtype)  # float32
+    mean = exchange.plain_group_mean(theta, pool, route, num_devices, message_dtype)  # float32
     theta, opt_state = jax.vmap(one_replica)(theta, states.opt_state, mean)
     return states.replace(params=theta, opt_state=opt_state, outer={"slow": theta}), metrics
 

@@ -1,27 +1,36 @@
-"""Moving one tensor per replica to another replica, inside `shard_map` over the `replica` axis.
+"""The exchange of a round: what a replica sends (a codec's payload), where it goes, and the group mean.
 
-The primitive is `route(x_k, src)`: global replica g receives x from replica src[g]. A device holds
-k consecutive replicas (global index g = device * k + slot), so a route is a set of slot moves,
-carried out by parallel/collectives.move_slots (one ppermute per (source slot, destination slot)
-pair, a local gather for moves within a device): each replica sends exactly one copy of x.
+A round's message travels through one `MessageCodec`: `encode` turns a replica's message into the
+payload that crosses the network, `decode` turns a received payload back into float32. The plain codec
+is a cast to `outer.message_dtype`; the compressed codecs (`outer.compression` int8 / int4 / topk, with
+error feedback; docs/compression.md) quantise or sparsify. The codec is a parameter of the exchange,
+not a second round: the same `group_mean` moves any payload, so compression composes with streaming
+overlap and with every pairing plan.
 
-With one device (the simulator), the whole route is a gather. Both paths give the same numbers,
-because they only move values; the arithmetic of the group mean is the same code after the move.
+Moving one tensor per replica, inside `shard_map` over the `replica` axis: the primitive is
+`route(x_k, src)`: global replica g receives x from replica src[g]. A device holds k consecutive
+replicas (global index g = device * k + slot), so a route is a set of slot moves, carried out by
+parallel/collectives.move_slots (one ppermute per (source slot, destination slot) pair, a local gather
+for moves within a device): each replica sends exactly one copy of its payload. With one device (the
+simulator), the whole route is a gather. Both paths only move values and decode with the same code,
+so they give the same numbers.
 
-No all-reduce appears anywhere: a group mean over n members is n−1 routes (see pairing.sources_for_shift).
+No all-reduce appears anywhere: a group mean over n members is n−1 routes (pairing.sources_for_shift).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from noloco_jax.outer import compression, rules
+from noloco_jax.outer.pairing import Groups, sources_for_shift
 from noloco_jax.parallel import collectives
 from noloco_jax.parallel.mesh import REPLICA
-from noloco_jax.outer.pairing import Groups, sources_for_shift
 
 
 def route(x_k: jax.Array, src: Sequence[int], num_devices: int) -> jax.Array:
@@ -34,63 +43,164 @@ def route(x_k: jax.Array, src: Sequence[int], num_devices: int) -> jax.Array:
   return collectives.move_slots(x_k, moves, REPLICA, num_devices)
 
 
-def group_mean(tree, groups: Groups, num_devices: int, message_dtype):
-  """Mean over each replica's group of a pytree of [k, ...] leaves; messages travel in `message_dtype`.
+# ---------------------------------------------------------------------------------------------------
+# Codecs: how a message travels.
+# ---------------------------------------------------------------------------------------------------
 
-  The replica's own term stays in full precision; only what crosses to another replica is cast.
-  The sum runs in float32 in a fixed order (own, then shift 1 … n−1), the same on every path.
+
+def _f32(tree):
+  return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainCodec:
+  """The message as it is, cast to `dtype` on the wire (float32 or bfloat16); received values in float32."""
+  dtype: Any = jnp.float32
+  feedback: bool = False  # no residual: nothing is lost but the cast
+
+  def init_residual(self, params):
+    del params
+    return None
+
+  def encode(self, message, residual):
+    """One replica's float32 message -> (payload, residual); the payload is what crosses the network."""
+    del residual
+    return jax.tree.map(lambda x: x.astype(self.dtype), message), None
+
+  def decode(self, payload, like):
+    del like
+    return _f32(payload)
+
+  def payload_bytes(self, params) -> int:
+    return int(sum(np.prod(x.shape) * np.dtype(self.dtype).itemsize for x in jax.tree.leaves(params)))
+
+
+class CompressedCodec:
+  """`outer.compression` (int8 | int4 | topk) with error feedback (docs/compression.md).
+
+  The message c = β·θ + (γ − β)·φ is written c = β·(θ − φ) + γ·φ: a fresh, small part (the round's
+  pseudo-gradient, scaled by β) and a large, slowly moving part (the slow weights). Pairs change every
+  round, so a receiver holds none of its new partner's past messages and nothing is sent as a
+  difference:
+  - int8 / int4: the whole message m = c + e is quantised per chunk;
+  - topk: only the fresh part m = β·(θ − φ) + e is sparsified (top-k per chunk, b-bit values), as
+    SparseLoCo does with pseudo-gradients; the γ·φ part travels densely with `outer.slow_codec`.
+  e is the error-feedback residual (decayed by `outer.feedback_decay`, 0 = off): what was not sent
+  this round is added to the next round's message, to whichever partner that goes. `encode` takes θ and
+  φ beside c, so that top-k can tell the two parts apart.
   """
+
+  def __init__(self, *, kind: str, chunk: int, density: float, bits: int, slow_codec: str, feedback_decay: float):
+    self.kind, self.decay, self.feedback = kind, feedback_decay, feedback_decay > 0
+    if kind == "topk":
+      self.fresh = compression.Codec("topk", chunk=chunk, density=density, bits=bits)
+      self.slow = compression.Codec(slow_codec, chunk=chunk)
+    else:
+      self.fresh, self.slow = compression.Codec(kind, chunk=chunk), None
+
+  def init_residual(self, params):
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params) if self.feedback else None
+
+  def encode(self, message, theta, phi, residual, *, beta: float, gamma: float):
+    """One replica's message c (float32) and its θ, φ -> (payload, new residual or None)."""
+    if self.slow is None:
+      return compression.with_feedback(self.fresh, message, residual, self.decay)
+    fresh = jax.tree.map(lambda t, p: beta * (t - p), _f32(theta), _f32(phi))
+    fresh_payload, residual = compression.with_feedback(self.fresh, fresh, residual, self.decay)
+    slow_payload = self.slow.encode(jax.tree.map(lambda p: gamma * p, _f32(phi)))
+    return {"fresh": fresh_payload, "slow": slow_payload}, residual
+
+  def decode(self, payload, like):
+    """One replica's float32 message from its payload; `like` has one replica's shapes."""
+    if self.slow is None:
+      return self.fresh.decode(payload, like)
+    return jax.tree.map(jnp.add, self.fresh.decode(payload["fresh"], like), self.slow.decode(payload["slow"], like))
+
+  def payload_bytes(self, params) -> int:
+    """Bytes of one replica's payload (one message to one partner)."""
+    total = compression.payload_bytes(self.fresh, params)
+    return total + (compression.payload_bytes(self.slow, params) if self.slow is not None else 0)
+
+
+def encode_stack(codec, theta_k, phi_k, residual_k, *, beta: float, gamma: float):
+  """The round's message for a [k, ...] stack of replicas: (own float32 c_k, payload_k, new residual_k or None).
+
+  A replica's own term in its group mean is its exact c (it has it); only what it receives is decoded.
+  """
+  own = rules.noloco_message(theta_k, phi_k, beta=beta, gamma=gamma)
+  if isinstance(codec, PlainCodec):
+    payload, _ = codec.encode(own, None)
+    return own, payload, None
+  # c is computed once: the codec encodes the very values the replica's own term holds.
+  encode = lambda c, t, p, e: codec.encode(c, t, p, e, beta=beta, gamma=gamma)
+  if residual_k is None:
+    payload, _ = jax.vmap(lambda c, t, p: encode(c, t, p, None))(own, theta_k, phi_k)
+    return own, payload, None
+  payload, residual_k = jax.vmap(encode)(own, theta_k, phi_k, residual_k)
+  return own, payload, residual_k
+
+
+def decoder(codec, like_k) -> Callable:
+  """decode for a [k, ...] stack of received payloads; `like_k` has the stacked shapes of a message."""
+  if isinstance(codec, PlainCodec):
+    return _f32  # elementwise: the stack decodes as one
+  one = jax.tree.map(lambda x: x[0], like_k)
+  return jax.vmap(lambda p: codec.decode(p, one))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The group mean: own float32 term + every received payload decoded, in a fixed order.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _group_mean_static(own_f32, payload, decode, groups: Groups, num_devices: int):
+  """Mean over each replica's group for one static grouping (ppermutes on a mesh, gathers on one device)."""
   n = len(groups[0])
   num_replicas = sum(len(g) for g in groups)
-  total = jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-  message = jax.tree.map(lambda x: x.astype(message_dtype), tree)
-  for shift in range(1, n):
+  total = own_f32
+  for shift in range(1, n):  # the sum runs in float32 in a fixed order: own, then shift 1 … n−1
     src = sources_for_shift(groups, shift, num_replicas)
-    received = jax.tree.map(lambda x: route(x, src, num_devices), message)
-    total = jax.tree.map(lambda t, r: t + r.astype(jnp.float32), total, received)
+    received = jax.tree.map(lambda x: route(x, src, num_devices), payload)
+    total = jax.tree.map(jnp.add, total, decode(received))
   return jax.tree.map(lambda t: t / n, total)
 
 
-def group_mean_from_table(tree, sources: jax.Array, message_dtype):
-  """group_mean on ONE device with the grouping as data: `sources` [n−1, N] (pairing.source_table), traced.
+def _group_mean_gathers(own_f32, payload, decode, tables):
+  """One device: `tables` [n−1, N] (traced) says whom each replica receives from at each shift."""
+  total = own_f32
+  for s in range(tables.shape[0]):  # n − 1 static shifts; each row gathers one partner per replica
+    total = jax.tree.map(jnp.add, total, decode(jax.tree.map(lambda x, src=tables[s]: x[src], payload)))
+  return jax.tree.map(lambda t: t / (tables.shape[0] + 1), total)
 
-  The grouping is data, not code, so one compiled program serves every grouping (the simulator needs no
-  compile per round). On a mesh this cannot work: a ppermute's routing is static.
+
+def group_mean(own_f32, payload, decode, pool: Sequence[Groups] | None, route_arg, num_devices: int):
+  """The group mean of a round program built for `pool` (the groupings it covers), whatever its plan:
+
+  - pool None (one device): `route_arg` is the round's [n−1, N] source table (pairing.source_table),
+    traced: the grouping is data, one program serves every round;
+  - a pool of one grouping: its static routes;
+  - a pool of several: `route_arg` is the traced index into it. On a mesh each grouping is its own set
+    of static ppermutes, chosen by `lax.switch` (only the chosen branch sends); on one device the routes
+    are gathers whose tables are indexed by it, so no branches are needed.
   """
-  n = sources.shape[0] + 1
-  total = jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-  message = jax.tree.map(lambda x: x.astype(message_dtype), tree)
-  for s in range(n - 1):
-    total = jax.tree.map(lambda t, m: t + m[sources[s]].astype(jnp.float32), total, message)
-  return jax.tree.map(lambda t: t / n, total)
-
-
-def group_mean_from_pool(tree, pool: Sequence[Groups], index: jax.Array, num_devices: int, message_dtype):
-  """group_mean with the grouping pool[index], `index` traced: one compiled program for the whole pool.
-
-  On a mesh, each grouping is its own set of static ppermutes, chosen by `lax.switch` (only the chosen
-  branch runs, so only its messages are sent). On one device the routes are gathers whose index
-  tables can themselves be indexed by the traced `index`, so no branches are needed.
-  """
+  if pool is None:
+    if num_devices != 1:
+      raise ValueError("a grouping passed as data (pool=None) needs one device; a mesh needs static groupings.")
+    return _group_mean_gathers(own_f32, payload, decode, route_arg)
   if len(pool) == 1:
-    return group_mean(tree, pool[0], num_devices, message_dtype)
+    return _group_mean_static(own_f32, payload, decode, pool[0], num_devices)
   if num_devices == 1:
     n = len(pool[0][0])
     num_replicas = sum(len(g) for g in pool[0])
     tables = jnp.asarray([[sources_for_shift(g, s, num_replicas) for s in range(1, n)] for g in pool])
-    total = jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-    message = jax.tree.map(lambda x: x.astype(message_dtype), tree)
-    for s in range(n - 1):
-      src = tables[index, s]
-      total = jax.tree.map(lambda t, m: t + m[src].astype(jnp.float32), total, message)
-    return jax.tree.map(lambda t: t / n, total)
-  branches = [lambda t, g=g: group_mean(t, g, num_devices, message_dtype) for g in pool]
-  return jax.lax.switch(index, branches, tree)
+    return _group_mean_gathers(own_f32, payload, decode, tables[route_arg])
+  branches = [lambda o, p, g=g: _group_mean_static(o, p, decode, g, num_devices) for g in pool]
+  return jax.lax.switch(route_arg, branches, own_f32, payload)
 
 
-def group_mean_for_round(tree, pool: Sequence[Groups] | None, route: jax.Array, num_devices: int, message_dtype):
-  """The group mean of a round function `make_round(pool, num_devices)`, whatever the program's plan:
-  `pool` None (one device, `route` = the [n−1, N] source table) or a pool (`route` = the index into it)."""
-  if pool is None:
-    return group_mean_from_table(tree, route, message_dtype)
-  return group_mean_from_pool(tree, pool, route, num_devices, message_dtype)
+def plain_group_mean(tree, pool: Sequence[Groups] | None, route_arg, num_devices: int, message_dtype):
+  """Mean over each replica's group of a pytree of [k, ...] leaves, sent in `message_dtype` (the own term
+  stays in float32): group_mean with the plain codec, for rules that average θ itself (epidemic_adam)."""
+  own = _f32(tree)
+  payload, _ = PlainCodec(message_dtype).encode(tree, None)
+  return group_mean(own, payload, _f32, pool, route_arg, num_devices)

@@ -1,4 +1,4 @@
-"""Outer methods behind `config.outer.kind`, all through one interface (`OuterMethod`).
+"""Outer methods behind `config.outer.kind`, all through one interface (`OuterMethod`), in one registry.
 
 | kind     | every step              | every H steps (a round)                                  | sends per replica       |
 |----------|-------------------------|----------------------------------------------------------|-------------------------|
@@ -10,11 +10,19 @@
 | `ddp`    | Adam on averaged grads  | nothing                                                   | model every step        |
 | `none`   | local Adam              | nothing (independent replicas)                            | nothing                 |
 
+A method owns everything about its state: what it is (`init`), how a round changes it (`make_round`,
+and for NoLoCo and gossip the same round in three `RoundParts`: message, exchange, merge), and how a
+new replica is made from a live peer (`new_replica`, for elastic grow). Nothing outside this package
+names a key of `TrainState.outer`.
+
 A method's round function runs inside `shard_map` over `replica` and sees the k replicas of one device
-stacked (see mesh.replica_map). Communication: NoLoCo and gossip through exchange.py (ppermutes within
-the groups, no all-reduce); DiLoCo's all-reduce and DDP's gradient average are the `jax.lax.pmean` over
-`replica` in this file (`_mean_over_replicas`). NoLoCo and gossip with plain messages also come cut in
-two (`OverlapRule`: message, send, merge) for streaming overlap (outer/overlap.py).
+stacked (mesh.replica_map). Communication: NoLoCo and gossip through exchange.py (ppermutes within the
+groups, no all-reduce; the message's codec, plain or compressed, is a parameter of that exchange);
+DiLoCo's all-reduce and DDP's gradient average are the `jax.lax.pmean` over `replica` in this file
+(`_mean_over_replicas`).
+
+A new method is a factory `(OuterConfig, inner optimizer) -> OuterMethod` registered with `register`
+(docs/adding_an_outer_rule.md); tests/test_outer_interface.py defines one in the test itself.
 """
 
 from __future__ import annotations
@@ -24,31 +32,50 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
-from noloco_jax.config.outer import KINDS, OuterConfig
-from noloco_jax.parallel.mesh import REPLICA
-from noloco_jax.outer import coded as coded_lib, compression, epidemic, epidemic_adam, exchange, rules
-from noloco_jax.outer.pairing import Groups, PairingSchedule
+from noloco_jax.config import outer as outer_schema
+from noloco_jax.config.outer import OuterConfig
 from noloco_jax.inner.state import TrainState
+from noloco_jax.models.base import DTYPES
+from noloco_jax.outer import epidemic, epidemic_adam, exchange, rules
+from noloco_jax.outer.pairing import Groups, PairingSchedule
+from noloco_jax.parallel.mesh import REPLICA
 
+INFLIGHT = "inflight"  # the key of the in-flight group mean of streaming overlap in a NoLoCo / gossip state
 # The dtypes of config.outer.message_dtype (noloco_jax/config/outer.py: MESSAGE_DTYPES).
 MESSAGE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
-class OverlapRule:
-  """A round cut in two for streaming overlap (`outer.overlap_steps` > 0; outer/overlap.py runs it).
+class RoundParts:
+  """A round in three parts (NoLoCo and gossip), each on the k replicas of one device.
 
-  Each callable works on the k replicas of one device, inside the replica shard_map. Only `send`
-  communicates; it reads the message alone, never the state, so the inner steps that run while it is
-  in flight (and donate the state) do not wait for it.
+  The lock-step round runs them as one program; streaming overlap (`outer.overlap_steps` > 0) runs
+  `message` at step tH, the exchange while τ inner steps run, and `merge` after step tH + τ. Only the
+  exchange communicates; it reads the message alone, never the state.
   """
-  message: Callable  # states_k -> (c_k in float32, metrics_k): the round's message, at its start
-  make_send: Callable  # (pool, num_devices) -> send(c_k, route) -> mean_G(c)_k in float32
-  merge: Callable  # (states_k, mean_c_k) -> states_k: the rule, applied τ steps late, and the mix
+  # states_k -> (states_k, own_k, payload_k, metrics_k): the round's message from the state at its
+  # start: its own float32 term, the payload the codec puts on the wire, and the state with the codec's
+  # new error-feedback residual (the state is otherwise unchanged).
+  message: Callable
+  # (pool, num_devices) -> exchange(own_k, payload_k, route) -> mean_G(c)_k in float32.
+  make_exchange: Callable
+  # (states_k, mean_k, mix) -> states_k: the rule. mix None: θ ← φ (the round at once); else the delayed
+  # merge θ ← mix·θ_local + (1 − mix)·φ_new (docs/method.md §13).
+  merge: Callable
+
+
+def _copy_of_peer(params, outer):
+  """new_replica of a method with no slow weights (ddp, none): the peer's weights as they are."""
+  return params, outer
+
+
+def _from_slow(params, outer):
+  """new_replica of a method whose outer state holds the slow weights: θ ← φ (φ may be stored in
+  another dtype), the rest of the peer's outer state as it is (DiLoCo's momentum is the job's)."""
+  return jax.tree.map(lambda t, p: np.asarray(p).astype(np.asarray(t).dtype), params, outer["slow"]), outer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +91,10 @@ class OuterMethod:
   make_round: Callable[[tuple[Groups, ...] | None, int], Callable] | None
   bytes_per_round: Callable  # params of one replica -> bytes each replica puts into collectives per round
   bytes_per_step: Callable  # params of one replica -> bytes per inner step (ddp)
-  overlap: OverlapRule | None = None  # noloco / gossip with plain messages: the round cut in two
+  parts: RoundParts | None = None  # noloco / gossip: the round in three parts (streaming overlap needs them)
+  # Elastic grow (io/checkpoint/resize.py): (params, outer) of the live peer, one replica as host (NumPy)
+  # arrays -> (params, outer) of a new replica that starts from it.
+  new_replica: Callable = _copy_of_peer
 
 
 def tree_bytes(tree, dtype=None) -> int:
@@ -72,69 +102,91 @@ def tree_bytes(tree, dtype=None) -> int:
   return int(sum(np.prod(x.shape) * np.dtype(dtype or x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def _pseudo_grad_norm(states: TrainState):
+def pseudo_grad_norm(states: TrainState):
+  """‖φ − θ‖ per replica: the `outer/pseudo_grad_norm` every method with rounds reports."""
   return jax.vmap(optax.tree.norm)(rules.pseudo_gradient(states.params, states.outer["slow"]))
 
 
-def _slow_and_momentum(params):
-  return {"slow": params, "momentum": jax.tree.map(jnp.zeros_like, params)}
-
-
-def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dtype, kind: str,
-            coded: coded_lib.CodedMessage | None = None, mix: float = 0.5) -> OuterMethod:
-  if coded is not None:  # outer.compression != none: see coded.py and docs/compression.md
-    def init(params):
-      residual = coded.init_residual(params)
-      return {**_slow_and_momentum(params), **({"residual": residual} if residual is not None else {})}
-
-    return OuterMethod(
-        kind=kind, has_rounds=True, uses_pairing=True, init=init, reduce_grads=None,
-        make_round=lambda pool, num_devices: coded_lib.make_round(
-            coded, alpha=alpha, beta=beta, gamma=gamma, pool=pool, num_devices=num_devices),
-        bytes_per_round=lambda params: (group_size - 1) * coded.payload_bytes(params),
-        bytes_per_step=lambda params: 0)
-
+def round_of(parts: RoundParts) -> Callable:
+  """make_round(pool, num_devices) of a method given in parts: message, exchange and merge in one program."""
   def make_round(pool, num_devices):
-    if pool is None and num_devices != 1:
-      raise ValueError("a grouping passed as data (pool=None) needs one device; a mesh needs static groupings.")
+    exchange_fn = parts.make_exchange(pool, num_devices)
 
     def round_fn(states: TrainState, route):
-      theta, phi, delta = states.params, states.outer["slow"], states.outer["momentum"]
-      metrics = {"pseudo_grad_norm": _pseudo_grad_norm(states)}
-      c = rules.noloco_message(theta, phi, beta=beta, gamma=gamma)
-      mean_c = exchange.group_mean_for_round(c, pool, route, num_devices, message_dtype)
-      theta, phi, delta = rules.noloco_update(phi, delta, mean_c, alpha=alpha, gamma=gamma)
-      return states.replace(params=theta, outer={"slow": phi, "momentum": delta}), metrics
+      states, own, payload, metrics = parts.message(states)
+      return parts.merge(states, exchange_fn(own, payload, route), None), metrics
     return round_fn
+  return make_round
 
-  # The same round cut in two for streaming overlap (outer/overlap.py): the message and the group mean
-  # are exactly the lines above; the rule runs τ steps later, on the state as it is then.
+
+# ---------------------------------------------------------------------------------------------------
+# The methods.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _noloco(alpha: float, beta: float, gamma: float, group_size: int, codec, kind: str,
+            overlap: bool = False) -> OuterMethod:
+  """NoLoCo (and gossip: α=0, β=γ=1) with messages sent through `codec` (exchange.PlainCodec or
+  CompressedCodec). `overlap`: the state also holds the in-flight group mean of streaming overlap."""
+
+  def init(params):
+    outer = {"slow": params, "momentum": jax.tree.map(jnp.zeros_like, params)}
+    residual = codec.init_residual(params)
+    if residual is not None:
+      outer["residual"] = residual
+    if overlap:  # the group mean of the exchange in flight (meaningful while LoopState.inflight_step > 0)
+      outer[INFLIGHT] = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    return outer
+
   def message(states: TrainState):
-    metrics = {"pseudo_grad_norm": _pseudo_grad_norm(states)}
-    return rules.noloco_message(states.params, states.outer["slow"], beta=beta, gamma=gamma), metrics
+    metrics = {"pseudo_grad_norm": pseudo_grad_norm(states)}
+    outer = states.outer
+    own, payload, residual = exchange.encode_stack(codec, states.params, outer["slow"], outer.get("residual"),
+                                                   beta=beta, gamma=gamma)
+    if residual is not None:
+      states = states.replace(outer={**outer, "residual": residual})
+    return states, own, payload, metrics
 
-  def make_send(pool, num_devices):
-    if pool is None and num_devices != 1:
-      raise ValueError("a grouping passed as data (pool=None) needs one device; a mesh needs static groupings.")
-    return lambda c, route: exchange.group_mean_for_round(c, pool, route, num_devices, message_dtype)
+  def make_exchange(pool, num_devices):
+    def exchange_fn(own, payload, route):
+      return exchange.group_mean(own, payload, exchange.decoder(codec, own), pool, route, num_devices)
+    return exchange_fn
 
-  def merge(states: TrainState, mean_c):
-    theta, phi, delta = rules.noloco_delayed_merge(states.params, states.outer["slow"], states.outer["momentum"],
-                                                   mean_c, alpha=alpha, gamma=gamma, mix=mix)
-    return states.replace(params=theta, outer={"slow": phi, "momentum": delta})
+  def merge(states: TrainState, mean_c, mix):
+    outer = states.outer
+    if mix is None:
+      theta, phi, delta = rules.noloco_update(outer["slow"], outer["momentum"], mean_c, alpha=alpha, gamma=gamma)
+    else:
+      theta, phi, delta = rules.noloco_delayed_merge(states.params, outer["slow"], outer["momentum"], mean_c,
+                                                     alpha=alpha, gamma=gamma, mix=mix)
+    return states.replace(params=theta, outer={**outer, "slow": phi, "momentum": delta})
 
+  def new_replica(params, outer):
+    # θ = φ of the peer, δ = 0, no error left to feed back, and (inside an overlap window) an in-flight
+    # mean equal to its own message c = βφ + (γ − β)φ = γφ, so that its pending merge keeps φ.
+    params, outer = _from_slow(params, outer)
+    outer = dict(outer)
+    for key in ("momentum", "residual"):
+      if key in outer:
+        outer[key] = jax.tree.map(np.zeros_like, outer[key])
+    if INFLIGHT in outer:
+      outer[INFLIGHT] = jax.tree.map(lambda m, p: (gamma * np.asarray(p, np.float32)).astype(np.asarray(m).dtype),
+                                     outer[INFLIGHT], outer["slow"])
+    return params, outer
+
+  parts = RoundParts(message=message, make_exchange=make_exchange, merge=merge)
   return OuterMethod(
-      kind=kind, has_rounds=True, uses_pairing=True, init=_slow_and_momentum, reduce_grads=None,
-      make_round=make_round,
-      bytes_per_round=lambda params: (group_size - 1) * tree_bytes(params, message_dtype),
-      bytes_per_step=lambda params: 0, overlap=OverlapRule(message=message, make_send=make_send, merge=merge))
+      kind=kind, has_rounds=True, uses_pairing=True, init=init, reduce_grads=None, make_round=round_of(parts),
+      bytes_per_round=lambda params: (group_size - 1) * codec.payload_bytes(params),
+      bytes_per_step=lambda params: 0, parts=parts, new_replica=new_replica)
 
 
 def _epidemic(fanout: int, message_dtype) -> OuterMethod:
   return OuterMethod(
       kind="epidemic", has_rounds=True, uses_pairing=True, init=lambda params: {"slow": params},
       reduce_grads=None, make_round=lambda pool, num_devices: epidemic.make_round(pool, num_devices, message_dtype),
-      bytes_per_round=lambda params: fanout * tree_bytes(params, message_dtype), bytes_per_step=lambda params: 0)
+      bytes_per_round=lambda params: fanout * tree_bytes(params, message_dtype), bytes_per_step=lambda params: 0,
+      new_replica=_from_slow)
 
 
 def _epidemic_adam(group_size: int, message_dtype, optimizer: optax.GradientTransformation | None) -> OuterMethod:
@@ -145,7 +197,7 @@ def _epidemic_adam(group_size: int, message_dtype, optimizer: optax.GradientTran
       reduce_grads=None,
       make_round=lambda pool, num_devices: epidemic_adam.make_round(pool, num_devices, message_dtype, optimizer),
       bytes_per_round=lambda params: (group_size - 1) * tree_bytes(params, message_dtype),
-      bytes_per_step=lambda params: 0)
+      bytes_per_step=lambda params: 0, new_replica=_from_slow)
 
 
 def _mean_over_replicas(x_k):
@@ -165,7 +217,7 @@ def _diloco(lr: float, momentum: float, nesterov: bool) -> OuterMethod:
     def round_fn(states: TrainState, route):
       del route
       theta, phi = states.params, states.outer["slow"]
-      metrics = {"pseudo_grad_norm": _pseudo_grad_norm(states)}
+      metrics = {"pseudo_grad_norm": pseudo_grad_norm(states)}
       # The one global collective of DiLoCo: every replica contributes its float32 pseudo-gradient.
       mean_g = jax.tree.map(_mean_over_replicas, rules.pseudo_gradient(theta, phi))
       theta, phi, opt = jax.vmap(lambda p, o, g: rules.diloco_update(p, o, g, transform))(
@@ -176,7 +228,7 @@ def _diloco(lr: float, momentum: float, nesterov: bool) -> OuterMethod:
   return OuterMethod(
       kind="diloco", has_rounds=True, uses_pairing=False, init=init, reduce_grads=None,
       make_round=make_round, bytes_per_round=lambda params: tree_bytes(params, jnp.float32),
-      bytes_per_step=lambda params: 0)
+      bytes_per_step=lambda params: 0, new_replica=_from_slow)
 
 
 def _ddp() -> OuterMethod:
@@ -194,48 +246,98 @@ def _none() -> OuterMethod:
       make_round=None, bytes_per_round=lambda params: 0, bytes_per_step=lambda params: 0)
 
 
-def _coded(outer_cfg: OuterConfig) -> coded_lib.CodedMessage | None:
-  """The compressed-message codec of `outer.compression`, or None for plain `message_dtype` messages."""
-  if outer_cfg.compression == "none":
-    return None
-  return coded_lib.CodedMessage(
-      compression_kind=outer_cfg.compression, chunk=outer_cfg.compression_chunk, density=outer_cfg.topk_density,
-      bits=outer_cfg.topk_bits, slow_codec=outer_cfg.slow_codec, feedback_decay=outer_cfg.feedback_decay)
+def make_codec(o: OuterConfig):
+  """How `outer` sends NoLoCo / gossip messages: a cast to message_dtype, or `outer.compression`'s codec."""
+  if o.compression == "none":
+    return exchange.PlainCodec(MESSAGE_DTYPES[o.message_dtype])
+  return exchange.CompressedCodec(kind=o.compression, chunk=o.compression_chunk, density=o.topk_density,
+                                  bits=o.topk_bits, slow_codec=o.slow_codec, feedback_decay=o.feedback_decay)
 
 
-def make_method(outer_cfg: ml_collections.ConfigDict | OuterConfig,
-                optimizer: optax.GradientTransformation | None = None) -> OuterMethod:
-  """The method of `config.outer` (read through its schema: old field names map to the new ones).
+# ---------------------------------------------------------------------------------------------------
+# The registry: kind -> factory(OuterConfig, inner optimizer without clipping) -> OuterMethod.
+# ---------------------------------------------------------------------------------------------------
+
+Factory = Callable[[OuterConfig, "optax.GradientTransformation | None"], OuterMethod]
+_REGISTRY: dict[str, Factory] = {
+    "noloco": lambda o, opt: _noloco(o.outer_momentum, o.outer_lr, o.consensus_weight, o.group_size, make_codec(o),
+                                     "noloco", overlap=o.overlap_steps > 0),
+    # The momentum ablation: pure pairwise averaging of the fast weights, φ ← mean_G θ.
+    "gossip": lambda o, opt: _noloco(0.0, 1.0, 1.0, o.group_size, make_codec(o), "gossip", overlap=o.overlap_steps > 0),
+    "epidemic": lambda o, opt: _epidemic(o.fanout, MESSAGE_DTYPES[o.message_dtype]),
+    "epidemic_adam": lambda o, opt: _epidemic_adam(o.group_size, MESSAGE_DTYPES[o.message_dtype], opt),
+    "diloco": lambda o, opt: _diloco(o.outer_lr, o.outer_momentum, o.nesterov),
+    "ddp": lambda o, opt: _ddp(),
+    "none": lambda o, opt: _none(),
+}
+
+
+def register(kind: str, factory: Factory, *, grouped: bool = False) -> None:
+  """Makes `kind` a valid config.outer.kind built by `factory`. `grouped`: its rounds average within the
+  random groups of outer.group_size (validated ≥ 2 and dividing num_replicas)."""
+  _REGISTRY[kind] = factory
+  outer_schema.register_kind(kind, grouped=grouped)
+
+
+def make_method(outer_cfg, optimizer: optax.GradientTransformation | None = None) -> OuterMethod:
+  """The method of `config.outer` (a typed OuterConfig; a ConfigDict is read through the schema).
 
   `optimizer`: the inner optimizer without clipping (inner.make_optimizer(clip=False)); only
   `epidemic_adam`, whose round steps it, needs one.
   """
-  outer_cfg = OuterConfig.parse(outer_cfg)
-  kind = outer_cfg.kind
-  if kind == "noloco":
-    return _noloco(outer_cfg.outer_momentum, outer_cfg.outer_lr, outer_cfg.consensus_weight, outer_cfg.group_size,
-                   MESSAGE_DTYPES[outer_cfg.message_dtype], kind, _coded(outer_cfg), outer_cfg.overlap_mix)
-  if kind == "gossip":
-    # The momentum ablation: pure pairwise averaging of the fast weights, φ ← mean_G θ.
-    return _noloco(0.0, 1.0, 1.0, outer_cfg.group_size, MESSAGE_DTYPES[outer_cfg.message_dtype], kind,
-                   _coded(outer_cfg), outer_cfg.overlap_mix)
-  if kind == "epidemic":
-    return _epidemic(outer_cfg.fanout, MESSAGE_DTYPES[outer_cfg.message_dtype])
-  if kind == "epidemic_adam":
-    return _epidemic_adam(outer_cfg.group_size, MESSAGE_DTYPES[outer_cfg.message_dtype], optimizer)
-  if kind == "diloco":
-    return _diloco(outer_cfg.outer_lr, outer_cfg.outer_momentum, outer_cfg.nesterov)
-  if kind == "ddp":
-    return _ddp()
-  if kind == "none":
-    return _none()
-  raise ValueError(f"outer.kind={kind!r} is not valid; choose one of {KINDS}.")
+  o = OuterConfig.parse(outer_cfg)
+  if o.kind not in _REGISTRY:
+    raise ValueError(f"outer.kind={o.kind!r} is not valid; choose one of {tuple(_REGISTRY)}.")
+  return with_state_dtype(_REGISTRY[o.kind](o, optimizer), o.state_dtype)
 
 
-def make_schedule(config: ml_collections.ConfigDict) -> PairingSchedule | epidemic.EpidemicSchedule:
-  if config.outer.kind == "epidemic":
-    return epidemic.EpidemicSchedule(seed=config.seed, num_replicas=config.num_replicas,
-                                     fanout=config.outer.fanout, mode=config.outer.pairing,
-                                     topology=config.outer.topology)
-  return PairingSchedule(seed=config.seed, num_replicas=config.num_replicas,
-                         group_size=config.outer.group_size, mode=config.outer.pairing)
+def with_state_dtype(method: OuterMethod, dtype: str) -> OuterMethod:
+  """The method with its outer state (φ, δ / DiLoCo's momentum) stored in `dtype` ('' = as the params).
+
+  The rules compute in float32 and cast results back to the dtype they came in; θ ← φ would then give
+  θ the outer dtype, so every leaf a round (or a part of one) returns is cast back to its input dtype:
+  the state's dtypes never change across a round (and nothing recompiles).
+  """
+  if not dtype:
+    return method
+  dtype = DTYPES[dtype]
+  like = lambda new, old: jax.tree.map(lambda x, o: x.astype(o.dtype), new, old)
+
+  def make_round(pool, num_devices):
+    round_local = method.make_round(pool, num_devices)
+
+    def round_fn(states, route):
+      new, metrics = round_local(states, route)
+      return like(new, states), metrics
+    return round_fn
+
+  parts = method.parts
+  if parts is not None:
+    def message(states):
+      new, own, payload, metrics = parts.message(states)
+      return like(new, states), own, payload, metrics
+
+    def merge(states, mean_c, mix):
+      return like(parts.merge(states, mean_c, mix), states)
+    parts = dataclasses.replace(parts, message=message, merge=merge)
+
+  cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+  def init(params):
+    outer = method.init(params)
+    if not isinstance(outer, dict):
+      return cast(outer)
+    # The in-flight group mean of streaming overlap is a float32 message, not stored state: kept as it is.
+    return {k: v if k == INFLIGHT else cast(v) for k, v in outer.items()}
+
+  return dataclasses.replace(method, init=init, make_round=make_round if method.make_round is not None else None,
+                             parts=parts)
+
+
+def make_schedule(outer_cfg, *, seed: int, num_replicas: int) -> PairingSchedule | epidemic.EpidemicSchedule:
+  """The grouping (or epidemic graph) of each round, a pure function of (seed, round)."""
+  o = OuterConfig.parse(outer_cfg)
+  if o.kind == "epidemic":
+    return epidemic.EpidemicSchedule(seed=seed, num_replicas=num_replicas, fanout=o.fanout, mode=o.pairing,
+                                     topology=o.topology)
+  return PairingSchedule(seed=seed, num_replicas=num_replicas, group_size=o.group_size, mode=o.pairing)

@@ -219,7 +219,7 @@ def fingerprint(config, mesh) -> dict[str, str]:
   """What every process of one job must agree on, as text (hashed before it is compared)."""
   layout = mesh_lib.process_layout(mesh, config.num_replicas)
   return {
-      "config": config.to_json_best_effort(sort_keys=True),
+      "config": config.to_json(sort_keys=True),
       "seed": str(config.seed),
       "replica layout": json.dumps({str(p): v for p, v in layout.items()}, sort_keys=True),
       "jax version": jax.__version__,

@@ -1,6 +1,6 @@
 """Everything a run needs besides its state: the model, the mesh, the jitted and sharded step functions.
 
-`build(config)` validates the config and returns a `Setup`; `train_and_evaluate` (loop.py), the
+`build(config)` returns a `Setup` (a ConfigDict is parsed and checked first, by `load_config`); `train_and_evaluate` (loop.py), the
 tests, the benchmarks, the dry run and the notebooks all start from one. The inner step is chosen
 once: the plain step (inner/step.py mapped over `replica`), or with `num_stages` > 1 the pipelined
 one (parallel/pipeline.py), each with its own state layout and evaluation step.
@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -32,10 +31,21 @@ from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.parallel.mesh import REPLICA
 
 
+def load_config(config) -> config_lib.Config:
+  """The typed config, parsed and checked once: the schema's checks (config/), then the stability of
+  NoLoCo's (α, γ, n, N) (outer/stability.py; refused unless outer.allow_unstable). A typed config is
+  taken as it is: whoever made it (main.py) has checked it already."""
+  if isinstance(config, config_lib.Config):
+    return config
+  config = config_lib.load(config)
+  stability.check_config(config)
+  return config
+
+
 @dataclasses.dataclass
 class Setup:
   """Everything a run needs besides its state; tests, benchmarks and notebooks build one with `build`."""
-  config: ml_collections.ConfigDict
+  config: config_lib.Config
   mesh: jax.sharding.Mesh
   model: models.base.Model
   method: outer_lib.OuterMethod
@@ -58,15 +68,14 @@ class Setup:
     return self.config.num_replicas
 
 
-def build(config: ml_collections.ConfigDict, mesh=None, vocab_size: int | None = None,
+def build(config, mesh=None, vocab_size: int | None = None,
           check_data: bool = True) -> Setup:
   """Validates the config and builds the model, the mesh and the jitted, sharded step functions.
 
   `check_data=False` (the dry run) skips checking data paths, and opening the tokenizer when the
   vocabulary is given (`vocab_size` or config.model.vocab_size).
   """
-  config = config_lib.validate(config)  # every field present, under its current name
-  stability.check_config(config)  # an unstable NoLoCo (α, γ, n, N) is refused unless outer.allow_unstable
+  config = load_config(config)
   if vocab_size is None:
     from_config = config.model.vocab_size if not check_data else 0
     vocab_size = from_config or data_lib.make_tokenizer(config.data).vocab_size
@@ -83,10 +92,9 @@ def build(config: ml_collections.ConfigDict, mesh=None, vocab_size: int | None =
   # clipping slot is then an identity, and the optimizer state keeps the same tree.
   optimizer = inner.make_optimizer(config.inner, config.num_steps, clip=not pipelined)
   # epidemic_adam's round takes one more step of this optimizer, unclipped (outer/epidemic_adam.py).
-  method = rounds_lib.with_state_dtype(
-      outer_lib.make_method(config.outer, inner.make_optimizer(config.inner, config.num_steps, clip=False)),
-      config.outer.state_dtype)
-  schedule = outer_lib.make_schedule(config) if method.uses_pairing else None
+  method = outer_lib.make_method(config.outer, inner.make_optimizer(config.inner, config.num_steps, clip=False))
+  schedule = (outer_lib.make_schedule(config.outer, seed=config.seed, num_replicas=config.num_replicas)
+              if method.uses_pairing else None)
   num_replicas = config.num_replicas
 
   def init_all():

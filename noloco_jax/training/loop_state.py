@@ -30,9 +30,15 @@ class LoopState:
   pending_steps: list[int] = dataclasses.field(default_factory=list)
   pending_metrics: list[dict] = dataclasses.field(default_factory=list)  # {"loss": [N], "grad_norm": [N]}
   pending_rounds: list[tuple] = dataclasses.field(default_factory=list)  # (round metrics, weight std)
-  # Streaming overlap (outer/overlap.py): the step whose exchange is in flight, 0 when none. Its mean is
-  # in the checkpointed state (outer["inflight"]).
+  # Streaming overlap (training/rounds/overlapped.py): the step whose exchange is in flight, 0 when none.
+  # Its group mean is part of the checkpointed state (the method's in-flight buffer).
   inflight_step: int = 0
+  # Not checkpointed: the step at which the last round started (its message was sent) and the step at
+  # which the last round's update was applied to the state (the same step but with streaming overlap).
+  # Plug-ins read them: the pairing log writes a row when a round starts, the job-wide train log takes
+  # the cross-replica weight std when one is applied.
+  round_started_at: int = 0
+  round_applied_at: int = 0
 
   @property
   def resumed(self) -> bool:
@@ -44,13 +50,21 @@ class LoopState:
     self.pending_steps.append(step)
     self.pending_metrics.append(metrics)  # device arrays: fetched only when logging
 
-  def add_round(self, metrics: dict, weight_std, bytes_sent: int) -> None:
+  def add_round(self, step: int, metrics: dict, bytes_sent: int, applied: bool = True) -> None:
+    """Round `self.round` started at `step` (its metrics: device arrays); `applied`: its update is in the
+    state already (a lock-step round), else the round driver calls `round_applied` when it is."""
     self.comm_bytes += bytes_sent
-    self.pending_rounds.append((metrics, weight_std))
+    self.pending_rounds.append((metrics, None))
     self.round += 1
+    self.round_started_at = step
+    if applied:
+      self.round_applied_at = step
+
+  def round_applied(self, step: int) -> None:
+    self.round_applied_at = step
 
   def set_round_weight_std(self, weight_std) -> None:
-    """The weight std of the last round, known only at its (delayed) merge; kept if still unlogged."""
+    """The weight std after the last round's update (job-wide logging only); kept if still unlogged."""
     if self.pending_rounds:
       self.pending_rounds[-1] = (self.pending_rounds[-1][0], weight_std)
 

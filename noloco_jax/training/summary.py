@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
+
+import jax
 
 from noloco_jax.training.loop_state import LoopState
 
@@ -34,3 +38,13 @@ def summarize(config, loop: LoopState, num_params: int, seconds: float) -> dict[
           "eval/loss_first": first["eval/loss"], "replicas/weight_std": last["replicas/weight_std"],
           "comm/bytes_per_replica": comm_bytes, "wall_time_s": seconds, "model/num_params": num_params,
           "outer/skipped_rounds": len(skipped)}
+
+
+def report(run, seconds: float) -> dict[str, Any]:
+  """Prints the summary (process 0), writes WORKDIR/summary.json, and returns it with the final state."""
+  summary = summarize(run.config, run.loop, run.setup.model.num_params(), seconds)
+  if jax.process_index() == 0:
+    print(summary["text"], flush=True)
+    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+      json.dump({k: v for k, v in summary.items() if k != "text"}, f, indent=2)
+  return {**summary, "state": run.state, "history": run.loop.history}

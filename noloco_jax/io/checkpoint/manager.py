@@ -70,6 +70,7 @@ class Checkpointer:
     py_logging.getLogger("asyncio").addFilter(_QUIET_ORBAX)  # orbax's abandoned write fragments
     failures.quiet_orbax_noise()  # the closed-event-loop tracebacks of a failed read (runtime/failures.py)
     self._in_flight: int | None = None  # the step of an asynchronous save not yet known complete
+    self._closed = False
     self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=ck.keep, enable_async_checkpointing=ck.async_save, create=True,
         cleanup_tmp_directories=True))  # leftovers of an interrupted write are never restored
@@ -106,7 +107,8 @@ class Checkpointer:
         "format": records.FORMAT, **record,
         "num_replicas": self._config.num_replicas, "process_count": jax.process_count(),
         "pairing": records.schedule_record(self._setup.schedule, record["round"]),
-        "state_shapes": records.shapes(state), "config": json.loads(self._config.to_json_best_effort()),
+        "state_shapes": records.shapes(state), "config": self._config.to_dict(),
+        "method": self._setup.method.kind,
         # Verified on restore: a data file changed after the save is caught, not trained on.
         "state_checksums": checksum.state_checksums(state, self._setup.mesh),
     }
@@ -157,9 +159,12 @@ class Checkpointer:
     self._in_flight = None
 
   def close(self) -> None:
-    """Waits for the last asynchronous save to be complete."""
+    """Waits for the last asynchronous save to be complete (a second call does nothing)."""
+    if self._closed:
+      return
     self.wait_until_finished()
     self._manager.close()
+    self._closed = True
 
   def settle_after_error(self, timeout_s: float | None = None) -> None:
     """After the loop raised: completes the save in flight, or abandons it saying so; never raises.
@@ -225,9 +230,9 @@ class Checkpointer:
         self._manager.reload()
       record = records.loop_record(meta)
       if plan is not None:  # config.checkpoint.elastic: another set of replicas (resize.py)
-        # γ of the method's message c = βθ + (γ−β)φ: gossip's is 1 (a new replica's in-flight mean, resize.py).
-        gamma = self._config.outer.consensus_weight if self._config.outer.kind == "noloco" else 1.0
-        state = resize.place(resize.resize_state(state, plan, gamma), self._setup.state_shardings)
+        # A new replica of "grow" is made from its peer by the method, which owns its state.
+        state = resize.place(resize.resize_state(state, plan, self._setup.method.new_replica),
+                             self._setup.state_shardings)
         record = resize.resize_loop_record(record, plan)
       if plan is None or plan.keeps_data:
         data_iter.set_state(merge_data_states(data))
@@ -299,13 +304,14 @@ class Checkpointer:
 
   def _check_compatible(self, meta: dict, abstract, step: int, plan: resize.Plan | None = None) -> None:
     where = f"checkpoint step {step} in {self.directory}"
-    changed = records.config_changes(meta.get("config", {}), json.loads(self._config.to_json_best_effort()))
+    changed = records.config_changes(meta.get("config", {}), self._config.to_dict())
     fields = f"config fields that differ: {_listed(changed)}" if changed else "no config field differs"
     remedy = ("Resume with the checkpoint's values (WORKDIR/config.json), use a new workdir, or start from its "
               "weights with config.checkpoint.warm_start.")
-    kind = [c for c in changed if c.startswith("outer.kind:")]
-    if kind:  # the outer state of another method means something else, even where its shapes agree
-      raise IncompatibleCheckpointError(f"{where} was saved by another outer method ({kind[0]}); {fields}. {remedy}")
+    saved_method = records.saved_method(meta)
+    if saved_method != self._setup.method.kind:  # another method's state means something else, even where its shapes agree
+      raise IncompatibleCheckpointError(f"{where} was saved by another outer method ({saved_method!r}, now "
+                                        f"{self._setup.method.kind!r}); {fields}. {remedy}")
     saved, now = meta["state_shapes"], records.shapes(abstract)
     if plan is not None and plan.old_n != plan.new_n:  # another replica count, by request: the rest must match
       changed = [c for c in changed if not c.startswith("num_replicas:")]

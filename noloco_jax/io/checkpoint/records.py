@@ -95,3 +95,11 @@ def loop_record(meta: dict) -> dict[str, Any]:
   if "inflight_step" in meta:  # streaming overlap (outer/overlap.py); absent from older checkpoints
     record["inflight_step"] = meta["inflight_step"]
   return record
+
+
+def saved_method(meta: dict) -> str | None:
+  """The outer method that saved the checkpoint (OuterMethod.kind). Checkpoints written before the meta
+  item named it carry it only in their config record."""
+  if "method" in meta:
+    return meta["method"]
+  return meta.get("config", {}).get("outer", {}).get("kind")

@@ -16,7 +16,8 @@ replicas nothing here is needed (the checkpoint reshards onto fewer devices). Wi
   through its own data stream (the lost replica's, at its saved position) and its own partners.
 - "grow": N' > N; replicas 0 … N−1 are the checkpoint's, new replica N + j starts from peer
   p_j = perm[j mod N] of a seeded permutation of the old replicas (every old replica serves once
-  before any serves twice): θ = φ = φ_p, δ = 0 and residual = 0 (a replica that has taken no outer
+  before any serves twice), made from p_j by the outer method (OuterMethod.new_replica; NoLoCo's is
+  θ = φ = φ_p, δ = 0 and residual = 0: a replica that has taken no outer
   step has no outer momentum; copying the peer's would repeat the peer's next outer step), the inner
   optimizer's state copied from the peer (its step count keeps the learning-rate schedule in step
   with the others, and zero Adam moments under that count would leave bias correction off: a first
@@ -243,41 +244,21 @@ def _rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
   return np.asarray(x)[rows]
 
 
-def resize_state(state, plan: Plan, consensus_weight: float = 1.0):
-  """The host state [N, ...] -> [N', ...]: rows by `plan.source`, then the new replicas of "grow"
-  set to θ = φ, δ = 0, residual = 0, in-flight mean = γ·φ (γ = `consensus_weight`; module
-  docstring). Leaves are NumPy arrays."""
+def resize_state(state, plan: Plan, new_replica=None):
+  """The host state [N, ...] -> [N', ...]: rows by `plan.source`; then each new replica of "grow" is made
+  from its peer's row by `new_replica(params, outer) -> (params, outer)`, the outer method's rule
+  (outer/methods.OuterMethod.new_replica: NoLoCo's gives θ = φ, δ = 0, no residual, an in-flight mean of
+  its own message; the module docstring says why). The inner optimizer's state stays the peer's.
+  Leaves are NumPy arrays."""
   source = np.asarray(plan.source, np.int64)
   new = jax.tree.map(lambda x: _rows(x, source), state)
-  if not plan.added:
+  if not plan.added or new_replica is None:
     return new
-  fresh = np.asarray(sorted(plan.added), np.int64)
-  outer = new.outer
-  if not isinstance(outer, dict):
-    return new  # ddp / none keep no φ: the copy of the peer is its θ
-  outer = dict(outer)
-
-  def zero_rows(x):
-    x = np.array(x)
-    x[fresh] = 0
-    return x
-
-  for key in ("momentum", "residual"):
-    if key in outer and outer[key] is not None:
-      outer[key] = jax.tree.map(zero_rows, outer[key])
-  params = new.params
-  if "slow" in outer:
-    def from_slow(theta, phi):
-      theta = np.array(theta)
-      theta[fresh] = np.asarray(phi)[fresh].astype(theta.dtype)  # φ may be stored in another dtype
-      return theta
-    params = jax.tree.map(from_slow, params, outer["slow"])
-    if "inflight" in outer:  # outer/overlap.py: the mean the new replica's pending merge will use
-      def own_message(mean, phi):
-        mean = np.array(mean)
-        mean[fresh] = consensus_weight * np.asarray(phi, np.float32)[fresh]
-        return mean
-      outer["inflight"] = jax.tree.map(own_message, outer["inflight"], outer["slow"])
+  params, outer = jax.tree.map(np.array, (new.params, new.outer))  # writable copies
+  for r in sorted(plan.added):
+    row = jax.tree.map(lambda x: x[r], (params, outer))
+    made = new_replica(*row)
+    jax.tree.map(lambda dst, src: dst.__setitem__(r, src), (params, outer), made)
   return new.replace(params=params, outer=outer)
 
 

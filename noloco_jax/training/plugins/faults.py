@@ -16,7 +16,7 @@ come from the environment variable NOLOCO_FAULTS, a `;`-separated list of `kind:
     linkdown:process=1,step=4,seconds=2          drop every packet of process 1's TCP sockets for 2 s
                                                  from step 4 on while it keeps computing (a real
                                                  outage, tc on loopback: root, inside `unshare -n`;
-                                                 training/link_faults.py)
+                                                 training/plugins/link_faults.py)
 
 `process=*` (or leaving `process` out) applies to every process. Nothing else reads the variable;
 without it `after_step` does nothing, so a normal run carries no fault code on its path.
@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from noloco_jax.runtime import failures
-from noloco_jax.training import link_faults
+from noloco_jax.training.plugins import link_faults
 
 ENV = "NOLOCO_FAULTS"
 TRACE_ENV = "NOLOCO_TRACE"
@@ -104,6 +104,10 @@ class Injector:
     self._last = time.perf_counter()
     self.slept_s = 0.0  # injected seconds so far (benchmarks subtract or report it)
 
+  @property
+  def tracing(self) -> bool:
+    return self._trace is not None
+
   def delay_after(self, step: int, step_s: float) -> float:
     """Seconds to sleep after `step`, which took `step_s` (pure apart from the seeded draws)."""
     total = 0.0
@@ -156,8 +160,11 @@ class Injector:
     self._last = time.perf_counter()
 
 
-def from_env(process_index: int | None = None) -> Injector:
-  """The injector for this process from NOLOCO_FAULTS (empty without it)."""
+def from_env(process_index: int | None = None) -> Injector | None:
+  """The injector for this process from NOLOCO_FAULTS and NOLOCO_TRACE; None when neither is set (a normal
+  run then carries no fault code on its path)."""
+  if not os.environ.get(ENV) and not os.environ.get(TRACE_ENV):
+    return None
   if process_index is None:
     import jax  # pylint: disable=g-import-not-at-top
     process_index = jax.process_index()

@@ -1,0 +1,40 @@
+"""Round drivers: what happens at round boundaries (base.py: the interface the loop calls).
+
+`make_driver(setup, run)` chooses the schedule from the config and wraps it in the cross-cutting
+behaviour the run asks for (wrappers.py). A new schedule is one module here and one line below.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from noloco_jax.io.checkpoint import guard as guard_lib
+from noloco_jax.training.rounds import wrappers
+from noloco_jax.training.rounds.base import NoRounds, RoundDriver
+from noloco_jax.training.rounds.lockstep import LockstepRounds
+from noloco_jax.training.rounds.overlapped import OverlappedRounds, threaded_exchange_is_safe
+
+
+def make_driver(setup, run) -> RoundDriver:
+  """The run's round driver, wrapped by the skip-round guard and the round trace when they are on."""
+  config, method = setup.config, setup.method
+  o = config.outer
+  if not method.has_rounds:
+    driver = NoRounds()
+  elif o.overlap_steps:
+    threaded = threaded_exchange_is_safe(fsdp=config.fsdp, num_stages=config.num_stages)
+    logging.info("Streaming overlap: τ=%d steps, λ=%s; the exchange is called %s.", o.overlap_steps, o.overlap_mix,
+                 "on a second thread" if threaded else "in order on the main thread")
+    driver = OverlappedRounds(method, setup.mesh, setup.schedule, setup.state_shardings, inner_steps=o.inner_steps,
+                              tau=o.overlap_steps, mix=o.overlap_mix, last_step=config.num_steps,
+                              bytes_per_round=run.bytes_per_round, threaded=threaded)
+  else:
+    driver = LockstepRounds(setup.rounds, o.inner_steps, run.bytes_per_round)
+  if config.nan_policy == "skip_round":
+    driver = wrappers.Guarded(driver, guard_lib.RoundGuard(config, setup.mesh, run.loop.history))
+  if run.faults is not None and run.faults.tracing:
+    driver = wrappers.Traced(driver, run.faults)
+  return driver
+
+
+__all__ = ["LockstepRounds", "NoRounds", "OverlappedRounds", "RoundDriver", "make_driver"]
