@@ -17,7 +17,8 @@ python, bash, source, sbatch, pip, pytest or jupyter. For each one:
   value of its type;
 - `pip install ".[extra]"` names extras that setup.py declares.
 
-A `--config.X=V` anywhere else in a code span (a flag quoted in prose) must name a field of the schema.
+A `--config.X=V` anywhere else in a code span (a flag quoted in prose) must name a field of the schema,
+and every repository file README.md and docs/ name (`noloco_jax/outer/x.py`, `outer/x.py`, ...) exists.
 Templates (`[--config.FIELD=VALUE ...]`, `a|b`, upper-case placeholders such as WORKDIR) are checked
 where they are concrete. No command is run: the test takes a few seconds.
 """
@@ -395,11 +396,33 @@ def problems_in_the_tree() -> list[str]:
   return found
 
 
+_SUBPACKAGES = "outer|training|io|parallel|models|inner|tools|runtime|config"
+_FILE = re.compile(r"(?<![\w/.])((?:noloco_jax|experiments|configs|scripts|tests|docs|%s)/[\w/.\-]*\w"
+                   r"\.(?:py|md|sh|ipynb|sbatch))\b" % _SUBPACKAGES)
+
+
+def missing_files(path: str) -> list[str]:
+  """Files a README or docs/ page names (`outer/x.py` meaning noloco_jax/outer/x.py) that do not exist.
+  Not RESULTS.md: a dated log, whose sections name the files of their time."""
+  text, found = _markdown(path), []
+  for m in _FILE.finditer(text):
+    name = m.group(1)
+    if not any(os.path.exists(os.path.join(REPO, p, name)) for p in ("", "noloco_jax", "docs")):
+      found.append(f"{path}:{text[:m.start()].count(chr(10)) + 1}: {name} does not exist")
+  return found
+
+
 # ---- The tests ----
 
 
 def test_every_documented_command_names_what_exists():
   problems = problems_in_the_tree()
+  assert not problems, "\n" + "\n".join(problems)
+
+
+def test_every_file_the_readme_and_docs_name_exists():
+  pages = ["README.md"] + [p for p in documents() if p.startswith("docs/")]
+  problems = [issue for page in pages for issue in missing_files(page)]
   assert not problems, "\n" + "\n".join(problems)
 
 
@@ -445,6 +468,8 @@ def test_the_checks_catch_what_they_should():
   for text in good:
     (tokens,) = commands(Snippet("here", text))
     assert check_command(tokens) == [], text
+  assert missing_files("README.md") == [] and "noloco_jax/outer/gone.py" in _FILE.findall("see `noloco_jax/outer/gone.py`")
+  assert _FILE.findall("(outer/overlap.py sends") == ["outer/overlap.py"]
   assert check_config_mention("--config.outer.pairing_pool=4")
   assert not check_config_mention("--config.outer.pairing=fresh")
 
