@@ -2,7 +2,8 @@
 
 The core install has no TensorFlow: TensorBoard event files are written by the `tensorboard`
 package's own writer, the embedded corpus is built and read as a TFDS array_record dataset without
-TensorFlow, and input pipelines run on Grain. Plotting (notebooks, experiments) is the `plots` extra.
+TensorFlow, and input pipelines run on Grain. Plotting (experiments/*.py) is the `plots` extra; the
+ablation notebooks also need a kernel and a runner: the `test` extra.
 """
 import setuptools
 

@@ -93,13 +93,13 @@ def _worker(args, cfg) -> None:
   num_params = setup.model.num_params()
   params = jax.jit(lambda: jax.tree.map(lambda x: jnp.ones(x.shape, jnp.float32), setup.init_state().params),
                    out_shardings=mesh_lib.replica_sharding(mesh))()
-  groups = outer_lib.make_schedule(cfg).groups(0)
+  groups = outer_lib.make_schedule(cfg.outer, seed=cfg.seed, num_replicas=cfg.num_replicas).groups(0)
   dtype = outer_lib.MESSAGE_DTYPES[cfg.outer.message_dtype]
   ddp_cfg = ml_collections.ConfigDict(cfg.outer.to_dict())
   ddp_cfg.kind = "ddp"
   collectives = {
       # NoLoCo's only collective: the group mean of c (n−1 ppermutes of one model-sized message).
-      "noloco_exchange": lambda t: exchange.group_mean(t, groups, num_devices, dtype),
+      "noloco_exchange": lambda t: exchange.plain_group_mean(t, (groups,), 0, num_devices, dtype),
       # DiLoCo's (and DDP's) only collective: the mean over all replicas, one all-reduce.
       "allreduce": outer_lib.make_method(ddp_cfg).reduce_grads,
   }

@@ -1,7 +1,7 @@
 """The checks that need more than one section, all here: run after every section has checked itself."""
 
 from noloco_jax.config.fields import fail
-from noloco_jax.config.outer import GROUPED_KINDS
+from noloco_jax.config.outer import GROUPED_KINDS, ORACLE_MAX_DEGREE
 from noloco_jax.config.run import Config
 
 
@@ -39,3 +39,9 @@ def check_across_sections(config: Config) -> None:
   if c.outer.kind == "epidemic" and c.outer.fanout >= c.num_replicas:
     fail("outer.fanout", c.outer.fanout, f"an integer in [1, num_replicas − 1] = [1, {c.num_replicas - 1}] "
          "(each replica sends to that many distinct other replicas)")
+  if c.outer.kind == "epidemic" and c.outer.topology == "oracle":
+    s, n = c.outer.fanout, c.num_replicas
+    if min(s, n - 1 - s) > ORACLE_MAX_DEGREE:
+      valid = [f for f in range(1, n) if min(f, n - 1 - f) <= ORACLE_MAX_DEGREE]
+      fail("outer.fanout", s, f"one of {valid} with outer.topology='oracle' and num_replicas={n} (the exact "
+           f"s-regular draw needs min(s, N − 1 − s) ≤ {ORACLE_MAX_DEGREE}), or outer.topology='local'")

@@ -7,7 +7,8 @@ weights θ, slow weights φ and outer momentum δ:
 
 α = `outer_momentum`, β = `outer_lr`, γ = `consensus_weight`. DiLoCo uses α and β (outer SGD with
 momentum on the all-reduced pseudo-gradient); gossip fixes α=0, β=γ=1; epidemic averages θ with
-the models of `fanout` random senders (Epidemic Learning); epidemic_adam is the NoLoCo reference
+the models it receives when every replica sends to `fanout` random others (Epidemic Learning, on the
+graph `topology`: EL-Oracle's s-regular graph or EL-Local's s-out graph); epidemic_adam is the NoLoCo reference
 code's Epidemic Learning variant (group mean, then a second inner-optimizer step along θ − mean_G θ);
 ddp and none have no outer step.
 Before these names the fields were `momentum`, `lr` and `gamma`: those still work (RENAMED), with a warning.
@@ -31,6 +32,11 @@ COMPRESSIONS = ("none", "int8", "int4", "topk")
 TOPK_BITS = (2, 3, 4, 5, 6, 7, 8)  # bits per kept top-k value (packed); int8 / int4 imply 8 / 4
 SLOW_CODECS = ("float32", "bfloat16", "int8", "int4")  # how the γ·φ part of a top-k message travels
 MAX_CHUNK = 65536  # top-k offsets within a chunk travel as uint16
+# Epidemic Learning's graphs (noloco_jax/outer/epidemic.py): de Vos et al. 2023's two variants.
+TOPOLOGIES = ("oracle", "local")
+# EL-Oracle's graph is drawn exactly (configuration model, rejection) for min(s, N − 1 − s) ≤ this; the
+# acceptance rate falls like exp(−s − (s−1)²/2): ≥ 0.3 % at 3 (12 ms a graph at N = 256), ~0.01 % at 4.
+ORACLE_MAX_DEGREE = 3
 
 
 def register_kind(kind: str, *, grouped: bool = False) -> None:
@@ -86,6 +92,12 @@ class OuterConfig(Section):
   # round's message (to whichever partner that goes). 0 = no feedback (and no residual in the state).
   feedback_decay: float = 1.0
   fanout: int = 1  # epidemic: s, the random peers each replica sends its model to per round (< num_replicas)
+  # epidemic: the round's random directed graph (de Vos et al. 2023; outer/epidemic.py):
+  #   oracle = EL-Oracle: uniform over the s-regular graphs, every replica sends to s and receives from
+  #            exactly s others (drawn exactly for min(s, num_replicas − 1 − s) ≤ 3);
+  #   local  = EL-Local: every replica sends to s others of its own uniform choice; the in-degree is
+  #            random, Binomial(N − 1, s/(N − 1)) (a replica may receive nothing).
+  topology: str = "oracle"
   # Streaming overlap (noloco, gossip, any compression; docs/method.md §13): τ inner steps run
   # while a round's exchange is in flight; its group mean is merged after step tH + τ. 0 = wait for it.
   overlap_steps: int = 0  # τ, in [0, inner_steps)
@@ -120,9 +132,13 @@ class OuterConfig(Section):
     one_of("outer.slow_codec", self.slow_codec, SLOW_CODECS)
     if not 0 <= self.feedback_decay <= 1:
       fail("outer.feedback_decay", self.feedback_decay, "a number in [0, 1] (0 turns error feedback off)")
+    one_of("outer.topology", self.topology, TOPOLOGIES)
     if self.kind == "epidemic":
       at_least("outer.fanout", self.fanout, 1)
       one_of("outer.pairing", self.pairing, ("fresh", "fixed"))  # a graph per round, not a matching
+    elif self.topology != "oracle":
+      fail("outer.topology", self.topology, f"'oracle' (the default) with outer.kind={self.kind!r} (a topology "
+           "is Epidemic Learning's: outer.kind='epidemic')")
     self._check_overlap()
     if self.kind == "noloco":
       if not self.consensus_weight > 0:

@@ -338,5 +338,6 @@ def make_schedule(outer_cfg, *, seed: int, num_replicas: int) -> PairingSchedule
   """The grouping (or epidemic graph) of each round, a pure function of (seed, round)."""
   o = OuterConfig.parse(outer_cfg)
   if o.kind == "epidemic":
-    return epidemic.EpidemicSchedule(seed=seed, num_replicas=num_replicas, fanout=o.fanout, mode=o.pairing)
+    return epidemic.EpidemicSchedule(seed=seed, num_replicas=num_replicas, fanout=o.fanout, mode=o.pairing,
+                                     topology=o.topology)
   return PairingSchedule(seed=seed, num_replicas=num_replicas, group_size=o.group_size, mode=o.pairing)

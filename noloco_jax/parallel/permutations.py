@@ -2,7 +2,8 @@
 
 Two things in this code base pick, for every draw, a permutation of the N replicas that every process
 must agree on without talking: who averages with whom in an outer round (outer/pairing.py) and where a
-pipeline stage sends a micro-batch (parallel/routing.py). Both are built from the pieces below.
+pipeline stage sends a micro-batch (parallel/routing.py). Both are built from the pieces below; so are
+Epidemic Learning's graphs (outer/epidemic.py) and the elastic resume's seeded choices.
 
 - `generator(stream, seed, *counters)`: the host's seeded NumPy stream for one draw. `stream` is a
   domain separator (the `STREAM_*` constants), so that no two uses of `config.seed` ever read the same
@@ -40,6 +41,8 @@ STREAM_PAIRING_INDEX = 0x9A2  # outer/pairing.py: the round_robin member of each
 STREAM_RELABEL = 0x9A3  # the one relabelling ρ of a Family, per (purpose, seed)
 STREAM_ROUTING = 0x9B1  # parallel/routing.py: the key of the traced per-crossing draws
 STREAM_ELASTIC = 0x9C1  # io/checkpoint/resize.py: the peers of added replicas, fallback partners
+STREAM_EPIDEMIC_ORACLE = 0x9D1  # outer/epidemic.py: each round's s-regular graph (EL-Oracle)
+STREAM_EPIDEMIC_LOCAL = 0x9D2  # outer/epidemic.py: each round's s-out graph (EL-Local)
 
 
 def generator(stream: int, seed: int, *counters: int) -> np.random.Generator:
