@@ -40,6 +40,8 @@ STREAM_PAIRING_INDEX = 0x9A2  # outer/pairing.py: the round_robin member of each
 STREAM_RELABEL = 0x9A3  # the one relabelling ρ of a Family, per (purpose, seed)
 STREAM_ROUTING = 0x9B1  # parallel/routing.py: the key of the traced per-crossing draws
 STREAM_ELASTIC = 0x9C1  # io/checkpoint/resize.py: the peers of added replicas, fallback partners
+STREAM_ASYNC_MATCH = 0x9D1  # asynchronous/law.py: the matching of each batch of ready processes
+STREAM_ASYNC_DONOR = 0x9D2  # asynchronous/churn.py: the live peer a joining process copies
 
 
 def generator(stream: int, seed: int, *counters: int) -> np.random.Generator:
