@@ -95,9 +95,8 @@ class Transport:
     deadline = start + timeout_s
     leaves, treedef = jax.tree.flatten(message)
     sig = signature(leaves)
-    expiry = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s + 5.0)  # offers outlive our wait
     for p in partners:
-      self.server.await_pull(uuid(tag, self.slot, p.slot), leaves, timeout=expiry)
+      self.offer(leaves, tag, p.slot, timeout_s + 5.0)  # an offer outlives our own wait
     self.kv.set(f"x/{tag}/{self.slot}", sig)
     self._remember(tag)
     nbytes = sum(x.nbytes for x in leaves)
@@ -113,7 +112,7 @@ class Transport:
           raise ValueError(f"slot {p.slot} offered a message of shapes and dtypes {theirs}, this process {sig}: "
                            "every process must send the same structure (same config).")
         specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
-        got = self._pull(p, uuid(tag, p.slot, self.slot), specs, deadline)
+        got = self.fetch(p, tag, specs, deadline)
         self.stats.bytes_received += nbytes
         received.append(jax.tree.unflatten(treedef, got))
     except ExchangeFailed:
@@ -123,7 +122,14 @@ class Transport:
     self.stats.seconds += time.monotonic() - start
     return received
 
-  def _pull(self, partner, pull_id: int, specs, deadline: float):
+  def offer(self, leaves, tag: int, puller: int, expiry_s: float) -> None:
+    """Makes `leaves` fetchable once by slot `puller` under `tag` for `expiry_s` seconds (returns at once)."""
+    expiry = datetime.datetime.now() + datetime.timedelta(seconds=expiry_s)
+    self.server.await_pull(uuid(tag, self.slot, puller), list(leaves), timeout=expiry)
+
+  def fetch(self, partner, tag: int, specs, deadline: float) -> list:
+    """Pulls what `partner` (.slot, .incarnation) offered this slot under `tag`; ExchangeFailed at `deadline`."""
+    pull_id = uuid(tag, partner.slot, self.slot)
     conn = self._connection(partner)
     poisoned = threading.Event()
 
