@@ -58,6 +58,9 @@ def test_lease_table_joins_loses_leaves_and_returns():
   events = table.observe({0: "7:8", 1: "12:1", 2: "9:3"}, now=12.0)
   assert [(e["slot"], e["incarnation"], e["event"]) for e in events] == [(1, 12, "joined")]
   assert table.alive() == {0: 7, 1: 12, 2: 9}
+  # Restarted before its old lease ran out: the old incarnation is lost, the new one joins.
+  events = table.observe({0: "7:9", 1: "12:2", 2: "13:1"}, now=13.0)
+  assert [(e["slot"], e["incarnation"], e["event"]) for e in events] == [(2, 9, "lost"), (2, 13, "joined")]
 
 
 def test_this_process_is_never_lost_to_itself():

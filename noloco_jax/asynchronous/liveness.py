@@ -12,7 +12,8 @@ every `beat_s` seconds, the counter counting up. An observer remembers, by its o
 when it last saw each slot's value change; a slot whose value has not changed for `lease_s` seconds is
 lost. Only the observer's clock is used, so the hosts' clocks need not agree. A process that leaves
 normally writes "<incarnation>:left" and is gone at once. A restarted process (same slot, a new
-incarnation from the runtime) is a new member: it joins. Detection takes between lease_s and
+incarnation from the runtime) is a new member: it joins, and an old incarnation still held alive is
+lost at that moment. Detection takes between lease_s and
 lease_s + the observer's polling interval (measured in tests/test_async_control.py and docs/async.md).
 
 Why the thread keeps beating while the process computes: XLA releases Python's GIL while it runs a
@@ -62,6 +63,9 @@ class LeaseTable:
       inc = int(inc_text)
       seen = self._seen.get(slot)
       if seen is None or seen.incarnation != inc:
+        if seen is not None and seen.state == "alive":
+          # Restarted before its old lease ran out: the old incarnation died without leaving.
+          events.append(_event(slot, seen.incarnation, "lost"))
         state = LEFT if tail == LEFT else "alive"
         self._seen[slot] = _Seen(inc, value, now, state)
         if state == "alive":

@@ -116,7 +116,7 @@ class Session:
                              tuple(m.incarnation for m in match.group), waited_s=match.waited_s,
                              exchange_s=time.monotonic() - start, reason=str(e))
     if self._pairings is not None:
-      self._pairings.write(json.dumps({"time": time.time(), "slot": self.slot, "incarnation": self.incarnation,
+      self._pairings.write(json.dumps({"time": time.time(), "slot": self.slot, "incarnation": str(self.incarnation),
                                        "progress": int(progress), "status": result.status, "batch": result.batch,
                                        "group": list(result.group), "incarnations": [str(i) for i in result.incarnations],
                                        "partner_progress": result.progress[1:],
@@ -146,7 +146,7 @@ class Session:
     return sorted(s for s in self.liveness.poll() if s != self.slot)
 
   def summary(self) -> dict:
-    return {"slot": self.slot, "incarnation": self.incarnation, "matchmaking": self.matchmaker.stats.as_dict(),
+    return {"slot": self.slot, "incarnation": str(self.incarnation), "matchmaking": self.matchmaker.stats.as_dict(),
             "transport": self.transport.stats.as_dict(), "failed_exchanges": self.failed,
             "membership": list(self.liveness.events)}
 
