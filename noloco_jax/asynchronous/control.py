@@ -121,15 +121,40 @@ class JaxKV:
   def delete(self, key: str) -> None:
     self._client.key_value_delete(NAMESPACE + key)
 
+  # Bytes values: the store as a data plane, measured by experiments/bench_async_transport.py (every
+  # byte passes through the one process serving the store; not used for weights, docs/async.md).
+
+  def set_bytes(self, key: str, value: bytes) -> None:
+    self._client.key_value_set_bytes(NAMESPACE + key, value, allow_overwrite=True)
+
+  def wait_bytes(self, key: str, timeout_s: float) -> bytes | None:
+    try:
+      return self._client.blocking_key_value_get_bytes(NAMESPACE + key, max(1, int(timeout_s * 1000)))
+    except jax.errors.JaxRuntimeError as e:
+      if _is(e, "DEADLINE_EXCEEDED") or "timed out" in str(e).lower():
+        return None
+      raise
+
+
+def live_nodes(process_ids) -> dict[int, int]:
+  """The runtime's own view: {process id: incarnation} of the live processes among `process_ids`.
+
+  A BARRIER (what `jax.live_devices` calls): it returns once every live process named has called it,
+  and a dead one is left out only once the service has declared it dead (heartbeat_timeout_s). Not
+  used by the schedule, which cannot wait for the others (liveness.py); measured by
+  experiments/bench_async_control.py.
+  """
+  from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top
+  return {int(k): int(v) for k, v in global_state.client.get_live_nodes(list(process_ids)).items()}
+
 
 def incarnation() -> int:
   """This process's incarnation id as the coordination service knows it (new on every (re)start).
 
-  `get_live_nodes` over this process alone returns at once (over several processes it is a barrier).
+  `live_nodes` over this process alone returns at once (over several processes it is a barrier).
   """
-  from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top
   me = jax.process_index()
-  return int(global_state.client.get_live_nodes([me])[me])
+  return live_nodes([me])[me]
 
 
 # ---- In one process (simulations, thread-level tests) ----
