@@ -2,7 +2,7 @@
 behind, a restarted one joins from a live peer, and with the coordination service in a process of its
 own even process 0 can die.
 
-The jobs run the toy of asynchronous/demo.py (a vector per process, real exchanges, the real update),
+The jobs run the toy of experiments/async_demo.py (a vector per process, real exchanges, the real update),
 killed with NOLOCO_FAULTS. Each takes 40–70 s on a loaded 2-core machine (most of it starting JAX in
 every process); timeouts allow several times that.
 """
@@ -22,7 +22,7 @@ from scipy import stats
 from noloco_jax.asynchronous import churn
 from noloco_jax.runtime import launch_local
 
-DEMO = "noloco_jax.asynchronous.demo"
+DEMO = "experiments.async_demo"
 
 
 def _jsonl(path):
@@ -100,31 +100,57 @@ def test_a_killed_process_is_left_behind_and_its_restart_joins_from_a_peer(tmp_p
   assert joiner["matchmaking"]["matched"] > 0 and joiner["steps"] > joiner["joined_progress"]
 
 
-def test_with_a_standalone_service_process_0_can_die(tmp_path):
-  """JAX ends every process when the one hosting the coordination service exits; hosted by a process
-  of its own (control.py: `python -m noloco_jax.asynchronous.control`), process 0 is like any other."""
+def test_process_0_can_die_and_a_new_process_joins_through_a_reserved_slot(tmp_path):
+  """Four slots: the coordination service runs in a process of its own (`python -m
+  noloco_jax.asynchronous.control --port`), slots 0–2 train, slot 3 is reserved at start-up
+  (`--reserve_slot`: jax.distributed cannot start with a process missing nor grow later). Process 0 is
+  killed mid-run: with the service elsewhere the others train on (hosting it, its exit would end them).
+  Then a new process takes slot 3, copies a live peer and pairs with the survivors."""
   out = str(tmp_path)
+  os.makedirs(os.path.join(out, "logs"))
   port = launch_local.free_port()
+  common = ["--log_dir", out, "--rounds", "4", "--lease_s", "4", "--max_wait_s", "2", "--exchange_timeout_s", "10",
+            "--standalone_service"]
   service = subprocess.Popen([sys.executable, "-m", "noloco_jax.asynchronous.control", f"--port={port}",
-                              "--num_processes=3"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              "--num_processes=4"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  procs, logs = [], []
   try:
-    assert "coordination service for 3 processes" in service.stdout.readline()
-    job = launch_local.Job(3, 1, ["--log_dir", out, "--rounds", "4", "--run_s", "15", "--lease_s", "4",
-                                  "--max_wait_s", "2", "--exchange_timeout_s", "10", "--standalone_service"],
-                           module=DEMO, port=port, log_dir=os.path.join(out, "logs"),
-                           env={"NOLOCO_FAULTS": "kill:process=0,step=20"})
-    codes = [p.wait(timeout=300) for p in job.procs]
-    assert codes == [-9, 0, 0], _logs(out)
+    assert "coordination service for 4 processes" in service.stdout.readline()
+    for slot in range(3):
+      env = launch_local.process_env(slot, 4, 1, port, {"NOLOCO_FAULTS": "kill:process=0,step=20"})
+      log = open(os.path.join(out, "logs", f"process_{slot}.log"), "w")
+      logs.append(log)
+      procs.append(subprocess.Popen([sys.executable, "-m", DEMO, *common, "--run_s", "25"], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT))
+    reserve = subprocess.run([sys.executable, "-m", "noloco_jax.asynchronous.control", "--num_processes=4",
+                              "--reserve_slot=3", f"--coordinator_address=127.0.0.1:{port}", "--standalone_service"],
+                             env=launch_local.process_env(3, 4, 1, port), capture_output=True, text=True, timeout=240)
+    assert reserve.returncode == 0, reserve.stdout + reserve.stderr
+    assert procs[0].wait(timeout=240) == -9, _logs(out)
+    with open(os.path.join(out, "logs", "process_3.log"), "w") as log:
+      new = subprocess.run([sys.executable, "-m", DEMO, *common, "--run_s", "6", "--join"],
+                           env=launch_local.process_env(3, 4, 1, port), stdout=log, stderr=subprocess.STDOUT, timeout=240)
+    assert new.returncode == 0, _logs(out)
+    assert [p.wait(timeout=240) for p in procs[1:]] == [0, 0], _logs(out)
   finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
     service.terminate()
     service.wait(timeout=30)
-  killed_after = _jsonl(os.path.join(out, "pairings_0.jsonl"))[-1]["time"]
-  dead = _jsonl(os.path.join(out, "pairings_0.jsonl"))[-1]["incarnation"]
+    for log in logs:
+      log.close()
+  dead = _jsonl(os.path.join(out, "pairings_0.jsonl"))[-1]
+  newcomer = _result(out, 3)
+  assert newcomer["joined_from"] in (1, 2) and newcomer["matchmaking"]["matched"] > 0
   for slot in (1, 2):
     events = [(e["slot"], e["event"]) for e in _jsonl(os.path.join(out, f"membership_{slot}.jsonl")) if "slot" in e]
-    assert (0, "lost") in events, events
-    later = [p for p in _jsonl(os.path.join(out, f"pairings_{slot}.jsonl"))
-             if p["time"] > killed_after + 1.0 and p["status"] == "exchanged"]
-    assert later and all(dead not in p["incarnations"] for p in later)
+    assert (0, "lost") in events and (3, "joined") in events, events
+    pairings = _jsonl(os.path.join(out, f"pairings_{slot}.jsonl"))
+    later = [p for p in pairings if p["time"] > dead["time"] + 1.0 and p["status"] == "exchanged"]
+    assert later and all(dead["incarnation"] not in p["incarnations"] for p in later)
     assert _result(out, slot)["rounds"] > 4
+  with_new = [p for s in (1, 2) for p in _jsonl(os.path.join(out, f"pairings_{s}.jsonl"))
+              if p["status"] == "exchanged" and newcomer["incarnation"] in p["incarnations"]]
+  assert with_new, "the new process never exchanged with the others"

@@ -259,16 +259,45 @@ def serve(port: int, num_processes: int, *, heartbeat_timeout_s: int = 30, shutd
                                               shutdown_timeout=shutdown_timeout_s, recoverable=True)
 
 
+def reserve_slot(coordinator_address: str, num_processes: int, process_id: int, *, heartbeat_timeout_s: int = 30,
+                 standalone_service: bool = False) -> None:
+  """Takes part in the job's start-up as `process_id`, then leaves: a spare slot for a process that joins later.
+
+  jax.distributed cannot start with fewer processes than `num_processes` (every process registers
+  at start-up; measured: with one missing, the others abort after initialization_timeout_s), and
+  cannot grow past it. So a job meant to grow starts its spare slots with this; a process that
+  joins later initialises with the same id (its new incarnation is accepted, recoverability on).
+  """
+  initialize(coordinator_address, num_processes, process_id, heartbeat_timeout_s=heartbeat_timeout_s,
+             standalone_service=standalone_service)
+  jax.devices()  # the start-up exchange of device topologies needs every process's backend
+  JaxKV().set(f"live/{process_id}", f"{incarnation()}:left")  # liveness.py's "left": never a member
+  logging.info("Slot %d reserved for a process that joins later.", process_id)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description="Runs the coordination service of an asynchronous job in a "
-                                   "process of its own, until SIGTERM or SIGINT.")
-  parser.add_argument("--port", type=int, required=True)
+                                   "process of its own, until SIGTERM or SIGINT; or, with --reserve_slot, "
+                                   "takes part in a job's start-up as that process id and leaves at once.")
+  parser.add_argument("--port", type=int, default=None, help="serve on this port")
   parser.add_argument("--num_processes", type=int, required=True)
   parser.add_argument("--heartbeat_timeout_s", type=int, default=30)
   parser.add_argument("--shutdown_timeout_s", type=int, default=30)
+  parser.add_argument("--reserve_slot", type=int, default=None, help="this process id is a spare slot")
+  parser.add_argument("--coordinator_address", default=None, help="host:port of the service (--reserve_slot)")
+  parser.add_argument("--standalone_service", action="store_true", help="the service runs in its own process")
   opts = parser.parse_args(argv)
   if opts.num_processes < 1:
     parser.error(f"--num_processes={opts.num_processes} is not valid: an integer ≥ 1.")
+  if opts.reserve_slot is not None:
+    if not opts.coordinator_address:
+      parser.error("--reserve_slot needs --coordinator_address=host:port.")
+    reserve_slot(opts.coordinator_address, opts.num_processes, opts.reserve_slot,
+                 heartbeat_timeout_s=opts.heartbeat_timeout_s, standalone_service=opts.standalone_service)
+    sys.stdout.flush()
+    os._exit(0)  # pylint: disable=protected-access  (JAX's shutdown barrier would wait for the whole job)
+  if opts.port is None:
+    parser.error("--port is needed to serve (or --reserve_slot to reserve a slot).")
   service = serve(opts.port, opts.num_processes, heartbeat_timeout_s=opts.heartbeat_timeout_s,
                   shutdown_timeout_s=opts.shutdown_timeout_s)
   stop = threading.Event()

@@ -7,7 +7,7 @@ replicas together), H inner steps per round, then a staleness-weighted NoLoCo ro
 launch, and a way to watch the schedule work:
 
     python -m noloco_jax.runtime.launch_local --num_processes=4 --devices_per_process=1 \\
-        --module=noloco_jax.asynchronous.demo -- --rounds=30 --log_dir=runs/async_demo
+        --module=experiments.async_demo -- --rounds=30 --log_dir=runs/async_demo
 
 NOLOCO_FAULTS (training/faults.py) applies after every inner step (e.g. `kill:process=2,step=40`).
 `--join` makes a (re)started process take its state from a live peer before training (churn.py).
@@ -25,11 +25,17 @@ import os
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+
+from noloco_jax.asynchronous import churn, control, session as session_lib
+from noloco_jax.outer import async_rules, rules
+from noloco_jax.training import faults
 
 
 def _digest(tree) -> str:
-  import jax  # pylint: disable=g-import-not-at-top
   return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(tree))).hexdigest()[:16]
 
 
@@ -54,13 +60,6 @@ def main(argv=None) -> int:
   opts = parser.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
-  import jax  # pylint: disable=g-import-not-at-top  (after the environment of launch_local)
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from noloco_jax.asynchronous import control, session as session_lib  # pylint: disable=g-import-not-at-top
-  from noloco_jax.outer import async_rules, rules  # pylint: disable=g-import-not-at-top
-  from noloco_jax.training import faults  # pylint: disable=g-import-not-at-top
-
   slot = int(os.environ["NOLOCO_PROCESS_ID"])
   kv = control.initialize(os.environ["NOLOCO_COORDINATOR_ADDRESS"], int(os.environ["NOLOCO_NUM_PROCESSES"]), slot,
                           heartbeat_timeout_s=30, standalone_service=opts.standalone_service)
@@ -79,7 +78,6 @@ def main(argv=None) -> int:
   result = {"slot": slot, "incarnation": str(session.incarnation)}
   if opts.join:
     (peer_phi, peer_inner), donor, progress = session.join((phi, inner))
-    from noloco_jax.asynchronous import churn  # pylint: disable=g-import-not-at-top
     theta, phi, delta, inner = churn.grow_from_peer(peer_phi, peer_inner, delta)
     step = progress
     result.update(joined_from=donor, joined_progress=progress, joined_phi=_digest(phi), joined_inner=_digest(inner),
