@@ -189,7 +189,8 @@ def test_members_close_a_batch_whose_opener_died():
   start = time.monotonic()
   [t.start() for t in threads]
   [t.join(timeout=60) for t in threads]
-  assert time.monotonic() - start > 0.5
+  # Bounded by window + close_grace_s (0.55 s), not by the members' budgets (10 s); slack for load.
+  assert 0.5 < time.monotonic() - start < 8.0
   assert out[0] is not None and [m.slot for m in out[0].group] == [0, 1]
   assert out[1] is not None and out[1].batch == out[0].batch == 0
   assert sum(m.stats.fallback_closes for m in makers) >= 1

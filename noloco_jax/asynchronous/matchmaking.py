@@ -20,7 +20,9 @@ process that dies at any point delays nobody for more than a bounded time:
   wakes when someone arrives, when the window ends, or at its deadline; members block on the record.
 - Left out (odd="leave_out", or alone at the deadline): a new ticket while the budget lasts.
 
-A process's wait for a partner is bounded by max_wait_s + window_s + close_grace_s (+ store calls).
+A process's wait for a partner is bounded by max_wait_s + window_s + close_grace_s (+ store calls):
+an opener waits at most max_wait_s; a member, whose arrival gives the batch two members, waits at
+most window_s for a live opener's close and close_grace_s more for a stalled or dead one's.
 
 `mm/latest` ("b:last", overwritten by closers) lets a starting or restarted process find the current
 batch; the closer of batch b deletes the record and ticket entries of batch b − keep_batches.
@@ -190,7 +192,8 @@ class Matchmaker:
   def _await(self, b: int, deadline: float) -> dict:
     """As a member of open batch b: its record, or, if its opener has not closed it in time, our close."""
     del deadline  # the opener's deadline, not ours, governs the close; ours ends the round afterwards
-    raw = self.kv.wait(_batch_key(b), self.max_wait_s + self.window_s + self.close_grace_s)
+    # With us in it the batch holds two members, so a live opener closes it within window_s.
+    raw = self.kv.wait(_batch_key(b), self.window_s + self.close_grace_s)
     if raw is not None:
       return json.loads(raw)
     self.stats.fallback_closes += 1
