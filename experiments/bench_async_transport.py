@@ -6,7 +6,8 @@ one job, for each message size (float32, MB each way):
   ppermute   a jitted `jax.shard_map` + `lax.ppermute` program over the pair's two-process sub-mesh
              (one program per pair): compile time, first call (gloo rendezvous of the pair), then the
              steady swap; a second pair's first call; a partner that calls late (how long the caller
-             waits); a partner that dies during the call (how the caller learns it, how fast).
+             waits); a partner that skipped one exchange (which message each later call receives); a
+             partner that dies during the call (how the caller learns it, how fast).
   transfer   `jax.experimental.transfer` through noloco_jax/asynchronous/transport.py's `exchange`
              (offer, a store flag, a pull with a watchdog): server start, the steady exchange, a partner
              that never offers (bounded by the exchange timeout), a partner that dies during the pull.
@@ -191,6 +192,21 @@ def child(args) -> None:
         why = str(e)
       out["transfer_partner_never_offers"] = {"timeout_s": 2.0, "caller_waited_s": time.perf_counter() - t, "error": why}
     barrier("late-done", (0, 1))
+    # One side skips an exchange (process 1 makes its 2nd and 3rd calls as if the 2nd round had not
+    # happened, then a 4th, late): what does process 0 receive, call by call?
+    sent = [100.0, 110.0, 120.0] if slot == 0 else [200.0, 220.0, 240.0]
+    got_values, waits = [], []
+    for i, v in enumerate(sent):
+      if slot == 1 and i == 2:
+        time.sleep(args.late_s)
+      got, dt, _ = ppermute_swap(0, 1, np.full((1, 8), v, np.float32))
+      got_values.append(float(got[0, 0]))
+      waits.append(dt)
+    if slot == 0:
+      out["ppermute_after_a_skip"] = {"sent": sent, "received": got_values, "waits_s": waits,
+                                      "partner_skipped": "its round 2 (it sent 200 for round 1, 220 for round 3, "
+                                                         f"240 for round 4, {args.late_s} s late)"}
+    barrier("skip-done", (0, 1))
 
   # ---- A partner that dies during the exchange: slot 1 in a ppermute, slot 2 in a transfer ----
   big_n = int(max(sizes) * 2**20 / 4)

@@ -42,6 +42,39 @@ def test_two_servers_exchange_pytrees():
   assert a.stats.exchanges == 1 and a.stats.bytes_received == sum(x.nbytes for x in jax.tree.leaves(msg_b))
 
 
+def test_a_message_sharded_over_local_devices_arrives_in_the_same_sharding():
+  """A process holding several replicas sends them as one [k, ...] array over its devices."""
+  kv, a, b = _pair()
+  mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:4]), ("replica",))
+  sharding = jax.NamedSharding(mesh, jax.P("replica"))
+  x_a = jax.device_put(jnp.arange(4 * 6, dtype=jnp.float32).reshape(4, 6), sharding)
+  x_b = jax.device_put(-jnp.arange(4 * 6, dtype=jnp.float32).reshape(4, 6), sharding)
+  out = {}
+  t = threading.Thread(target=lambda: out.__setitem__("b", b.exchange({"x": x_b}, [_member(0, 10)], 9, 60)))
+  t.start()
+  got = a.exchange({"x": x_a}, [_member(1, 11)], 9, timeout_s=60)[0]["x"]
+  t.join(timeout=60)
+  assert got.sharding == sharding
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(x_b))
+  np.testing.assert_array_equal(np.asarray(out["b"][0]["x"]), np.asarray(x_a))
+
+
+def test_jax_pull_timeout_does_not_end_a_pull_of_nothing():
+  """The JAX limit transport.py works around (docs/async.md §8): a pull of an id never offered ignores
+  its own 1 s deadline; only the poisoned connection ends it, 4 s later. If a JAX upgrade makes the
+  deadline work, this fails and the watchdog can go."""
+  import datetime  # pylint: disable=g-import-not-at-top
+  _, a, b = _pair()
+  conn = a.server.connect(b.server.address())
+  spec = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  threading.Timer(4.0, conn._poison_connection).start()  # pylint: disable=protected-access
+  start = time.monotonic()
+  with pytest.raises(Exception, match="InjectFailure|Connection closed"):  # ended by the poisoning, not by 1 s
+    got = conn.pull(transport.uuid(1, 1, 0), [spec], timeout=datetime.datetime.now() + datetime.timedelta(seconds=1))
+    jax.block_until_ready(got)  # pull returns at once; its arrays are ready when the data came
+  assert time.monotonic() - start > 3.5
+
+
 def test_a_partner_that_never_offers_fails_the_exchange_at_its_timeout():
   kv, a, _ = _pair()
   start = time.monotonic()
