@@ -61,7 +61,7 @@ def test_the_first_donor_is_uniform_over_the_live_peers():
 def test_a_killed_process_is_left_behind_and_its_restart_joins_from_a_peer(tmp_path):
   out = str(tmp_path)
   args = ["--log_dir", out, "--rounds", "4", "--lease_s", "4", "--max_wait_s", "2", "--exchange_timeout_s", "10"]
-  job = launch_local.Job(3, 1, [*args, "--run_s", "30"], module=DEMO, log_dir=os.path.join(out, "logs"),
+  job = launch_local.Job(3, 1, [*args, "--run_s", "35"], module=DEMO, log_dir=os.path.join(out, "logs"),
                          env={"NOLOCO_FAULTS": "kill:process=2,step=20"})
   try:
     assert job.procs[2].wait(timeout=240) == -9, _logs(out)
@@ -121,7 +121,7 @@ def test_process_0_can_die_and_a_new_process_joins_through_a_reserved_slot(tmp_p
       env = launch_local.process_env(slot, 4, 1, port, {"NOLOCO_FAULTS": "kill:process=0,step=20"})
       log = open(os.path.join(out, "logs", f"process_{slot}.log"), "w")
       logs.append(log)
-      procs.append(subprocess.Popen([sys.executable, "-m", DEMO, *common, "--run_s", "25"], env=env, stdout=log,
+      procs.append(subprocess.Popen([sys.executable, "-m", DEMO, *common, "--run_s", "35"], env=env, stdout=log,
                                     stderr=subprocess.STDOUT))
     reserve = subprocess.run([sys.executable, "-m", "noloco_jax.asynchronous.control", "--num_processes=4",
                               "--reserve_slot=3", f"--coordinator_address=127.0.0.1:{port}", "--standalone_service"],

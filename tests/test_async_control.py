@@ -11,7 +11,7 @@ import time
 import pytest
 
 import async_child
-from noloco_jax.asynchronous import control, liveness
+from noloco_jax.asynchronous import control, liveness, session
 
 
 # ---- MemoryKV: the same semantics as the service, in one process ----
@@ -82,11 +82,34 @@ def test_liveness_over_memory_kv_sees_a_silent_thread_lost():
   a.leave()
 
 
+def test_a_newcomer_tells_a_beating_peer_from_a_dead_one():
+  """A just-started observer holds every lease it sees alive until a lease passes; `beating` does not
+  wait that long: it keeps only the slots whose heartbeat moves (what a joiner picks donors from)."""
+  kv = control.MemoryKV()
+  alive = liveness.Liveness(kv, 0, 1, beat_s=0.02, lease_s=30.0).start()
+  kv.set("live/1", "2:57")  # the last beat of a process that has died
+  newcomer = liveness.Liveness(kv, 2, 3, beat_s=0.02, lease_s=30.0).start()
+  assert sorted(newcomer.poll()) == [0, 1, 2]
+  assert newcomer.beating() == {0: 1}
+  alive.leave()
+  newcomer.leave()
+
+
 @pytest.mark.parametrize("kwargs,field", [(dict(beat_s=2.0, lease_s=1.0), "beat_s=2.0"),
                                           (dict(beat_s=0.1, lease_s=-1.0), "beat_s=0.1")])
 def test_bad_lease_settings_name_the_value(kwargs, field):
   with pytest.raises(ValueError, match=field):
     liveness.Liveness(control.MemoryKV(), 0, 1, **kwargs)
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("max_wait_s", 0.0, "outer.max_wait_s=0.0 is not valid"), ("window_s", -1.0, "outer.match_window_s=-1.0"),
+    ("exchange_timeout_s", 0.0, "outer.exchange_timeout_s=0.0"), ("odd", "pairs", "outer.match_odd='pairs'"),
+    ("lease_s", 0.1, "outer.lease_s=0.1")])
+def test_bad_session_options_are_one_line_naming_the_field(field, value, named):
+  with pytest.raises(ValueError, match=named.replace("(", r"\(")) as e:
+    session.Options(**{field: value}).check()
+  assert "\n" not in str(e.value)
 
 
 # ---- Over JAX's coordination service, three processes ----

@@ -10,8 +10,9 @@ P *slots*; a process that (re)starts takes a slot whose process is gone, with th
 (measured with recoverability on: the service accepts the new incarnation whether the old one's
 death has been noticed or not, and the backend starts; docs/async.md). It then:
 
-1. picks a donor among the live slots by a seeded draw (seed, slot, incarnation), and posts a request
-   `join/<donor>/<slot>` = {incarnation, tag};
+1. picks a donor among the slots whose heartbeat moves (liveness.Liveness.beating: a just-started
+   process cannot yet tell a dead peer's last lease from a live one's) by a seeded draw (seed, slot,
+   incarnation), and posts a request `join/<donor>/<slot>` = {incarnation, tag};
 2. the donor, at its next round boundary (`Donor.serve`, one store read per round), offers its state
    through its transfer server and answers `joinok/<slot>/<tag>` = {donor, progress};
 3. the joiner pulls the state (bounded, as every pull: transport.py); if the donor does not answer

@@ -139,6 +139,25 @@ class Liveness:
       self._thread.join(timeout=5 * self.beat_s)
     self.kv.set(f"{PREFIX}{self.slot}", f"{self.incarnation}:{LEFT}")
 
+  def beating(self, wait_s: float | None = None) -> dict[int, int]:
+    """{slot: incarnation} of the others whose heartbeat moves within `wait_s` (default 3 beats).
+
+    For a process that has just started: its first poll holds every slot alive (a lease starts at
+    first sight), a dead one included until a lease has passed; a beat that moves proves life now.
+    """
+    wait_s = 3 * self.beat_s if wait_s is None else wait_s
+    before = self.kv.dir(PREFIX)
+    time.sleep(wait_s)
+    after = self.kv.dir(PREFIX)
+    moved = {}
+    for key, value in after.items():
+      slot = int(key[len(PREFIX):])
+      inc, _, tail = value.partition(":")
+      if slot != self.slot and tail != LEFT and before.get(key) != value:
+        moved[slot] = int(inc)
+    self.poll()
+    return moved
+
   def poll(self) -> dict[int, int]:
     """Reads every lease once (one store call); returns {slot: incarnation} of the live members."""
     raw = self.kv.dir(PREFIX)

@@ -134,7 +134,7 @@ class Session:
 
   def join(self, template):
     """As a (re)started process: (state, donor slot, donor progress) from a live peer (churn.join)."""
-    live = self.liveness.poll()
+    live = self.liveness.beating()  # not poll(): a dead donor's stale lease would cost a whole join timeout
     state, donor, progress = churn.join(self.kv, self.transport, self.slot, self.incarnation, template, live,
                                         seed=self.options.seed, timeout_s=self.options.join_timeout_s)
     if self._events is not None:
