@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import jax.numpy as jnp
 import numpy as np

@@ -30,6 +30,7 @@ batch; the closer of batch b deletes the record and ticket entries of batch b âˆ
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -109,7 +110,7 @@ class Matchmaker:
     self._live, self._clock = live, clock
     self._batch, self._last = 0, 0  # cursor: the first batch not yet read, the last ticket before it
     self.stats = Stats()
-    self.history: list[dict] = []  # one entry per ready(): the batches this process read, for the logs
+    self.history: collections.deque[dict] = collections.deque(maxlen=1000)  # the last rounds' outcomes
 
   # ---- The call the driver makes ----
 
