@@ -16,9 +16,10 @@ incarnation from the runtime) is a new member: it joins, and an old incarnation 
 lost at that moment. Detection takes between lease_s and
 lease_s + the observer's polling interval (measured in tests/test_async_control.py and docs/async.md).
 
-Why the thread keeps beating while the process computes: XLA releases Python's GIL while it runs a
-program or compiles one, so a busy process still renews its lease. A lease says the process is
-running, not that it is making progress; a process that is alive but never ready simply never pairs.
+Why the thread keeps beating while the process computes: JAX dispatches programs asynchronously and
+waits for results outside Python's GIL, so the heartbeat thread runs during the inner steps (the
+tests' processes beat while they train). A lease says the process is running, not that it is making
+progress; a process that is alive but never ready simply never pairs.
 
 Every change an observer sees becomes an event {"time", "slot", "incarnation", "event"} with event one
 of joined | left | lost | returned, kept in `events` and passed to `on_event` (logged per process).
