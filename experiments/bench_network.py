@@ -21,7 +21,7 @@ compiles its own copy on its own cores, behind H inner steps of real compute; th
 benchmark is about. `--pairing fresh` measures it anyway; the JSON's `program_wait_s` says, per
 process, the seconds per measured round it blocked on its compiled round program.
 
-Every step is timed by NOLOCO_TRACE (training/plugins/faults.py: the loop waits for each step, so host and
+Every step is timed by NOLOCO_TRACE (runtime/faults.py: the loop waits for each step, so host and
 device no longer overlap). Per process: busy = inner steps + injected sleep; wait = time in outer
 rounds (the exchange and the wait for partners). DDP's all-reduce is inside its inner step, so its
 wait is the inner time beyond the same process's median NoLoCo inner step (a step with no

@@ -10,7 +10,7 @@ process's traffic shares that one queue). No traffic leaves 127.0.0.1 of that na
    and with the send called from a second host thread. Concurrent execution shows as a time near the
    larger of the two, serial execution as their sum.
 2. Training (default): the smoke model trained by P processes with outer.overlap_steps = 0 and = τ, the
-   same bandwidth, steps timed by NOLOCO_TRACE (training/plugins/faults.py). A step's compute is simulated by a
+   same bandwidth, steps timed by NOLOCO_TRACE (runtime/faults.py). A step's compute is simulated by a
    sleep of --step_s after it (NOLOCO_FAULTS delay; the smoke model's real step takes milliseconds), so
    the figures do not depend on how loaded this machine is. Per process: round time = (inner steps +
    sleeps + round calls) / rounds; idle = time in round calls (τ = 0: the whole exchange; τ > 0: the

@@ -30,7 +30,7 @@ from typing import Any
 PACKAGE = "noloco_jax"
 # The layers, bottom first (docs/architecture.md): a module's layer is that of its longest listed prefix.
 LAYERS = (("noloco_jax.config",), ("noloco_jax.models", "noloco_jax.inner", "noloco_jax.io.data"),
-          ("noloco_jax.parallel", "noloco_jax.runtime"), ("noloco_jax.outer", "noloco_jax.io"),
+          ("noloco_jax.parallel", "noloco_jax.runtime"), ("noloco_jax.outer", "noloco_jax.asynchronous", "noloco_jax.io"),
           ("noloco_jax.training",), ("noloco_jax.tools",), ("noloco_jax.main", "noloco_jax"))
 
 

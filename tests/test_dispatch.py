@@ -1,7 +1,7 @@
 """Frequent outer rounds on 8 fake CPU devices run to the end (issue 18, item 16).
 
 Without a bound on how far the host dispatches ahead, XLA:CPU deadlocks in the round's collective
-and aborts the process (training/dispatch.py explains the mechanism), so both tests run in a
+and aborts the process (training/plugins/dispatch.py explains the mechanism), so both tests run in a
 subprocess, with XLA's collective termination timeout cut from 40 s to 5 s so that a deadlock
 fails the test quickly instead of hanging it.
 """
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from noloco_jax.training import dispatch
+from noloco_jax.training.plugins import dispatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,7 +52,7 @@ _PROGRAMS = r"""
 import sys
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from noloco_jax.training import dispatch
+from noloco_jax.training.plugins import dispatch
 
 mesh = jax.make_mesh((8,), ("r",), axis_types=(jax.sharding.AxisType.Auto,))
 shift = [(i, (i + 1) % 8) for i in range(8)]

@@ -190,7 +190,7 @@ def test_link_bytes_of_a_pair_and_a_ring():
 
 
 def test_lognormal_step_times_are_the_fault_injectors_draws():
-  from noloco_jax.training.plugins import faults  # pylint: disable=g-import-not-at-top
+  from noloco_jax.runtime import faults  # pylint: disable=g-import-not-at-top
   times = latency.lognormal_step_times(3, 20, 0.05, 0.5, seed=4)
   for p in range(3):
     injector = faults.Injector(faults.parse("lognormal:median=0.05,sigma=0.5,seed=4"), p)

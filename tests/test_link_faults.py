@@ -1,4 +1,4 @@
-"""NOLOCO_FAULTS `linkdown`: a process's link really drops for t seconds (training/plugins/link_faults.py).
+"""NOLOCO_FAULTS `linkdown`: a process's link really drops for t seconds (runtime/link_faults.py).
 
 * The pieces: the process's own TCP ports read from /proc, and the one-line refusal where the drop
   cannot be made (not root, no tc, or the machine's own network namespace).
@@ -17,8 +17,8 @@ import pytest
 
 from noloco_jax.runtime import failures
 from noloco_jax.io import metrics as metrics_lib
-from noloco_jax.training.plugins import faults
-from noloco_jax.training.plugins import link_faults
+from noloco_jax.runtime import faults
+from noloco_jax.runtime import link_faults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

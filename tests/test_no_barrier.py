@@ -23,7 +23,7 @@ from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.runtime import launch_local
 from noloco_jax.training import build as build_lib
-from noloco_jax.training.plugins import faults
+from noloco_jax.runtime import faults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -50,7 +50,7 @@ def lognormal_step_times(processes: int, steps: int, median: float, sigma: float
   """[steps, P] seconds: the draws NOLOCO_FAULTS `lognormal:median=…,sigma=…,seed=…` makes.
 
   Process p draws from numpy's default_rng(seed + p), one standard normal z per step in step order,
-  and sleeps median·exp(σ·z) (training/plugins/faults.py): the same numbers, so the model sees the delays the
+  and sleeps median·exp(σ·z) (runtime/faults.py): the same numbers, so the model sees the delays the
   run slept, not another sample of their distribution.
   """
   out = np.empty((steps, processes))

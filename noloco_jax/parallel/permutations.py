@@ -43,6 +43,8 @@ STREAM_ROUTING = 0x9B1  # parallel/routing.py: the key of the traced per-crossin
 STREAM_ELASTIC = 0x9C1  # io/checkpoint/resize.py: the peers of added replicas, fallback partners
 STREAM_EPIDEMIC_ORACLE = 0x9D1  # outer/epidemic.py: each round's s-regular graph (EL-Oracle)
 STREAM_EPIDEMIC_LOCAL = 0x9D2  # outer/epidemic.py: each round's s-out graph (EL-Local)
+STREAM_ASYNC_MATCH = 0x9E1  # asynchronous/law.py: the matching of each batch of ready processes
+STREAM_ASYNC_DONOR = 0x9E2  # asynchronous/churn.py: the live peer a joining process copies
 
 
 def generator(stream: int, seed: int, *counters: int) -> np.random.Generator:

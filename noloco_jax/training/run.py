@@ -27,7 +27,7 @@ from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.runtime import distributed
 from noloco_jax.training import build as build_lib
 from noloco_jax.training.loop_state import LoopState
-from noloco_jax.training.plugins import faults
+from noloco_jax.runtime import faults
 
 
 class StepRate:

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from noloco_jax.parallel import mesh as mesh_lib
-from noloco_jax.training import dispatch
+from noloco_jax.training.plugins import dispatch
 from noloco_jax.training.plugins.base import Plugin
 
 
@@ -21,7 +21,7 @@ def evaluate(setup, state, eval_batches: jax.Array) -> dict[str, float]:
   losses = []
   for i in range(eval_batches.shape[0]):
     losses.append(setup.eval_step(state.params, eval_batches[i]))
-    if (i + 1) % dispatch.EVAL_CHUNK == 0:  # bounded run-ahead: see training/dispatch.py
+    if (i + 1) % dispatch.EVAL_CHUNK == 0:  # bounded run-ahead: see training/plugins/dispatch.py
       jax.block_until_ready(losses[-1])
   losses = mesh_lib.fetch(losses)  # per-replica losses live on every process: one all-gather
   per_replica = np.mean(np.stack([np.asarray(x) for x in losses]), axis=0)

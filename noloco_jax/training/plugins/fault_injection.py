@@ -1,5 +1,5 @@
 """NOLOCO_FAULTS / NOLOCO_TRACE (tests, benchmarks): the injected delay, stall, kill or link drop after
-each step, and the step's trace row (training/plugins/faults.py). Registered only when either is set."""
+each step, and the step's trace row (runtime/faults.py). Registered only when either is set."""
 
 from __future__ import annotations
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from noloco_jax.io import writers
-from noloco_jax.training import dispatch
+from noloco_jax.training.plugins import dispatch
 from noloco_jax.training.plugins.base import Plugin
 
 
 class Dispatch(Plugin):
   """The host stays at most a few steps ahead of the devices: queuing more deadlocks XLA:CPU's
-  collectives (training/dispatch.py explains how). Not optional: every run registers it."""
+  collectives (training/plugins/dispatch.py explains how). Not optional: every run registers it."""
   name = "dispatch"
 
   def __init__(self):

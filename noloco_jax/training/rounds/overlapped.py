@@ -18,7 +18,7 @@ Calling the exchange program from a second host thread does: the main thread kee
 steps while the worker thread sits in the exchange. So with one local device per process on CPU
 (`threaded`), the exchange is called on a one-thread executor. Elsewhere (several local devices, where
 XLA:CPU's gang-scheduled thread pool must not be shared with a pending collective, see
-training/dispatch.py; or other backends, not measured) it is dispatched in order on the main thread:
+training/plugins/dispatch.py; or other backends, not measured) it is dispatched in order on the main thread:
 the arithmetic is the same, only nothing is hidden.
 
 `settle` (before evaluation, a job-wide log, the stop agreement, a checkpoint) waits for the exchange

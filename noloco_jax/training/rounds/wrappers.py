@@ -3,7 +3,7 @@
 - `Guarded` (nan_policy="skip_round"): the RoundGuard of io/checkpoint/guard.py snapshots the state at
   a round's start, watches its losses, and after the round boundary undoes a round that produced a
   non-finite loss or state.
-- `Traced` (NOLOCO_TRACE, benchmarks): the injector of training/plugins/faults.py waits for the inner
+- `Traced` (NOLOCO_TRACE, benchmarks): the injector of runtime/faults.py waits for the inner
   step before a round boundary and times the boundary's work (the exchange and any wait for partners)
   and the round's wait for its compiled program.
 """

@@ -16,7 +16,7 @@ come from the environment variable NOLOCO_FAULTS, a `;`-separated list of `kind:
     linkdown:process=1,step=4,seconds=2          drop every packet of process 1's TCP sockets for 2 s
                                                  from step 4 on while it keeps computing (a real
                                                  outage, tc on loopback: root, inside `unshare -n`;
-                                                 training/plugins/link_faults.py)
+                                                 runtime/link_faults.py)
 
 `process=*` (or leaving `process` out) applies to every process. Nothing else reads the variable;
 without it `after_step` does nothing, so a normal run carries no fault code on its path.
@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from noloco_jax.runtime import failures
-from noloco_jax.training.plugins import link_faults
+from noloco_jax.runtime import link_faults
 
 ENV = "NOLOCO_FAULTS"
 TRACE_ENV = "NOLOCO_TRACE"

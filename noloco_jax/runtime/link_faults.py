@@ -1,6 +1,6 @@
 """A link that really goes down: every packet of this process's TCP sockets dropped for t seconds.
 
-NOLOCO_FAULTS `linkdown:process=1,step=4,seconds=2` (training/plugins/faults.py) calls `LinkDown.start()`
+NOLOCO_FAULTS `linkdown:process=1,step=4,seconds=2` (runtime/faults.py) calls `LinkDown.start()`
 after step 4 on process 1: it finds the local ports of every TCP socket the process has open at that
 moment (its gloo connections to its peers, its listening port, its client connection to the
 coordinator), and from then on, for `seconds`, the kernel drops every packet to or from those ports.

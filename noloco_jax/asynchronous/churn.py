@@ -1,0 +1,135 @@
+"""Live churn: a process that joins a running job takes its weights from one live peer.
+
+Leaving needs nothing here: a process that dies stops renewing its lease (liveness.py), the others
+see it lost within a lease, no batch admits it again (matchmaking.py keeps only members whose lease
+is held), and an exchange it was part of fails within its timeout (transport.py). Every process logs
+the membership events it sees (who joined, left or was lost, and when) through `EventLog`.
+
+Joining. JAX fixes the number of processes at `jax.distributed.initialize`, so a job is started with
+P *slots*; a process that (re)starts takes a slot whose process is gone, with the same process id
+(measured with recoverability on: the service accepts the new incarnation whether the old one's
+death has been noticed or not, and the backend starts; docs/async.md). It then:
+
+1. picks a donor among the slots whose heartbeat moves (liveness.Liveness.beating: a just-started
+   process cannot yet tell a dead peer's last lease from a live one's) by a seeded draw (seed, slot,
+   incarnation), and posts a request `join/<donor>/<slot>` = {incarnation, tag};
+2. the donor, at its next round boundary (`Donor.serve`, one store read per round), offers its state
+   through its transfer server and answers `joinok/<slot>/<tag>` = {donor, progress};
+3. the joiner pulls the state (bounded, as every pull: transport.py); if the donor does not answer
+   in `timeout_s`, it tries the next donor of its draw.
+
+What is copied is the rule of `checkpoint.elastic=grow` (io/checkpoint/resize.py): the peer's slow
+weights φ, which become the new process's θ and φ, outer momentum δ = 0 (a member that has taken no
+outer step has no momentum; copying the peer's would repeat the peer's next outer step), and the
+peer's inner optimiser state (its step count keeps the learning-rate schedule in step; its moments
+keep Adam's bias correction right). `grow_from_peer` is that rule as a pure function.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from noloco_jax.asynchronous import transport as transport_lib
+from noloco_jax.asynchronous.control import KV
+from noloco_jax.parallel import permutations
+
+JOIN_TAGS = 1 << 39  # join transfers use tags from here up; exchanges use batch indices below
+
+
+def grow_from_peer(peer_phi, peer_inner_state, delta_like):
+  """(θ, φ, δ, inner state) of a member that starts from a peer: θ = φ = φ_peer, δ = 0, the peer's inner state."""
+  theta = jax.tree.map(jnp.array, peer_phi)
+  phi = jax.tree.map(jnp.array, peer_phi)
+  delta = jax.tree.map(jnp.zeros_like, delta_like)
+  return theta, phi, delta, peer_inner_state
+
+
+def donor_order(live_slots, me: int, seed: int, incarnation: int) -> list[int]:
+  """The live peers in the seeded order a joiner tries them (uniform first choice)."""
+  peers = sorted(s for s in live_slots if s != me)
+  perm = permutations.generator(permutations.STREAM_ASYNC_DONOR, seed, me, incarnation % (1 << 62)).permutation(len(peers))
+  return [peers[i] for i in perm]
+
+
+class Donor:
+  """The serving side: called by the driver at every round boundary with a function giving its state."""
+
+  def __init__(self, kv: KV, transport: transport_lib.Transport, slot: int):
+    self.kv, self.transport, self.slot = kv, transport, slot
+    self._served: set[str] = set()
+    self.served: list[dict] = []
+
+  def serve(self, state_fn, progress: int, offer_s: float = 120.0) -> int:
+    """Offers `state_fn()` (a pytree of arrays) to every new joiner that asked this slot; returns how many."""
+    requests = self.kv.dir(f"join/{self.slot}/")
+    fresh = {k: v for k, v in requests.items() if k not in self._served}
+    for key, raw in fresh.items():
+      self._served.add(key)
+      request = json.loads(raw)
+      joiner, tag = int(key.rsplit("/", 1)[1]), int(request["tag"])
+      leaves = jax.tree.leaves(state_fn())
+      self.transport.offer(leaves, tag, joiner, offer_s)
+      self.kv.set(f"joinok/{joiner}/{tag}", json.dumps({"donor": self.slot, "incarnation": self.transport.incarnation,
+                                                        "progress": int(progress),
+                                                        "signature": transport_lib.signature(leaves)}))
+      self.served.append({"time": time.time(), "joiner": joiner, "incarnation": request["incarnation"], "tag": tag})
+    return len(fresh)
+
+
+def join(kv: KV, transport: transport_lib.Transport, slot: int, incarnation: int, template, live_slots, *,
+         seed: int, timeout_s: float):
+  """As a (re)started process: (state, donor slot, donor progress) copied from a live peer.
+
+  `template`: a pytree of arrays with the structure, shapes, dtypes and shardings of what donors
+  serve. Raises RuntimeError naming the donors tried when none answered.
+  """
+  tried = []
+  for donor in donor_order(live_slots, slot, seed, incarnation):
+    tag = JOIN_TAGS + kv.increment("join/tags", 1)
+    kv.set(f"join/{donor}/{slot}", json.dumps({"incarnation": incarnation, "tag": tag}))
+    raw = kv.wait(f"joinok/{slot}/{tag}", timeout_s)
+    if raw is None:
+      kv.delete(f"join/{donor}/{slot}")
+      tried.append(f"{donor} (no answer in {timeout_s:.3g} s)")
+      continue
+    answer = json.loads(raw)
+    leaves, treedef = jax.tree.flatten(template)
+    if answer["signature"] != transport_lib.signature(leaves):
+      raise ValueError(f"donor slot {donor} serves a state of shapes and dtypes {answer['signature']}, this process "
+                       f"expects {transport_lib.signature(leaves)}: every process must run the same config.")
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+    member = _Peer(donor, int(answer["incarnation"]))
+    try:
+      got = transport.fetch(member, tag, specs, time.monotonic() + timeout_s)
+    except transport_lib.ExchangeFailed as e:
+      tried.append(f"{donor} ({e.reason})")
+      continue
+    finally:
+      kv.delete(f"join/{donor}/{slot}")
+    return jax.tree.unflatten(treedef, got), donor, int(answer["progress"])
+  raise RuntimeError(f"slot {slot} could not join: no live peer served its state (tried {', '.join(tried) or 'none'}).")
+
+
+class _Peer:
+  def __init__(self, slot: int, incarnation: int):
+    self.slot, self.incarnation = slot, incarnation
+
+
+class EventLog:
+  """Appends this process's membership events (and any other records) to WORKDIR/membership_<slot>.jsonl."""
+
+  def __init__(self, directory: str, slot: int):
+    os.makedirs(directory, exist_ok=True)
+    self.path = os.path.join(directory, f"membership_{slot}.jsonl")
+    self._file = open(self.path, "a", buffering=1)
+
+  def __call__(self, record: dict) -> None:
+    self._file.write(json.dumps(record) + "\n")
+
+  def close(self) -> None:
+    self._file.close()

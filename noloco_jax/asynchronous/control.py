@@ -1,0 +1,314 @@
+"""The control plane's store: JAX's coordination service, reached through one small wrapper.
+
+Why this module exists: everything the asynchronous schedule needs to agree on (who is alive, who is
+ready, who pairs with whom, where each transfer server listens) is a few hundred bytes, and JAX
+already runs a service that every process of a `jax.distributed` job talks to: the coordination
+service, whose key-value store is reachable from every process and linearised by the one process
+that serves it. Its client is private (`jax._src.distributed.global_state.client`); this module is
+the ONLY place that touches it (and the only place that starts the service by hand, see `serve`), so
+that a move of the private API is a one-file fix.
+
+What the store offers (measured with jax 0.10.2, docs/async.md):
+
+- `set` (overwrite) and `create` (insert only if absent: the service answers ALREADY_EXISTS to a
+  second insert of one key, so exactly one of several racing creators wins: a test-and-set);
+- `increment` (atomic add on an integer key; `increment(key, 0)` reads it): a ticket counter;
+- `get` (None when absent), `wait` (blocks up to a timeout), `dir` (every key under a prefix), `delete`.
+
+`MemoryKV` implements the same interface in one process (a dict and a lock): the matchmaker and the
+liveness tracker run unchanged on it in deterministic simulations and thread-level tests.
+
+Recoverability. Without `jax_enable_recoverability` the service tells every process to terminate
+when one dies ("shared fate"); with it the others keep running. It must be set before
+`jax.distributed.initialize`, which `initialize` here does.
+
+Process 0. The service runs inside process 0 by default; when process 0 exits, every other process
+aborts (status 134), recoverability or not. `serve` runs the same service (JAX's own class) in a
+small process of its own: `python -m noloco_jax.asynchronous.control --port=PORT --num_processes=P`.
+The training processes then connect to it (`initialize(..., standalone_service=True)`), process 0
+binding its own, unused, in-process service to a spare port; process 0 can then die like any other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Protocol
+
+import jax
+
+NAMESPACE = "noloco_async/"  # every key of the asynchronous schedule lives under this prefix
+
+
+class KV(Protocol):
+  """The key-value operations the control plane uses (JaxKV over the service; MemoryKV in tests)."""
+
+  def set(self, key: str, value: str) -> None: ...
+  def create(self, key: str, value: str) -> bool: ...
+  def get(self, key: str) -> str | None: ...
+  def wait(self, key: str, timeout_s: float) -> str | None: ...
+  def increment(self, key: str, by: int) -> int: ...
+  def dir(self, prefix: str) -> dict[str, str]: ...
+  def delete(self, key: str) -> None: ...
+
+
+# ---- Over JAX's coordination service ----
+
+
+def _is(error: Exception, code: str) -> bool:
+  """Whether a JaxRuntimeError carries the status `code` (its message starts with it)."""
+  return str(error).startswith(code)
+
+
+class JaxKV:
+  """The coordination service's key-value store, with every key under NAMESPACE."""
+
+  def __init__(self, client=None):
+    if client is None:
+      from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top  (private: here only)
+      client = global_state.client
+      if client is None:
+        raise RuntimeError("jax.distributed is not initialised: call noloco_jax.asynchronous.control.initialize "
+                           "(or jax.distributed.initialize) first.")
+    self._client = client
+
+  def set(self, key: str, value: str) -> None:
+    self._client.key_value_set(NAMESPACE + key, value, allow_overwrite=True)
+
+  def create(self, key: str, value: str) -> bool:
+    """Inserts `key` unless it exists; True if this call inserted it (exactly one racing caller wins)."""
+    try:
+      self._client.key_value_set(NAMESPACE + key, value, allow_overwrite=False)
+      return True
+    except jax.errors.JaxRuntimeError as e:
+      if _is(e, "ALREADY_EXISTS"):
+        return False
+      raise
+
+  def get(self, key: str) -> str | None:
+    try:
+      return self._client.key_value_try_get(NAMESPACE + key)
+    except jax.errors.JaxRuntimeError as e:
+      if _is(e, "NOT_FOUND"):
+        return None
+      raise
+
+  def wait(self, key: str, timeout_s: float) -> str | None:
+    """The value of `key` once it exists, or None after `timeout_s` (the service holds the call)."""
+    if timeout_s <= 0:
+      return self.get(key)
+    try:
+      return self._client.blocking_key_value_get(NAMESPACE + key, max(1, int(timeout_s * 1000)))
+    except jax.errors.JaxRuntimeError as e:
+      if _is(e, "DEADLINE_EXCEEDED") or "timed out" in str(e).lower():
+        return None
+      raise
+
+  def increment(self, key: str, by: int) -> int:
+    return int(self._client.key_value_increment(NAMESPACE + key, by))
+
+  def dir(self, prefix: str) -> dict[str, str]:
+    """{key: value} of every key under `prefix` (keys without NAMESPACE; `prefix` must end with '/')."""
+    full = NAMESPACE + prefix
+    return {k[len(NAMESPACE):]: v for k, v in self._client.key_value_dir_get(full)}
+
+  def delete(self, key: str) -> None:
+    self._client.key_value_delete(NAMESPACE + key)
+
+  # Bytes values: the store as a data plane, measured by experiments/bench_async_transport.py (every
+  # byte passes through the one process serving the store; not used for weights, docs/async.md).
+
+  def set_bytes(self, key: str, value: bytes) -> None:
+    self._client.key_value_set_bytes(NAMESPACE + key, value, allow_overwrite=True)
+
+  def wait_bytes(self, key: str, timeout_s: float) -> bytes | None:
+    try:
+      return self._client.blocking_key_value_get_bytes(NAMESPACE + key, max(1, int(timeout_s * 1000)))
+    except jax.errors.JaxRuntimeError as e:
+      if _is(e, "DEADLINE_EXCEEDED") or "timed out" in str(e).lower():
+        return None
+      raise
+
+
+def live_nodes(process_ids) -> dict[int, int]:
+  """The runtime's own view: {process id: incarnation} of the live processes among `process_ids`.
+
+  A BARRIER (what `jax.live_devices` calls): it returns once every live process named has called it,
+  and a dead one is left out only once the service has declared it dead (heartbeat_timeout_s). Not
+  used by the schedule, which cannot wait for the others (liveness.py); measured by
+  experiments/bench_async_control.py.
+  """
+  from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top
+  return {int(k): int(v) for k, v in global_state.client.get_live_nodes(list(process_ids)).items()}
+
+
+def incarnation() -> int:
+  """This process's incarnation id as the coordination service knows it (new on every (re)start).
+
+  `live_nodes` over this process alone returns at once (over several processes it is a barrier).
+  """
+  me = jax.process_index()
+  return live_nodes([me])[me]
+
+
+# ---- In one process (simulations, thread-level tests) ----
+
+
+class MemoryKV:
+  """The KV interface over a dict: linearisable (one lock), `wait` blocks on a condition variable."""
+
+  def __init__(self):
+    self._data: dict[str, str] = {}
+    self._cv = threading.Condition()
+
+  def set(self, key: str, value: str) -> None:
+    with self._cv:
+      self._data[key] = value
+      self._cv.notify_all()
+
+  def create(self, key: str, value: str) -> bool:
+    with self._cv:
+      if key in self._data:
+        return False
+      self._data[key] = value
+      self._cv.notify_all()
+      return True
+
+  def get(self, key: str) -> str | None:
+    with self._cv:
+      return self._data.get(key)
+
+  def wait(self, key: str, timeout_s: float) -> str | None:
+    end = time.monotonic() + max(timeout_s, 0.0)
+    with self._cv:
+      while key not in self._data:
+        left = end - time.monotonic()
+        if left <= 0:
+          return None
+        self._cv.wait(left)
+      return self._data[key]
+
+  def increment(self, key: str, by: int) -> int:
+    with self._cv:
+      value = int(self._data.get(key, "0")) + by
+      self._data[key] = str(value)
+      self._cv.notify_all()
+      return value
+
+  def dir(self, prefix: str) -> dict[str, str]:
+    with self._cv:
+      return {k: v for k, v in self._data.items() if k.startswith(prefix)}
+
+  def delete(self, key: str) -> None:
+    with self._cv:
+      self._data.pop(key, None)
+
+
+# ---- Starting the runtime ----
+
+
+def enable_recoverability() -> None:
+  """Lets the job outlive a failed process (must precede jax.distributed.initialize)."""
+  if jax.distributed.is_initialized() and not jax.config.jax_enable_recoverability:
+    raise RuntimeError("jax.distributed was initialised without jax_enable_recoverability: the asynchronous "
+                       "schedule needs it set before jax.distributed.initialize (the default ends every process "
+                       "when one dies).")
+  jax.config.update("jax_enable_recoverability", True)
+
+
+def _spare_port(host: str) -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int, *, heartbeat_timeout_s: int = 30,
+               initialization_timeout_s: int = 300, shutdown_timeout_s: int = 30,
+               standalone_service: bool = False) -> JaxKV:
+  """jax.distributed with recoverability on; returns the store.
+
+  `standalone_service`: the service at `coordinator_address` runs in its own process (`serve`), so
+  process 0 binds the in-process service JAX always starts for it to a spare local port, where no
+  one connects, and is then a process like the others.
+  """
+  enable_recoverability()
+  if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives between processes
+  bind = None
+  if standalone_service and process_id == 0:
+    bind = f"127.0.0.1:{_spare_port('127.0.0.1')}"
+  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                             process_id=process_id, initialization_timeout=initialization_timeout_s,
+                             heartbeat_timeout_seconds=heartbeat_timeout_s,
+                             shutdown_timeout_seconds=shutdown_timeout_s, coordinator_bind_address=bind)
+  return JaxKV()
+
+
+def serve(port: int, num_processes: int, *, heartbeat_timeout_s: int = 30, shutdown_timeout_s: int = 30,
+          bind_host: str = "[::]"):
+  """Starts JAX's coordination service (recoverable) in this process; returns its handle (keep it alive)."""
+  from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top  (private: here only)
+  return _jax.get_distributed_runtime_service(f"{bind_host}:{port}", num_processes,
+                                              heartbeat_timeout=heartbeat_timeout_s,
+                                              shutdown_timeout=shutdown_timeout_s, recoverable=True)
+
+
+def reserve_slot(coordinator_address: str, num_processes: int, process_id: int, *, heartbeat_timeout_s: int = 30,
+                 standalone_service: bool = False) -> None:
+  """Takes part in the job's start-up as `process_id`, then leaves: a spare slot for a process that joins later.
+
+  jax.distributed cannot start with fewer processes than `num_processes` (every process registers
+  at start-up; measured: with one missing, the others abort after initialization_timeout_s), and
+  cannot grow past it. So a job meant to grow starts its spare slots with this; a process that
+  joins later initialises with the same id (its new incarnation is accepted, recoverability on).
+  """
+  initialize(coordinator_address, num_processes, process_id, heartbeat_timeout_s=heartbeat_timeout_s,
+             standalone_service=standalone_service)
+  jax.devices()  # the start-up exchange of device topologies needs every process's backend
+  JaxKV().set(f"live/{process_id}", f"{incarnation()}:left")  # liveness.py's "left": never a member
+  logging.info("Slot %d reserved for a process that joins later.", process_id)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description="Runs the coordination service of an asynchronous job in a "
+                                   "process of its own, until SIGTERM or SIGINT; or, with --reserve_slot, "
+                                   "takes part in a job's start-up as that process id and leaves at once.")
+  parser.add_argument("--port", type=int, default=None, help="serve on this port")
+  parser.add_argument("--num_processes", type=int, required=True)
+  parser.add_argument("--heartbeat_timeout_s", type=int, default=30)
+  parser.add_argument("--shutdown_timeout_s", type=int, default=30)
+  parser.add_argument("--reserve_slot", type=int, default=None, help="this process id is a spare slot")
+  parser.add_argument("--coordinator_address", default=None, help="host:port of the service (--reserve_slot)")
+  parser.add_argument("--standalone_service", action="store_true", help="the service runs in its own process")
+  opts = parser.parse_args(argv)
+  if opts.num_processes < 1:
+    parser.error(f"--num_processes={opts.num_processes} is not valid: an integer ≥ 1.")
+  if opts.reserve_slot is not None:
+    if not opts.coordinator_address:
+      parser.error("--reserve_slot needs --coordinator_address=host:port.")
+    reserve_slot(opts.coordinator_address, opts.num_processes, opts.reserve_slot,
+                 heartbeat_timeout_s=opts.heartbeat_timeout_s, standalone_service=opts.standalone_service)
+    sys.stdout.flush()
+    os._exit(0)  # pylint: disable=protected-access  (JAX's shutdown barrier would wait for the whole job)
+  if opts.port is None:
+    parser.error("--port is needed to serve (or --reserve_slot to reserve a slot).")
+  service = serve(opts.port, opts.num_processes, heartbeat_timeout_s=opts.heartbeat_timeout_s,
+                  shutdown_timeout_s=opts.shutdown_timeout_s)
+  stop = threading.Event()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stop.set())
+  print(f"coordination service for {opts.num_processes} processes on port {opts.port}", flush=True)
+  stop.wait()
+  service.shutdown()
+  return 0
+
+
+if __name__ == "__main__":
+  logging.basicConfig(level=logging.INFO)
+  sys.exit(main())

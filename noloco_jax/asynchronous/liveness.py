@@ -1,0 +1,173 @@
+"""Who is alive: leases on heartbeat counters kept in the coordination service's store.
+
+Why leases and not the runtime's own view: JAX's coordination service does detect a dead process
+(after `heartbeat_timeout_s` without heartbeats), but the only way to ask it, `get_live_nodes` (what
+`jax.live_devices` calls), is a barrier: it returns only once every live process it names has called
+it (measured: it blocked 5 s while one of two processes slept 5 s, and 9.4 s, the heartbeat timeout,
+when one of three had died). A process that trains at its own pace cannot wait for all the others to
+ask who is alive, so liveness here is read from the store, which never waits for anybody.
+
+The lease. Every process runs a daemon thread that writes `live/<slot>` = "<incarnation>:<counter>"
+every `beat_s` seconds, the counter counting up. An observer remembers, by its own monotonic clock,
+when it last saw each slot's value change; a slot whose value has not changed for `lease_s` seconds is
+lost. Only the observer's clock is used, so the hosts' clocks need not agree. A process that leaves
+normally writes "<incarnation>:left" and is gone at once. A restarted process (same slot, a new
+incarnation from the runtime) is a new member: it joins, and an old incarnation still held alive is
+lost at that moment. Detection takes between lease_s and
+lease_s + the observer's polling interval (measured in tests/test_async_control.py and docs/async.md).
+
+Why the thread keeps beating while the process computes: JAX dispatches programs asynchronously and
+waits for results outside Python's GIL, so the heartbeat thread runs during the inner steps (the
+tests' processes beat while they train). A lease says the process is running, not that it is making
+progress; a process that is alive but never ready simply never pairs.
+
+Every change an observer sees becomes an event {"time", "slot", "incarnation", "event"} with event one
+of joined | left | lost | returned, kept in `events` and passed to `on_event` (logged per process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable
+
+from noloco_jax.asynchronous.control import KV
+
+PREFIX = "live/"
+LEFT = "left"
+
+
+@dataclasses.dataclass
+class _Seen:
+  incarnation: int
+  value: str
+  changed_at: float  # observer's monotonic clock
+  state: str  # alive | lost | left
+
+
+class LeaseTable:
+  """The observer's side, pure apart from the clock values it is given (tested with a fake clock)."""
+
+  def __init__(self, me: int, lease_s: float):
+    if lease_s <= 0:
+      raise ValueError(f"lease_s={lease_s} is not valid: a number of seconds > 0.")
+    self.me, self.lease_s = me, lease_s
+    self._seen: dict[int, _Seen] = {}
+
+  def observe(self, values: dict[int, str], now: float) -> list[dict]:
+    """Takes the current `live/<slot>` values at time `now`; returns the events this observation implies."""
+    events = []
+    for slot, value in sorted(values.items()):
+      inc_text, _, tail = value.partition(":")
+      inc = int(inc_text)
+      seen = self._seen.get(slot)
+      if seen is None or seen.incarnation != inc:
+        if seen is not None and seen.state == "alive":
+          # Restarted before its old lease ran out: the old incarnation died without leaving.
+          events.append(_event(slot, seen.incarnation, "lost"))
+        state = LEFT if tail == LEFT else "alive"
+        self._seen[slot] = _Seen(inc, value, now, state)
+        if state == "alive":
+          events.append(_event(slot, inc, "joined"))
+        continue
+      if value != seen.value:
+        seen.value, seen.changed_at = value, now
+        if tail == LEFT:
+          if seen.state != LEFT:
+            seen.state = LEFT
+            events.append(_event(slot, inc, "left"))
+        elif seen.state == "lost":
+          seen.state = "alive"
+          events.append(_event(slot, inc, "returned"))
+    for slot, seen in sorted(self._seen.items()):
+      if slot != self.me and seen.state == "alive" and now - seen.changed_at > self.lease_s:
+        seen.state = "lost"
+        events.append(_event(slot, seen.incarnation, "lost"))
+    return events
+
+  def alive(self) -> dict[int, int]:
+    """{slot: incarnation} of the members currently held alive (this process always is)."""
+    return {s: v.incarnation for s, v in self._seen.items() if v.state == "alive" or s == self.me}
+
+
+def _event(slot: int, incarnation: int, kind: str) -> dict:
+  return {"time": time.time(), "slot": slot, "incarnation": incarnation, "event": kind}
+
+
+class Liveness:
+  """This process's heartbeat (a daemon thread) and its view of the others (`poll`)."""
+
+  def __init__(self, kv: KV, slot: int, incarnation: int, *, beat_s: float = 0.5, lease_s: float = 10.0,
+               on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic):
+    if not 0 < beat_s < lease_s:
+      raise ValueError(f"beat_s={beat_s} is not valid with lease_s={lease_s}: need 0 < beat_s < lease_s "
+                       "(a few beats per lease, so one late beat does not lose the lease).")
+    self.kv, self.slot, self.incarnation = kv, slot, incarnation
+    self.beat_s, self.lease_s, self._clock = beat_s, lease_s, clock
+    self.table = LeaseTable(slot, lease_s)
+    self.events: list[dict] = []
+    self._on_event = on_event
+    self._counter = 0
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    self._lock = threading.Lock()
+
+  def beat(self) -> None:
+    """Renews this process's lease once."""
+    self._counter += 1
+    self.kv.set(f"{PREFIX}{self.slot}", f"{self.incarnation}:{self._counter}")
+
+  def start(self) -> "Liveness":
+    self.beat()
+    self._thread = threading.Thread(target=self._run, name="noloco-heartbeat", daemon=True)
+    self._thread.start()
+    return self
+
+  def _run(self) -> None:
+    while not self._stop.wait(self.beat_s):
+      try:
+        self.beat()
+      except Exception as e:  # pylint: disable=broad-except  (the service is gone: nothing left to renew)
+        logging.warning("Heartbeat of slot %d stopped: %s", self.slot, str(e).splitlines()[0])
+        return
+
+  def leave(self) -> None:
+    """This process stops normally: the others see it gone at their next poll, not after a lease."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout=5 * self.beat_s)
+    self.kv.set(f"{PREFIX}{self.slot}", f"{self.incarnation}:{LEFT}")
+
+  def beating(self, wait_s: float | None = None) -> dict[int, int]:
+    """{slot: incarnation} of the others whose heartbeat moves within `wait_s` (default 3 beats).
+
+    For a process that has just started: its first poll holds every slot alive (a lease starts at
+    first sight), a dead one included until a lease has passed; a beat that moves proves life now.
+    """
+    wait_s = 3 * self.beat_s if wait_s is None else wait_s
+    before = self.kv.dir(PREFIX)
+    time.sleep(wait_s)
+    after = self.kv.dir(PREFIX)
+    moved = {}
+    for key, value in after.items():
+      slot = int(key[len(PREFIX):])
+      inc, _, tail = value.partition(":")
+      if slot != self.slot and tail != LEFT and before.get(key) != value:
+        moved[slot] = int(inc)
+    self.poll()
+    return moved
+
+  def poll(self) -> dict[int, int]:
+    """Reads every lease once (one store call); returns {slot: incarnation} of the live members."""
+    raw = self.kv.dir(PREFIX)
+    values = {int(k[len(PREFIX):]): v for k, v in raw.items()}
+    with self._lock:
+      events = self.table.observe(values, self._clock())
+      for e in events:
+        self.events.append(e)
+        logging.info("Membership: slot %d (incarnation %d) %s.", e["slot"], e["incarnation"], e["event"])
+        if self._on_event is not None:
+          self._on_event(e)
+      return self.table.alive()

@@ -1,0 +1,162 @@
+"""One process's asynchronous schedule: the object a round driver holds (liveness, matchmaking, transport, churn).
+
+The driver's calls, in a process that trains at its own pace:
+
+    session = Session.from_runtime(Options(...), log_dir=WORKDIR)   # after control.initialize
+    state = session.join(template) if restarted else state          # churn.py: weights from a live peer
+    every H inner steps:
+        result = session.round(message, progress=steps_done)        # never waits for anyone but its group
+        if result.exchanged:  (θ, φ, δ) = async_rules.async_noloco_update(φ, δ, result.messages, result.progress, …)
+        session.serve_joins(lambda: (φ, inner_state), progress)     # a joiner may be waiting for us
+    session.close()                                                 # others see us leave at once
+
+`round` answers exchanged (the group's messages, own first, with their progress), skipped (no partner
+within max_wait_s) or failed (a partner did not deliver within exchange_timeout_s); the last two leave
+the state as it was. Every round is appended to WORKDIR/pairings_<slot>.jsonl and every membership
+event (joined, left, lost, returned) to WORKDIR/membership_<slot>.jsonl, per process, so that no
+process ever writes for another and whoever reads them merges them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+
+from noloco_jax.asynchronous import churn, control, law, liveness, matchmaking
+from noloco_jax.asynchronous import transport as transport_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  seed: int = 0
+  window_s: float = 0.05  # how long a batch of ready processes stays open for more (law.py)
+  max_wait_s: float = 5.0  # a process's budget for finding a partner in one round
+  exchange_timeout_s: float = 60.0  # how long one exchange may take before it counts as failed
+  odd: str = "triple"  # an odd batch: one triple (noloco's group mean over three) or one left out
+  beat_s: float = 0.5  # heartbeat interval
+  lease_s: float = 10.0  # silent this long: lost
+  close_grace_s: float = 5.0  # members close a batch whose opener did not, after window_s + this
+  join_timeout_s: float = 120.0  # how long a joiner waits for one donor
+
+  def check(self) -> None:
+    """One line naming the field for a bad value."""
+    if self.window_s < 0:
+      raise ValueError(f"outer.match_window_s={self.window_s} is not valid: seconds ≥ 0.")
+    if self.max_wait_s <= 0:
+      raise ValueError(f"outer.max_wait_s={self.max_wait_s} is not valid: seconds > 0.")
+    if self.exchange_timeout_s <= 0:
+      raise ValueError(f"outer.exchange_timeout_s={self.exchange_timeout_s} is not valid: seconds > 0.")
+    if self.odd not in law.ODD_RULES:
+      raise ValueError(f"outer.match_odd={self.odd!r} is not valid; choose one of {law.ODD_RULES}.")
+    if not 0 < self.beat_s < self.lease_s:
+      raise ValueError(f"outer.lease_s={self.lease_s} is not valid with a heartbeat every {self.beat_s} s: "
+                       "a lease longer than the heartbeat interval.")
+
+
+@dataclasses.dataclass
+class RoundResult:
+  status: str  # exchanged | skipped | failed
+  batch: int | None = None
+  group: tuple[int, ...] = ()  # slots, this one included
+  incarnations: tuple[int, ...] = ()  # of the group's members, in `group` order
+  messages: list = dataclasses.field(default_factory=list)  # own message first, then the partners', in `group` order
+  progress: list[int] = dataclasses.field(default_factory=list)  # the same order
+  waited_s: float = 0.0  # ready → matched (or gave up)
+  exchange_s: float = 0.0
+  reason: str = ""
+
+  @property
+  def exchanged(self) -> bool:
+    return self.status == "exchanged"
+
+
+class Session:
+
+  def __init__(self, kv: control.KV, slot: int, incarnation: int, options: Options, *, log_dir: str | None = None):
+    options.check()
+    self.kv, self.slot, self.incarnation, self.options = kv, slot, incarnation, options
+    self._events = churn.EventLog(log_dir, slot) if log_dir else None
+    self._pairings = open(os.path.join(log_dir, f"pairings_{slot}.jsonl"), "a", buffering=1) if log_dir else None
+    self.liveness = liveness.Liveness(kv, slot, incarnation, beat_s=options.beat_s, lease_s=options.lease_s,
+                                      on_event=self._events).start()
+    self.matchmaker = matchmaking.Matchmaker(
+        kv, slot, incarnation, seed=options.seed, window_s=options.window_s, max_wait_s=options.max_wait_s,
+        live=self.liveness.poll, odd=options.odd, close_grace_s=options.close_grace_s)
+    self.transport = transport_lib.Transport(kv, slot, incarnation)
+    self.donor = churn.Donor(kv, self.transport, slot)
+    self.failed = 0
+
+  @classmethod
+  def from_runtime(cls, options: Options, *, log_dir: str | None = None) -> "Session":
+    """For this process of a running jax.distributed job (control.initialize first)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    return cls(control.JaxKV(), jax.process_index(), control.incarnation(), options, log_dir=log_dir)
+
+  def round(self, message, progress: int) -> RoundResult:
+    """Finds this round's group and exchanges `message` (a pytree of arrays) with it; see the module docstring."""
+    match = self.matchmaker.ready(progress)
+    if match is None:
+      result = RoundResult("skipped", waited_s=self.matchmaker.history[-1]["waited_s"],
+                           reason=f"no partner within {self.options.max_wait_s:.3g} s")
+    else:
+      start = time.monotonic()
+      try:
+        theirs = self.transport.exchange(message, match.partners, match.batch, self.options.exchange_timeout_s)
+        result = RoundResult("exchanged", match.batch, tuple(m.slot for m in match.group),
+                             tuple(m.incarnation for m in match.group), [message, *theirs],
+                             [match.own.progress, *(m.progress for m in match.partners)], match.waited_s,
+                             time.monotonic() - start)
+      except transport_lib.ExchangeFailed as e:
+        self.failed += 1
+        logging.warning("Slot %d: %s; the exchange of batch %d is skipped.", self.slot, e, match.batch)
+        result = RoundResult("failed", match.batch, tuple(m.slot for m in match.group),
+                             tuple(m.incarnation for m in match.group), waited_s=match.waited_s,
+                             exchange_s=time.monotonic() - start, reason=str(e))
+    if self._pairings is not None:
+      self._pairings.write(json.dumps({"time": time.time(), "slot": self.slot, "incarnation": str(self.incarnation),
+                                       "progress": int(progress), "status": result.status, "batch": result.batch,
+                                       "group": list(result.group), "incarnations": [str(i) for i in result.incarnations],
+                                       "partner_progress": result.progress[1:],
+                                       "waited_s": round(result.waited_s, 6), "exchange_s": round(result.exchange_s, 6),
+                                       "reason": result.reason}) + "\n")
+    return result
+
+  def serve_joins(self, state_fn, progress: int) -> int:
+    """Offers `state_fn()` to joiners that picked this process as their donor (one store read)."""
+    served = self.donor.serve(state_fn, progress, offer_s=self.options.join_timeout_s)
+    if served and self._events is not None:
+      for s in self.donor.served[-served:]:
+        self._events({**s, "slot": self.slot, "event": "served_join"})
+    return served
+
+  def join(self, template):
+    """As a (re)started process: (state, donor slot, donor progress) from a live peer (churn.join)."""
+    live = self.liveness.beating()  # not poll(): a dead donor's stale lease would cost a whole join timeout
+    state, donor, progress = churn.join(self.kv, self.transport, self.slot, self.incarnation, template, live,
+                                        seed=self.options.seed, timeout_s=self.options.join_timeout_s)
+    if self._events is not None:
+      self._events({"time": time.time(), "slot": self.slot, "incarnation": self.incarnation, "event": "joined_from",
+                    "donor": donor, "donor_progress": progress})
+    return state, donor, progress
+
+  def others_alive(self) -> list[int]:
+    return sorted(s for s in self.liveness.poll() if s != self.slot)
+
+  def summary(self) -> dict:
+    return {"slot": self.slot, "incarnation": str(self.incarnation), "matchmaking": self.matchmaker.stats.as_dict(),
+            "transport": self.transport.stats.as_dict(), "failed_exchanges": self.failed,
+            "membership": list(self.liveness.events)}
+
+  def close(self, linger_s: float = 0.0) -> None:
+    """Leaves (the others see it at once). `linger_s`: first wait up to this long for the others to be gone
+    (what the process hosting the coordination service must do, or its exit ends them)."""
+    self.liveness.leave()
+    end = time.monotonic() + linger_s
+    while linger_s > 0 and time.monotonic() < end and self.others_alive():
+      time.sleep(min(self.options.beat_s, 0.5))
+    for f in (self._events, self._pairings):
+      if f is not None:
+        f.close()

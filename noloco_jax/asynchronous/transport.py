@@ -1,0 +1,174 @@
+"""The data plane: one exchange of messages within a group, over `jax.experimental.transfer`.
+
+Why the transfer server and not a program over the pair's sub-mesh (measured, docs/async.md):
+a `shard_map` + `ppermute` program over the two processes' devices runs (a compile and a gloo
+rendezvous per pair, then fast), and a partner that dies *during* it makes the call raise within a
+fraction of a second; but a partner that is alive and never calls blocks the caller for as long as
+it stays away (measured 70 s, no timeout, and nothing on the CPU backend can cancel a running
+collective), a partner that died *before* calling costs a 30 s gloo timeout, and two processes whose
+counts of calls differ (one skipped an exchange) are silently out of step. The transfer server is
+pull-based: each message is offered under an id and fetched by id, so no exchange can be confused with
+another, a skipped exchange costs nothing, and a waiting pull can be ended at any moment.
+
+The protocol of one exchange (group = the Match from matchmaking.py, tag = its batch index):
+
+1. Offer: `await_pull(uuid(tag, me, partner), leaves)` for each partner (the server keeps references
+   to the arrays; it returns at once); then the store entry `x/<tag>/<me>` = the message's signature
+   (shapes and dtypes) says "offered".
+2. For each partner: wait for its entry (bounded by the deadline: a partner that skipped, is stalled
+   or is dead never writes it), check the signatures agree, then `pull` its message by id.
+3. A watchdog bounds every pull: pulls ignore their own `timeout` when nothing was offered (measured:
+   a 3 s deadline still blocked after 22 s), so at the deadline a timer poisons the connection
+   (`TransferConnection._poison_connection`, which ends the pull with an error at once) and the next
+   exchange with that partner opens a new connection. A partner whose process died makes the pull
+   fail by itself ("Connection closed", about 1 s).
+
+Any failure is an `ExchangeFailed` naming the partner and the reason, raised at most `timeout_s`
+after the call (plus one store call): the caller skips the exchange and trains on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import threading
+import time
+
+import jax
+
+from noloco_jax.asynchronous.control import KV
+
+_SLOTS = 1 << 12  # slots (and so processes) an id can name; tags take the remaining 40 bits
+
+
+class ExchangeFailed(RuntimeError):
+  """An exchange did not complete in time; the message names the partner and why."""
+
+  def __init__(self, partner: int, reason: str):
+    super().__init__(f"exchange with slot {partner} failed: {reason}")
+    self.partner, self.reason = partner, reason
+
+
+def uuid(tag: int, owner: int, puller: int) -> int:
+  """The transfer id of `owner`'s message for `puller` in exchange `tag` (unique per owner's server)."""
+  if not (0 <= owner < _SLOTS and 0 <= puller < _SLOTS and 0 <= tag < (1 << 40)):
+    raise ValueError(f"tag={tag}, owner={owner}, puller={puller}: slots must be < {_SLOTS} and tags < 2**40.")
+  return (tag * _SLOTS + owner) * _SLOTS + puller
+
+
+def signature(leaves) -> str:
+  return json.dumps([[list(x.shape), str(x.dtype)] for x in leaves])
+
+
+@dataclasses.dataclass
+class Stats:
+  exchanges: int = 0
+  failures: int = 0
+  bytes_sent: int = 0  # offered and announced (whether pulled or not is the partner's side)
+  bytes_received: int = 0
+  seconds: float = 0.0
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+class Transport:
+  """This process's transfer server, its address in the store, and its connections to partners."""
+
+  def __init__(self, kv: KV, slot: int, incarnation: int, *, host: str = "127.0.0.1", keep_tags: int = 16):
+    from jax.experimental import transfer  # pylint: disable=g-import-not-at-top
+    self.kv, self.slot, self.incarnation, self.keep_tags = kv, slot, incarnation, keep_tags
+    client = jax.local_devices()[0].client
+    self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
+    kv.set(f"tx/{slot}", json.dumps([incarnation, self.server.address()]))
+    self._conns: dict[int, tuple[int, object]] = {}  # slot -> (incarnation, connection)
+    self._tags: list[int] = []
+    self.stats = Stats()
+
+  def exchange(self, message, partners, tag: int, timeout_s: float) -> list:
+    """Sends `message` (a pytree of arrays) to each partner (matchmaking.Member) and returns theirs, in order.
+
+    Raises ExchangeFailed at most `timeout_s` after the call when a partner does not deliver.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    leaves, treedef = jax.tree.flatten(message)
+    sig = signature(leaves)
+    for p in partners:
+      self.offer(leaves, tag, p.slot, timeout_s + 5.0)  # an offer outlives our own wait
+    self.kv.set(f"x/{tag}/{self.slot}", sig)
+    self._remember(tag)
+    nbytes = sum(x.nbytes for x in leaves)
+    self.stats.bytes_sent += nbytes * len(partners)
+    received = []
+    try:
+      for p in partners:
+        theirs = self.kv.wait(f"x/{tag}/{p.slot}", deadline - time.monotonic())
+        if theirs is None:
+          raise ExchangeFailed(p.slot, f"it did not offer its message within {timeout_s:.3g} s (stalled, dead, or "
+                                       "it gave up on the exchange)")
+        if theirs != sig:
+          raise ValueError(f"slot {p.slot} offered a message of shapes and dtypes {theirs}, this process {sig}: "
+                           "every process must send the same structure (same config).")
+        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+        got = self.fetch(p, tag, specs, deadline)
+        self.stats.bytes_received += nbytes
+        received.append(jax.tree.unflatten(treedef, got))
+    except ExchangeFailed:
+      self.stats.failures += 1
+      raise
+    self.stats.exchanges += 1
+    self.stats.seconds += time.monotonic() - start
+    return received
+
+  def offer(self, leaves, tag: int, puller: int, expiry_s: float) -> None:
+    """Makes `leaves` fetchable once by slot `puller` under `tag` for `expiry_s` seconds (returns at once)."""
+    expiry = datetime.datetime.now() + datetime.timedelta(seconds=expiry_s)
+    self.server.await_pull(uuid(tag, self.slot, puller), list(leaves), timeout=expiry)
+
+  def fetch(self, partner, tag: int, specs, deadline: float) -> list:
+    """Pulls what `partner` (.slot, .incarnation) offered this slot under `tag`; ExchangeFailed at `deadline`."""
+    pull_id = uuid(tag, partner.slot, self.slot)
+    conn = self._connection(partner)
+    poisoned = threading.Event()
+
+    def poison():
+      poisoned.set()
+      conn._poison_connection()  # pylint: disable=protected-access  (the one way to end a waiting pull)
+
+    timer = threading.Timer(max(deadline - time.monotonic(), 0.0), poison)
+    timer.daemon = True
+    timer.start()
+    try:
+      got = conn.pull(pull_id, specs)
+      jax.block_until_ready(got)
+      return got
+    except Exception as e:  # pylint: disable=broad-except  (the transfer library raises JaxRuntimeError)
+      self._conns.pop(partner.slot, None)
+      why = "no message by the deadline" if poisoned.is_set() else str(e).splitlines()[0]
+      raise ExchangeFailed(partner.slot, f"pull failed: {why}") from e
+    finally:
+      timer.cancel()
+      if poisoned.is_set():
+        self._conns.pop(partner.slot, None)  # a poisoned connection is never used again
+
+  def _connection(self, partner):
+    cached = self._conns.get(partner.slot)
+    if cached is not None and cached[0] == partner.incarnation:
+      return cached[1]
+    raw = self.kv.get(f"tx/{partner.slot}")
+    if raw is None:
+      raise ExchangeFailed(partner.slot, "it has no transfer server in the store")
+    inc, address = json.loads(raw)
+    if int(inc) != partner.incarnation:
+      raise ExchangeFailed(partner.slot, f"its transfer server belongs to incarnation {inc}, not {partner.incarnation} "
+                                         "(it restarted)")
+    conn = self.server.connect(address)
+    self._conns[partner.slot] = (partner.incarnation, conn)
+    return conn
+
+  def _remember(self, tag: int) -> None:
+    self._tags.append(tag)
+    while len(self._tags) > self.keep_tags:
+      self.kv.delete(f"x/{self._tags.pop(0)}/{self.slot}")

@@ -1,0 +1,143 @@
+"""The control plane's store (asynchronous/control.py) and liveness leases (asynchronous/liveness.py).
+
+Unit tests run the in-process MemoryKV and the lease table on a fake clock; the multi-process tests run
+three processes over loopback on JAX's coordination service (each launch takes 10–40 s on a loaded
+2-core machine, most of it starting JAX; the timeouts allow several times that).
+"""
+
+import threading
+import time
+
+import pytest
+
+import async_child
+from noloco_jax.asynchronous import control, liveness, session
+
+
+# ---- MemoryKV: the same semantics as the service, in one process ----
+
+
+def test_memory_kv_create_is_won_once_among_racing_threads():
+  kv = control.MemoryKV()
+  wins = []
+  threads = [threading.Thread(target=lambda i=i: wins.append(kv.create("k", str(i)))) for i in range(16)]
+  [t.start() for t in threads]
+  [t.join() for t in threads]
+  assert sum(wins) == 1 and kv.get("k") is not None
+
+
+def test_memory_kv_increment_wait_dir_delete():
+  kv = control.MemoryKV()
+  assert kv.increment("n", 1) == 1 and kv.increment("n", 0) == 1 and kv.increment("n", 5) == 6
+  start = time.monotonic()
+  assert kv.wait("missing", 0.2) is None
+  assert 0.15 < time.monotonic() - start < 5.0
+  threading.Timer(0.1, lambda: kv.set("late", "v")).start()
+  assert kv.wait("late", 10.0) == "v"
+  kv.set("d/a", "1")
+  kv.set("d/b", "2")
+  assert kv.dir("d/") == {"d/a": "1", "d/b": "2"}
+  kv.delete("d/a")
+  assert kv.get("d/a") is None
+
+
+# ---- The lease table on a fake clock ----
+
+
+def test_lease_table_joins_loses_leaves_and_returns():
+  table = liveness.LeaseTable(me=0, lease_s=10.0)
+  assert [e["event"] for e in table.observe({0: "7:1", 1: "8:1", 2: "9:1"}, now=0.0)] == ["joined"] * 3
+  assert table.observe({0: "7:5", 1: "8:4", 2: "9:1"}, now=9.9) == []  # slot 2 silent for 9.9 s < lease
+  lost = table.observe({0: "7:6", 1: "8:5", 2: "9:1"}, now=10.1)
+  assert [(e["slot"], e["event"]) for e in lost] == [(2, "lost")]
+  assert sorted(table.alive()) == [0, 1]
+  assert [(e["slot"], e["event"]) for e in table.observe({0: "7:7", 1: "8:left", 2: "9:2"}, now=11.0)] == [
+      (1, "left"), (2, "returned")]
+  assert sorted(table.alive()) == [0, 2]
+  # A restart: the same slot with a new incarnation is a new member.
+  events = table.observe({0: "7:8", 1: "12:1", 2: "9:3"}, now=12.0)
+  assert [(e["slot"], e["incarnation"], e["event"]) for e in events] == [(1, 12, "joined")]
+  assert table.alive() == {0: 7, 1: 12, 2: 9}
+  # Restarted before its old lease ran out: the old incarnation is lost, the new one joins.
+  events = table.observe({0: "7:9", 1: "12:2", 2: "13:1"}, now=13.0)
+  assert [(e["slot"], e["incarnation"], e["event"]) for e in events] == [(2, 9, "lost"), (2, 13, "joined")]
+
+
+def test_this_process_is_never_lost_to_itself():
+  table = liveness.LeaseTable(me=3, lease_s=1.0)
+  table.observe({3: "1:1"}, now=0.0)
+  assert table.observe({3: "1:1"}, now=100.0) == [] and 3 in table.alive()
+
+
+def test_liveness_over_memory_kv_sees_a_silent_thread_lost():
+  kv = control.MemoryKV()
+  a = liveness.Liveness(kv, 0, 1, beat_s=0.02, lease_s=0.3).start()
+  b = liveness.Liveness(kv, 1, 2, beat_s=0.02, lease_s=0.3).start()
+  assert sorted(a.poll()) == [0, 1]
+  b._stop.set()  # pylint: disable=protected-access  (stops beating without saying goodbye: a crash)
+  end = time.monotonic() + 30
+  while 1 in a.poll() and time.monotonic() < end:
+    time.sleep(0.02)
+  assert 1 not in a.poll() and a.events[-1]["event"] == "lost"
+  a.leave()
+
+
+def test_a_newcomer_tells_a_beating_peer_from_a_dead_one():
+  """A just-started observer holds every lease it sees alive until a lease passes; `beating` does not
+  wait that long: it keeps only the slots whose heartbeat moves (what a joiner picks donors from)."""
+  kv = control.MemoryKV()
+  alive = liveness.Liveness(kv, 0, 1, beat_s=0.02, lease_s=30.0).start()
+  kv.set("live/1", "2:57")  # the last beat of a process that has died
+  newcomer = liveness.Liveness(kv, 2, 3, beat_s=0.02, lease_s=30.0).start()
+  assert sorted(newcomer.poll()) == [0, 1, 2]
+  assert newcomer.beating() == {0: 1}
+  alive.leave()
+  newcomer.leave()
+
+
+@pytest.mark.parametrize("kwargs,field", [(dict(beat_s=2.0, lease_s=1.0), "beat_s=2.0"),
+                                          (dict(beat_s=0.1, lease_s=-1.0), "beat_s=0.1")])
+def test_bad_lease_settings_name_the_value(kwargs, field):
+  with pytest.raises(ValueError, match=field):
+    liveness.Liveness(control.MemoryKV(), 0, 1, **kwargs)
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("max_wait_s", 0.0, "outer.max_wait_s=0.0 is not valid"), ("window_s", -1.0, "outer.match_window_s=-1.0"),
+    ("exchange_timeout_s", 0.0, "outer.exchange_timeout_s=0.0"), ("odd", "pairs", "outer.match_odd='pairs'"),
+    ("lease_s", 0.1, "outer.lease_s=0.1")])
+def test_bad_session_options_are_one_line_naming_the_field(field, value, named):
+  with pytest.raises(ValueError, match=named.replace("(", r"\(")) as e:
+    session.Options(**{field: value}).check()
+  assert "\n" not in str(e.value)
+
+
+# ---- Over JAX's coordination service, three processes ----
+
+
+def test_service_store_operations_from_three_processes(tmp_path):
+  codes, results = async_child.launch("kv", 3, tmp_path, timeout_s=240)
+  assert codes == [0, 0, 0], async_child.logs(tmp_path, "kv")
+  assert sum(r["won"] for r in results.values()) == 1  # insert-if-absent: exactly one winner
+  winner = next(str(s) for s, r in results.items() if r["won"])
+  assert all(r["winner"] == winner for r in results.values())
+  assert all(r["counter"] == 30 for r in results.values())  # 3 processes × 10 atomic increments
+  assert all(r["missing"] is None and r["absent_get"] is None for r in results.values())
+  # A wait on a key nobody writes returns None after its timeout (1 s), not before, and not much after.
+  assert all(0.9 < r["wait_s"] < 15.0 for r in results.values())
+
+
+def test_a_killed_process_is_seen_lost_and_a_leaving_one_left(tmp_path):
+  """Slot 2 is SIGKILLed, slot 1 leaves normally; slot 0 sees slot 2 lost a lease after its last beat
+  (lease 3 s, beats every 0.3 s: between 2.7 s and 3 s + polling after the kill; 15 s of slack for load)
+  and slot 1 left at its next poll."""
+  lease_s = 3.0
+  codes, results = async_child.launch("lease", 3, tmp_path, lease_s, timeout_s=240)
+  assert codes[:2] == [0, 0] and codes[2] == -9, async_child.logs(tmp_path, "lease")
+  r = results[0]
+  events = {(e["slot"], e["event"]): e["time"] for e in r["events"]}
+  assert (2, "lost") in events and (1, "left") in events, r["events"]
+  lost_after = events[(2, "lost")] - r["killed_at"]
+  assert lease_s - 0.5 < lost_after < lease_s + 15.0, lost_after
+  assert events[(1, "left")] - r["left_at"] < 10.0
+  assert r["alive"] == [0]
