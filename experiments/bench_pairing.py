@@ -65,7 +65,7 @@ def run_mode(mode: str, args) -> dict:
   cfg = experiment.apply_overrides(cfg, args.set)
   vocab = 257
   setup = build_lib.build(cfg, vocab_size=vocab)
-  N, H = cfg.num_replicas, cfg.outer.inner_steps
+  N, H = cfg.num_replicas, setup.config.outer.inner_steps  # validated: H resolved for the kind
   state = setup.init_state()
   rng = np.random.default_rng(0)
   batches = [sharding_lib.global_array(setup.mesh, rng.integers(0, vocab, size=(N, cfg.data.batch_size,
@@ -122,7 +122,8 @@ def main(argv=None):
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   from configs import default  # pylint: disable=g-import-not-at-top
   from experiments.lib import experiment  # pylint: disable=g-import-not-at-top
-  base = experiment.apply_overrides(default.get_config(), args.set)
+  from noloco_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  base = config_lib.validate(experiment.apply_overrides(default.get_config(), args.set))  # n and H resolved
   result = {"replicas": base.num_replicas, "group_size": base.outer.group_size,
             "inner_steps": base.outer.inner_steps, "preset": args.preset, "overrides": args.set,
             "rounds": args.rounds, "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0], "modes": {}}
