@@ -17,6 +17,7 @@ from noloco_jax.outer import methods as outer_lib
 from noloco_jax.outer import overlap as overlap_lib
 from noloco_jax.outer import pairing
 from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.outer import wire
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.training import loop as train
@@ -204,7 +205,7 @@ def test_overlapped_training_resumes_bitwise_from_inside_a_window(tmp_path, capl
   assert set(first["state"].outer) == {"slow", "momentum"}  # the buffer lives only in checkpoints
   for a, b in zip(jax.tree.leaves(first["state"]), jax.tree.leaves(second["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert first["comm/bytes_per_replica"] == second["comm/bytes_per_replica"]
+  assert first["comm/collective_operand_bytes_per_replica"] == second["comm/collective_operand_bytes_per_replica"]
 
 
 # ---- Two processes over loopback: the send on a second thread (outer/overlap.py), same numbers ----
@@ -249,7 +250,7 @@ def test_the_loop_state_keeps_the_in_flight_step_and_the_late_weight_std():
   from noloco_jax.training.loop_state import LoopState  # pylint: disable=g-import-not-at-top
 
   loop = LoopState(step=4, round=1, comm_bytes=8)
-  loop.add_round({"pseudo_grad_norm": np.ones(2, np.float32)}, None, 8)  # sent: weight std not known yet
+  loop.add_round({"pseudo_grad_norm": np.ones(2, np.float32)}, None, wire.permute(8))  # sent: std not known yet
   loop.inflight_step = 4
   back = LoopState.from_record(json.loads(json.dumps(loop.to_record())))
   assert back.inflight_step == 4 and back.round == 2

@@ -65,6 +65,10 @@ class OuterMethod:
   bytes_per_round: Callable  # params of one replica -> bytes each replica puts into collectives per round
   bytes_per_step: Callable  # params of one replica -> bytes per inner step (ddp)
   overlap: OverlapRule | None = None  # noloco / gossip with plain messages: the round cut in two
+  # params of one replica -> bytes of the one message its exchange carries (a model copy in the message
+  # dtype, the codec's payload, DiLoCo's float32 pseudo-gradient, DDP's gradients): outer/wire.py prices
+  # it on the wire, sent and received, under the config's all-reduce algorithm.
+  message_bytes: Callable = lambda params: 0
 
 
 def tree_bytes(tree, dtype=None) -> int:
@@ -92,7 +96,7 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dt
         make_round=lambda pool, num_devices: coded_lib.make_round(
             coded, alpha=alpha, beta=beta, gamma=gamma, pool=pool, num_devices=num_devices),
         bytes_per_round=lambda params: (group_size - 1) * coded.payload_bytes(params),
-        bytes_per_step=lambda params: 0)
+        bytes_per_step=lambda params: 0, message_bytes=coded.payload_bytes)
 
   def make_round(pool, num_devices):
     if pool is None and num_devices != 1:
@@ -127,14 +131,16 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, message_dt
       kind=kind, has_rounds=True, uses_pairing=True, init=_slow_and_momentum, reduce_grads=None,
       make_round=make_round,
       bytes_per_round=lambda params: (group_size - 1) * tree_bytes(params, message_dtype),
-      bytes_per_step=lambda params: 0, overlap=OverlapRule(message=message, make_send=make_send, merge=merge))
+      bytes_per_step=lambda params: 0, overlap=OverlapRule(message=message, make_send=make_send, merge=merge),
+      message_bytes=lambda params: tree_bytes(params, message_dtype))
 
 
 def _epidemic(fanout: int, message_dtype) -> OuterMethod:
   return OuterMethod(
       kind="epidemic", has_rounds=True, uses_pairing=True, init=lambda params: {"slow": params},
       reduce_grads=None, make_round=lambda pool, num_devices: epidemic.make_round(pool, num_devices, message_dtype),
-      bytes_per_round=lambda params: fanout * tree_bytes(params, message_dtype), bytes_per_step=lambda params: 0)
+      bytes_per_round=lambda params: fanout * tree_bytes(params, message_dtype), bytes_per_step=lambda params: 0,
+      message_bytes=lambda params: tree_bytes(params, message_dtype))
 
 
 def _epidemic_adam(group_size: int, message_dtype, optimizer: optax.GradientTransformation | None) -> OuterMethod:
@@ -145,7 +151,7 @@ def _epidemic_adam(group_size: int, message_dtype, optimizer: optax.GradientTran
       reduce_grads=None,
       make_round=lambda pool, num_devices: epidemic_adam.make_round(pool, num_devices, message_dtype, optimizer),
       bytes_per_round=lambda params: (group_size - 1) * tree_bytes(params, message_dtype),
-      bytes_per_step=lambda params: 0)
+      bytes_per_step=lambda params: 0, message_bytes=lambda params: tree_bytes(params, message_dtype))
 
 
 def _mean_over_replicas(x_k):
@@ -176,7 +182,7 @@ def _diloco(lr: float, momentum: float, nesterov: bool) -> OuterMethod:
   return OuterMethod(
       kind="diloco", has_rounds=True, uses_pairing=False, init=init, reduce_grads=None,
       make_round=make_round, bytes_per_round=lambda params: tree_bytes(params, jnp.float32),
-      bytes_per_step=lambda params: 0)
+      bytes_per_step=lambda params: 0, message_bytes=lambda params: tree_bytes(params, jnp.float32))
 
 
 def _ddp() -> OuterMethod:
@@ -185,7 +191,8 @@ def _ddp() -> OuterMethod:
 
   return OuterMethod(
       kind="ddp", has_rounds=False, uses_pairing=False, init=lambda params: (), reduce_grads=reduce_grads,
-      make_round=None, bytes_per_round=lambda params: 0, bytes_per_step=lambda params: tree_bytes(params))
+      make_round=None, bytes_per_round=lambda params: 0, bytes_per_step=lambda params: tree_bytes(params),
+      message_bytes=lambda params: tree_bytes(params))
 
 
 def _none() -> OuterMethod:

@@ -24,6 +24,7 @@ from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.io import process_metrics
 from noloco_jax.runtime import workdir_lock
 from noloco_jax.outer import overlap as overlap_lib
+from noloco_jax.outer import wire
 from noloco_jax.runtime import distributed
 from noloco_jax.runtime import preemption
 from noloco_jax.parallel import mesh as mesh_lib
@@ -73,9 +74,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   if is_main:  # only now: a refused resume leaves the config that describes the checkpoints
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
+  start_step = loop.step  # 0 unless resumed from this workdir's checkpoint
   one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
-  bytes_per_round = setup.method.bytes_per_round(one_replica)
-  bytes_per_step = setup.method.bytes_per_step(one_replica)
+  # Bytes per replica of one round and of one inner step: on the wire and the collectives' operands.
+  bytes_per_round, bytes_per_step = wire.for_config(config.outer, n, setup.method.message_bytes(one_replica))
+  loop.fill_wire_bytes(bytes_per_round, bytes_per_step)  # a checkpoint from before the wire was counted
 
   writer = metrics_lib.make_writer(workdir)
   # Without log_barrier, nothing between two evaluations waits for another process except the outer
@@ -191,7 +194,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   if preempted:
     writer.close()
     return {"preempted": True, "step": loop.step, "state": state, "history": loop.history}
-  summary = summary_lib.summarize(config, loop, setup.model.num_params(), time.time() - start_time)
+  summary = summary_lib.summarize(config, loop, setup.model.num_params(), time.time() - start_time, workdir,
+                                  start_step)
   if is_main:
     print(summary["text"], flush=True)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
@@ -287,7 +291,11 @@ def _train_scalars(config, loop: LoopState, rates: dict[str, float], local_ids=N
   scalars = {
       "train/loss": float(losses.mean()),
       "train/grad_norm": float(np.mean([np.asarray(m["grad_norm"]) for m in metrics])),
-      "comm/bytes_per_replica": loop.comm_bytes,
+      # Cumulative, per replica (outer/wire.py): on the wire under outer.allreduce_algorithm, and the
+      # compiled collectives' operands.
+      "comm/bytes_sent_per_replica": loop.bytes_sent,
+      "comm/bytes_received_per_replica": loop.bytes_received,
+      "comm/collective_operand_bytes_per_replica": loop.comm_bytes,
       "outer/round": loop.round,
       **rates,
   }

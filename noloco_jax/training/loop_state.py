@@ -2,7 +2,8 @@
 
 The Checkpointer saves `to_record()` in the checkpoint's meta item and hands back
 `LoopState.from_record(...)` on resume, so the loop picks up exactly where it stopped: the same
-step and outer round, the same cumulative bytes, the same history, and the training metrics fetched
+step and outer round, the same cumulative bytes (operands, and on the wire: outer/wire.py), the same
+history, and the training metrics fetched
 since the last log but not yet logged (so a save between two log steps still resumes to the same
 logged means).
 """
@@ -13,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from noloco_jax.io.checkpoint import records
+from noloco_jax.outer.wire import Traffic
 
 
 def _fresh_history() -> dict[str, Any]:
@@ -23,7 +25,13 @@ def _fresh_history() -> dict[str, Any]:
 class LoopState:
   step: int = 0  # the last completed inner step (0: nothing trained yet)
   round: int = 0  # outer rounds completed
-  comm_bytes: int = 0  # bytes one replica has sent so far (comm/bytes_per_replica)
+  # Cumulative bytes per replica (outer/wire.py): the collectives' operands
+  # (comm/collective_operand_bytes_per_replica), and on the wire, sent and received (mean over
+  # replicas; comm/bytes_sent_per_replica, comm/bytes_received_per_replica). None: restored from a
+  # checkpoint written before the wire was counted, until `fill_wire_bytes`.
+  comm_bytes: int = 0
+  bytes_sent: float | None = 0.0
+  bytes_received: float | None = 0.0
   # {"eval": [every evaluation's scalars], "train": the last train log, "skipped_rounds": [...]}
   history: dict[str, Any] = dataclasses.field(default_factory=_fresh_history)
   # Per-step metrics since the last log (device arrays until fetched; NumPy after a resume).
@@ -38,16 +46,28 @@ class LoopState:
   def resumed(self) -> bool:
     return self.step > 0
 
-  def add_step(self, step: int, metrics: dict, bytes_sent: int) -> None:
+  def add_step(self, step: int, metrics: dict, traffic: Traffic) -> None:
     self.step = step
-    self.comm_bytes += bytes_sent
+    self._count(traffic)
     self.pending_steps.append(step)
     self.pending_metrics.append(metrics)  # device arrays: fetched only when logging
 
-  def add_round(self, metrics: dict, weight_std, bytes_sent: int) -> None:
-    self.comm_bytes += bytes_sent
+  def add_round(self, metrics: dict, weight_std, traffic: Traffic) -> None:
+    self._count(traffic)
     self.pending_rounds.append((metrics, weight_std))
     self.round += 1
+
+  def _count(self, traffic: Traffic) -> None:
+    self.comm_bytes += traffic.operand
+    self.bytes_sent += traffic.sent
+    self.bytes_received += traffic.received
+
+  def fill_wire_bytes(self, per_round: Traffic, per_step: Traffic) -> None:
+    """After restoring a checkpoint that predates the wire counts: the steps and rounds done so far
+    priced as the run's own (exact unless the run's replica count or message changed since)."""
+    if self.bytes_sent is None:
+      self.bytes_sent = self.round * per_round.sent + self.step * per_step.sent
+      self.bytes_received = self.round * per_round.received + self.step * per_step.received
 
   def set_round_weight_std(self, weight_std) -> None:
     """The weight std of the last round, known only at its (delayed) merge; kept if still unlogged."""
@@ -63,6 +83,7 @@ class LoopState:
   def to_record(self) -> dict[str, Any]:
     """JSON-able host values (fetches the pending device arrays: every process must call it)."""
     return {"step": int(self.step), "round": int(self.round), "comm_bytes": int(self.comm_bytes),
+            "bytes_sent": float(self.bytes_sent), "bytes_received": float(self.bytes_received),
             "history": self.history, "inflight_step": int(self.inflight_step),
             "pending": records.pending_to_host(self.pending_steps, self.pending_metrics, self.pending_rounds)}
 
@@ -70,5 +91,6 @@ class LoopState:
   def from_record(cls, record: dict[str, Any]) -> "LoopState":
     steps, metrics, rounds = records.pending_from_host(record["pending"])
     return cls(step=record["step"], round=record["round"], comm_bytes=record["comm_bytes"],
+               bytes_sent=record.get("bytes_sent"), bytes_received=record.get("bytes_received"),
                history=record["history"], pending_steps=steps, pending_metrics=metrics, pending_rounds=rounds,
                inflight_step=record.get("inflight_step", 0))
