@@ -42,7 +42,7 @@ MAX_CHUNK = 65536  # top-k offsets within a chunk travel as uint16
 # How an all-reduce is priced on the wire (noloco_jax/outer/wire.py: ALLREDUCE_ALGORITHMS).
 ALLREDUCE_ALGORITHMS = ("ring", "tree")
 
-# The NoLoCo paper's outer hyperparameters per method (arXiv 2506.10911; /docs/method.md §10), published
+# The NoLoCo paper's outer hyperparameters per method (arXiv 2506.10911; docs/method.md §10), published
 # as noloco_jax/outer/paper.py. NoLoCo: α = 0.5, β = γ = 0.7, n = 2, H = 50. DiLoCo: α = 0.3, β = 0.7,
 # H = 100, heavy-ball (the reference code's, not Nesterov). Gossip is NoLoCo with α = 0, β = γ = 1 (set by
 # outer/methods.py), so only n and H are given. The paper does not run the Epidemic Learning kinds: they
