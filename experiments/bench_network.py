@@ -29,7 +29,9 @@ collective), when NoLoCo ran too. The first round (compilation, start-up skew) i
 
 Reported per (P, method): wall time per round (the slowest process's measured time / measured
 rounds), each process's idle fraction (wait / (busy + wait)), tokens/s (the job's, from the slowest
-process), bytes sent per replica (the method's accounting, comm/bytes_per_replica), and beside them
+process), bytes sent and received per replica on the wire and the collectives' operand bytes (the
+run's comm/bytes_sent_per_replica, comm/bytes_received_per_replica and
+comm/collective_operand_bytes_per_replica: noloco_jax/outer/wire.py, ring all-reduce), and beside them
 `model`: the same quantities from experiments/lib/latency.py (section 8, barrier_sim) for the same
 setting: the injected compute times (the straggler's, or the very log-normal draws the run slept),
 the run's own seeded groupings with the lag carried from round to round, and an exchange of α
@@ -128,7 +130,10 @@ def summarise(method: str, run: dict, inner_steps: int, tokens_per_step: int, re
           # catches up on a lagging partner has one long round, so this exceeds the mean above.
           "longest_round_s_median": float(np.median(walls)) if len(walls) else float("nan"),
           "tokens_per_s": steps_done * tokens_per_step / slowest_s,
-          "bytes_sent_per_replica": run["last_row"].get("comm/bytes_per_replica"),
+          # On the wire and in the collectives' operands (noloco_jax/outer/wire.py), from the run's metrics.
+          "bytes_sent_per_replica": run["last_row"].get("comm/bytes_sent_per_replica"),
+          "bytes_received_per_replica": run["last_row"].get("comm/bytes_received_per_replica"),
+          "collective_operand_bytes_per_replica": run["last_row"].get("comm/collective_operand_bytes_per_replica"),
           "idle_fraction": [p["idle_fraction"] for p in per_process],
           # Seconds per measured round each process blocked on its compiled round program (≈ 0 unless
           # every round is its own program: --pairing fresh).
@@ -166,7 +171,9 @@ def attach_models(setting: dict, run: dict) -> None:
     step_times = latency.lognormal_step_times(p, steps, *setting["lognormal"], seed=0)
   else:
     step_times = latency.straggler_step_times(p, steps, setting["step_s"], setting["straggler_factor"])
-  copy_bytes = run["bytes_sent_per_replica"] / (steps if method == "ddp" else steps // h)  # one model copy
+  # One message (a model copy: what each exchange's collective operand holds); the model then prices it
+  # on the link as wire.py does (latency.link_bytes).
+  copy_bytes = run["collective_operand_bytes_per_replica"] / (steps if method == "ddp" else steps // h)
   beta, burst, alpha0 = setting["model_beta_s_per_byte"], setting["model_burst_bytes"], setting["model_alpha_s"]
   run["model"] = model(method, step_times, h, run["groups"], copy_bytes, alpha0, beta, burst, TOKENS_PER_STEP)
   # One fitted parameter: α, the exchange's own cost, from the process the model has waiting least
@@ -231,7 +238,7 @@ def table(results: dict) -> str:
   """The runs as a Markdown table: measured and model side by side (experiments/RESULTS.md)."""
   f2 = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
   lines = ["| setting | P | method | wall s / round: measured, model, model α fitted | tokens/s: measured, model | "
-           "bytes sent / replica | idle, process 0, 1, … | model idle | α fitted (s) | model α fitted: idle |",
+           "bytes sent / replica (wire) | idle, process 0, 1, … | model idle | α fitted (s) | model α fitted: idle |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for run in results["runs"]:
     m, fit = run["model"], run["model_fitted"]

@@ -178,7 +178,7 @@ def summarise(method: str, tau: int, traces: list, last_row: dict, inner_steps: 
           "idle_s_per_round": [p["idle_s_per_round"] for p in per_process],
           "longest_round_call_s": [p["longest_round_call_s"] for p in per_process],
           "final_round_call_s": [p["final_round_call_s"] for p in per_process],
-          "bytes_sent_per_replica": last_row.get("comm/bytes_per_replica"), "train_loss": last_row.get("train/loss")}
+          "bytes_sent_per_replica": last_row.get("comm/bytes_sent_per_replica"), "train_loss": last_row.get("train/loss")}
 
 
 def main(argv=None) -> dict:

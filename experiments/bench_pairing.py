@@ -50,7 +50,7 @@ def run_mode(mode: str, args, bench) -> dict:
   bench.override(cfg)
   vocab = 257
   setup = build_lib.build(cfg, vocab_size=vocab)
-  N, H = cfg.num_replicas, cfg.outer.inner_steps
+  N, H = cfg.num_replicas, setup.config.outer.inner_steps  # validated: H resolved for the kind
   state = setup.init_state()
   rng = np.random.default_rng(0)
   batches = [sharding_lib.global_array(setup.mesh, rng.integers(0, vocab, size=(N, cfg.data.batch_size,
@@ -111,7 +111,8 @@ def main(argv=None) -> dict:
   for mode in modes:
     if mode not in MODES:
       harness.usage_error(f"--modes: {mode!r} is not one of {MODES}")
-  base = bench.override(bench.config())
+  from noloco_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  base = config_lib.validate(bench.override(bench.config()))  # n and H resolved for the kind
   result = {"replicas": base.num_replicas, "group_size": base.outer.group_size,
             "inner_steps": base.outer.inner_steps, "preset": args.preset, "overrides": bench.overrides(),
             "rounds": args.rounds, "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0], "modes": {}}

@@ -4,7 +4,13 @@
     python experiments/compare_methods.py --json       # the same; the last line of stdout is one JSON object
     python experiments/compare_methods.py --replicas 16 --seeds 0 1 2
     python experiments/compare_methods.py --h-noloco 50 --h-diloco 100 --steps 600   # the paper's H
-    python experiments/compare_methods.py --smoke      # seconds; plots go to the workdir
+    python experiments/compare_methods.py --reuse --h-noloco 50     # equal H: only NoLoCo's runs are new
+    python experiments/compare_methods.py --smoke      # seconds
+
+Runs go to --workdir (runs/compare_methods), one directory per method, H and seed, so that settings
+sharing runs (--reuse) train each run once; plots go to WORKDIR/plots unless --refresh-committed-plots
+writes the committed figures in experiments/plots/. The tables print first; the plots need the
+`plots` extra (matplotlib) and are skipped, saying so, without it.
 
 The setting is experiments/lib/experiment.py's "mini" one (a 2-layer Llama of width 64, ~140k parameters per
 replica, on the embedded standard-library corpus). Outer hyperparameters are the paper's: NoLoCo α=0.5,
@@ -12,14 +18,19 @@ replica, on the embedded standard-library corpus). Outer hyperparameters are the
 50 and 100 halved for a 300-step run.
 
 Reported: final validation loss and perplexity (mean ± std over seeds, sample std), the paper's metric
-(DiLoCo − NoLoCo)/DDP perplexity, cross-replica weight std, bytes per replica, and three PNGs: validation
-loss against training tokens, against modelled wall-clock time, and weight std against steps.
+(DiLoCo − NoLoCo)/DDP perplexity, cross-replica weight std, bytes per replica on the wire (sent and
+received, noloco_jax/outer/wire.py, as each run logged them, and the collectives' operands), FSDP's
+wire bytes for the same model beside DDP's (the paper's baseline: the same training as DDP, its
+parameters all-gathered twice and its gradients reduce-scattered every step), and three PNGs:
+validation loss against training tokens, against modelled wall-clock time, and weight std against steps.
 
 Wall-clock model (deterministic α–β, experiments/lib/latency.py; no stragglers, no overlap of compute and
-communication): every inner step costs the compute time t_c; each method adds its communication
+communication): every inner step costs the compute time t_c; each method adds its communication,
+wire.Traffic.seconds of its exchange (noloco_jax/outer/wire.py; ring all-reduce unless --allreduce-algorithm):
   NoLoCo  (n−1)·(α + S·β) per round (one message of S bytes each way per group partner; n=2: α + S·β)
   DiLoCo  2(N−1)·α + 2(N−1)/N·S·β per round (ring all-reduce of the float32 pseudo-gradient)
   DDP     2(N−1)·α + 2(N−1)/N·S·β every inner step (ring all-reduce of the float32 gradients)
+  FSDP    3(N−1)·α + 3(N−1)/N·S·β every inner step (two all-gathers and a reduce-scatter; bytes only)
 with S the bytes of one model copy in the sent dtype, β = 8 / link bits-per-second, α the per-message
 latency (--alpha-s, 1 ms by default) and t_c the compute time per inner step, in two scenarios:
   measured  the seconds per inner step of this simulation (median over runs, first log interval
@@ -33,6 +44,7 @@ message times: see experiments/latency_model.py and experiments/lib/latency.py).
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -41,6 +53,7 @@ from experiments.lib import harness
 
 REPO = harness.REPO
 METHODS = ("ddp", "diloco", "noloco")
+COMMITTED_PLOTS = os.path.join(REPO, "experiments", "plots")
 
 
 def add_flags(p: harness.Bench) -> None:
@@ -60,7 +73,11 @@ def add_flags(p: harness.Bench) -> None:
                  help="read back runs already finished in --workdir with the same config instead of training")
   p.add_argument("--workdir", default=None,
                  help="run directories, emptied per run (default runs/compare_methods; smoke: runs/compare_methods_smoke)")
-  p.add_argument("--plot-dir", default=None, help="where the PNGs go (default experiments/plots; smoke: workdir)")
+  p.add_argument("--plot-dir", default=None, help="where the PNGs go (default WORKDIR/plots)")
+  p.add_argument("--refresh-committed-plots", action="store_true",
+                 help="write the PNGs to experiments/plots/, replacing the committed figures")
+  p.add_argument("--allreduce-algorithm", default="ring", choices=("ring", "tree"),
+                 help="how DiLoCo's and DDP's all-reduces are priced on the wire (outer.allreduce_algorithm)")
   p.add_argument("--smoke", action="store_true", help="configs/default.py:smoke sizes: seconds per run")
 
 
@@ -69,26 +86,34 @@ def add_flags(p: harness.Bench) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def comm_model(config, num_params: int, alpha: float, beta: float) -> dict:
-  """Communication per round and per step (seconds) and bytes one replica sends, for one method."""
+def message_bytes(config, num_params: int) -> int:
+  """Bytes of a method's one message (what OuterMethod.message_bytes gives for these parameters)."""
   from experiments.lib import latency
 
-  kind, n = config.outer.kind, config.num_replicas
-  s_f32 = latency.model_bytes(num_params, "float32")
-  out = {"round_s": 0.0, "step_s": 0.0, "round_latency_s": 0.0, "step_latency_s": 0.0,
-         "sent_bytes_per_round": 0.0, "sent_bytes_per_step": 0.0}
-  if kind in ("noloco", "gossip"):
-    s = latency.model_bytes(num_params, config.outer.message_dtype)
-    partners = config.outer.group_size - 1
-    out.update(round_s=partners * latency.pair_exchange_alpha_beta(s, alpha, beta), round_latency_s=partners * alpha,
-               sent_bytes_per_round=partners * latency.bytes_sent_per_replica_per_round("pair", n, s))
-  elif kind == "diloco":
-    out.update(round_s=latency.ring_allreduce_alpha_beta(n, s_f32, alpha, beta), round_latency_s=2 * (n - 1) * alpha,
-               sent_bytes_per_round=latency.bytes_sent_per_replica_per_round("ring", n, s_f32))
-  elif kind == "ddp":
-    out.update(step_s=latency.ring_allreduce_alpha_beta(n, s_f32, alpha, beta), step_latency_s=2 * (n - 1) * alpha,
-               sent_bytes_per_step=latency.bytes_sent_per_replica_per_round("ring", n, s_f32))
-  return out
+  dtype = config.outer.message_dtype if config.outer.kind in ("noloco", "gossip") else "float32"
+  return latency.model_bytes(num_params, dtype)  # DiLoCo's pseudo-gradient, DDP's gradients: float32
+
+
+def comm_model(config, num_params: int, alpha: float, beta: float) -> dict:
+  """Communication per round and per step (seconds) and bytes one replica sends, for one method
+  (noloco_jax/outer/wire.py: the definitions the runs' comm/* metrics use)."""
+  from noloco_jax.outer import wire
+
+  kind, n, m = config.outer.kind, config.num_replicas, message_bytes(config, num_params)
+  per_round = wire.round_traffic(kind, m, n, group_size=config.outer.group_size, fanout=config.outer.fanout,
+                                 algorithm=config.outer.allreduce_algorithm)
+  per_step = wire.step_traffic(kind, m, n, config.outer.allreduce_algorithm)
+  return {"round_s": per_round.seconds(alpha, beta), "step_s": per_step.seconds(alpha, beta),
+          "round_latency_s": per_round.messages * alpha, "step_latency_s": per_step.messages * alpha,
+          "sent_bytes_per_round": per_round.sent, "sent_bytes_per_step": per_step.sent}
+
+
+def fsdp_model(num_params: int, n: int, alpha: float, beta: float) -> dict:
+  """The paper's baseline, FSDP over the N workers (float32 parameters and gradients), per inner step."""
+  from noloco_jax.outer import wire
+
+  step = wire.fsdp_step(4 * num_params, n)
+  return {"step_s": step.seconds(alpha, beta), "sent_bytes_per_step": step.sent, "received_bytes_per_step": step.received}
 
 
 def modelled_seconds(step, config, comm: dict, step_time_s: float) -> float:
@@ -172,6 +197,17 @@ def plot(results, comms, step_times: dict, plot_dir, args) -> list[str]:
 # ---------------------------------------------------------------------------------------------------
 
 
+def workdir_of(args: argparse.Namespace) -> str:
+  return args.workdir or os.path.join(REPO, "runs", "compare_methods_smoke" if args.smoke else "compare_methods")
+
+
+def plot_dir_of(args: argparse.Namespace) -> str:
+  """The run's own WORKDIR/plots (or --plot-dir); the committed experiments/plots/ only when asked."""
+  if args.refresh_committed_plots:
+    return COMMITTED_PLOTS
+  return args.plot_dir or os.path.join(workdir_of(args), "plots")
+
+
 def _git_rev() -> str | None:
   try:
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
@@ -185,7 +221,7 @@ def main(argv=None) -> dict:
   bench = harness.Bench(__doc__, cpu_devices=lambda args: max(8, args.replicas))
   add_flags(bench)
   args = bench.parse(argv)
-  args.workdir = args.workdir or os.path.join(REPO, "runs", "compare_methods_smoke" if args.smoke else "compare_methods")
+  args.workdir = workdir_of(args)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   import numpy as np
 
@@ -194,6 +230,7 @@ def main(argv=None) -> dict:
 
   experiment.enable_compile_cache()
   base = experiment.base_config(smoke=args.smoke, num_replicas=args.replicas, num_steps=args.steps)
+  base.outer.allreduce_algorithm = args.allreduce_algorithm
   h = {"noloco": args.h_noloco, "gossip": args.h_noloco, "diloco": args.h_diloco}
   if args.smoke:
     h = {k: v or (3 if k != "diloco" else 6) for k, v in h.items()}
@@ -202,7 +239,10 @@ def main(argv=None) -> dict:
     overrides = {"inner_steps": h[kind]} if h.get(kind) else {}
     configs[kind] = experiment.method_config(base, kind, smoke=args.smoke, **overrides)
 
-  results = {kind: experiment.run_seeds(c, args.seeds, label=kind, workdir_root=args.workdir, reuse=args.reuse)
+  # One run directory per method, H and seed: settings that share runs (DDP; DiLoCo at the same H)
+  # train them once with --reuse.
+  labels = {kind: kind if kind in ("ddp", "none") else f"{kind}_H{c.outer.inner_steps}" for kind, c in configs.items()}
+  results = {kind: experiment.run_seeds(c, args.seeds, label=labels[kind], workdir_root=args.workdir, reuse=args.reuse)
              for kind, c in configs.items()}
 
   # ---- Metrics over seeds. ----
@@ -215,7 +255,7 @@ def main(argv=None) -> dict:
     config = runs[0].config
     comm = comms[kind] = comm_model(config, num_params, args.alpha_s, beta)
     steps = config.num_steps
-    rounds = steps // config.outer.inner_steps if comm["round_s"] else 0
+    rounds = steps // config.outer.inner_steps if comm["sent_bytes_per_round"] else 0
     comm_s = modelled_seconds(steps, config, comm, 0.0)
     latency_s = rounds * comm["round_latency_s"] + steps * comm["step_latency_s"]
     wallclock = {name: {"modelled_wall_s": steps * t + comm_s, "comm_share": comm_s / (steps * t + comm_s)}
@@ -230,7 +270,8 @@ def main(argv=None) -> dict:
         "eval_ppl_per_seed": [r.final["eval/ppl"] for r in runs],
         "weight_std_final_mean": wstd, "weight_std_final_std": wstd_std,
         "weight_std_curve_mean": [float(x) for x in wcurve],
-        "comm_bytes_per_replica_counted": float(np.mean([r.final["comm/bytes_per_replica"] for r in runs])),
+        # As each run logged them (comm/*: noloco_jax/outer/wire.py), and from the wall-clock model's formulas.
+        **{key.removeprefix("comm/"): float(np.mean([r.final[key] for r in runs])) for key in experiment.COMM_KEYS},
         "sent_bytes_per_replica_modelled": rounds * comm["sent_bytes_per_round"] + steps * comm["sent_bytes_per_step"],
         "comm_s_per_round": comm["round_s"], "comm_s_per_step": comm["step_s"],
         "modelled_comm_s": comm_s, "latency_share_of_comm": latency_s / comm_s if comm_s else None,
@@ -247,8 +288,54 @@ def main(argv=None) -> dict:
                     "percent_of_means": 100 * (methods["diloco"]["eval_ppl_mean"] - methods["noloco"]["eval_ppl_mean"])
                     / methods["ddp"]["eval_ppl_mean"]}
 
-  plot_dir = args.plot_dir or (args.workdir if args.smoke else os.path.join(REPO, "experiments", "plots"))
-  plots = plot(results, comms, step_times, plot_dir, args)
+  fsdp = None
+  if "ddp" in methods:  # the paper's baseline: DDP's training, FSDP's collectives
+    fsdp = fsdp_model(num_params, args.replicas, args.alpha_s, beta)
+    fsdp.update(sent_bytes_per_replica_modelled=base.num_steps * fsdp["sent_bytes_per_step"],
+                received_bytes_per_replica_modelled=base.num_steps * fsdp["received_bytes_per_step"])
+
+  # ---- Report (before any plotting: the tables need no matplotlib). ----
+  print(f"\n{args.replicas} replicas, {base.num_steps} steps, {experiment.tokens_per_step(base):,} tokens/step, "
+        f"{num_params:,} params/replica ({latency.model_bytes(num_params, 'float32'):,} B float32), seeds {args.seeds}")
+  print(experiment.table(results))
+  print("\nbytes per replica over the run (noloco_jax/outer/wire.py; all-reduce priced as "
+        f"{args.allreduce_algorithm}): on the wire as logged, the collectives' operands, and the wire model")
+  print("| method | H | rounds | sent (wire) | received (wire) | collective operands | sent, modelled |")
+  print("|---|---|---|---|---|---|---|")
+  for kind, m in methods.items():
+    print(f"| {kind} | {m['inner_steps']} | {m['rounds']} | {m['bytes_sent_per_replica']:,.0f} "
+          f"| {m['bytes_received_per_replica']:,.0f} | {m['collective_operand_bytes_per_replica']:,.0f} "
+          f"| {m['sent_bytes_per_replica_modelled']:,.0f} |")
+  if fsdp:
+    print(f"| FSDP (DDP's training; 2 all-gathers + reduce-scatter per step) | 1 | – | – | – | – "
+          f"| {fsdp['sent_bytes_per_replica_modelled']:,.0f} |")
+  t_meas, t_assumed = step_times["measured"], step_times["assumed"]
+  print(f"\nwall-clock model: {args.link_gbps:g} Gb/s, α = {args.alpha_s * 1e3:g} ms; t_c = {t_meas * 1e3:.1f} ms "
+        f"per inner step ({'given' if args.step_time_s else 'measured'}) or {t_assumed * 1e3:g} ms (assumed)")
+  print("| method | H | rounds | bytes sent/replica (model) | comm s/round | comm s/step | comm s total "
+        "| latency share of comm | wall s, comm share (measured t_c) | wall s, comm share (assumed t_c) |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for kind, m in methods.items():
+    lat = m["latency_share_of_comm"]
+    w = m["wallclock"]
+    print(f"| {kind} | {m['inner_steps']} | {m['rounds']} | {m['sent_bytes_per_replica_modelled']:,.0f} "
+          f"| {m['comm_s_per_round']:.4f} | {m['comm_s_per_step']:.4f} | {m['modelled_comm_s']:.3f} "
+          f"| {'-' if lat is None else f'{lat:.0%}'} "
+          f"| {w['measured']['modelled_wall_s']:.1f}, {w['measured']['comm_share']:.1%} "
+          f"| {w['assumed']['modelled_wall_s']:.2f}, {w['assumed']['comm_share']:.1%} |")
+  if paper_metric:
+    print(f"\n(DiLoCo − NoLoCo)/DDP perplexity: {paper_metric['percent_mean']:+.2f} ± "
+          f"{paper_metric['percent_std']:.2f} % over seeds (of the means: {paper_metric['percent_of_means']:+.2f} %)")
+
+  plot_dir = plot_dir_of(args)
+  try:
+    import matplotlib  # noqa: F401  (the `plots` extra)
+  except ImportError:
+    plots = []
+    print("plots: skipped, matplotlib is not installed (pip install -e '.[plots]')")
+  else:
+    plots = plot(results, comms, step_times, plot_dir, args)
+    print("plots:", ", ".join(plots))
 
   summary = {
       "command": "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), REPO)] + sys.argv[1:])
@@ -258,34 +345,10 @@ def main(argv=None) -> dict:
       "model_bytes_float32": latency.model_bytes(num_params, "float32"), "smoke": args.smoke,
       "wallclock_model": {"link_gbps": args.link_gbps, "alpha_s": args.alpha_s, "step_time_s": step_times,
                           "measured_step_time_source": "given" if args.step_time_s else "measured"},
-      "methods": methods, "paper_metric_diloco_minus_noloco_over_ddp_ppl": paper_metric, "plots": plots,
+      "allreduce_algorithm": args.allreduce_algorithm, "methods": methods, "fsdp_modelled": fsdp,
+      "paper_metric_diloco_minus_noloco_over_ddp_ppl": paper_metric, "plots": plots,
   }
-
-  def report(_) -> str:
-    t_meas, t_assumed = step_times["measured"], step_times["assumed"]
-    lines = [f"\n{args.replicas} replicas, {base.num_steps} steps, {experiment.tokens_per_step(base):,} tokens/step, "
-             f"{num_params:,} params/replica ({latency.model_bytes(num_params, 'float32'):,} B float32), seeds {args.seeds}",
-             experiment.table(results),
-             f"\nwall-clock model: {args.link_gbps:g} Gb/s, α = {args.alpha_s * 1e3:g} ms; t_c = {t_meas * 1e3:.1f} ms "
-             f"per inner step ({'given' if args.step_time_s else 'measured'}) or {t_assumed * 1e3:g} ms (assumed)",
-             "| method | H | rounds | bytes sent/replica (model) | comm s/round | comm s/step | comm s total "
-             "| latency share of comm | wall s, comm share (measured t_c) | wall s, comm share (assumed t_c) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for kind, m in methods.items():
-      lat = m["latency_share_of_comm"]
-      w = m["wallclock"]
-      lines.append(f"| {kind} | {m['inner_steps']} | {m['rounds']} | {m['sent_bytes_per_replica_modelled']:,.0f} "
-                   f"| {m['comm_s_per_round']:.4f} | {m['comm_s_per_step']:.4f} | {m['modelled_comm_s']:.3f} "
-                   f"| {'-' if lat is None else f'{lat:.0%}'} "
-                   f"| {w['measured']['modelled_wall_s']:.1f}, {w['measured']['comm_share']:.1%} "
-                   f"| {w['assumed']['modelled_wall_s']:.2f}, {w['assumed']['comm_share']:.1%} |")
-    if paper_metric:
-      lines.append(f"\n(DiLoCo − NoLoCo)/DDP perplexity: {paper_metric['percent_mean']:+.2f} ± "
-                   f"{paper_metric['percent_std']:.2f} % over seeds (of the means: {paper_metric['percent_of_means']:+.2f} %)")
-    lines.append("plots: " + ", ".join(plots))
-    return "\n".join(lines)
-
-  return bench.finish(summary, text=report)
+  return bench.finish(summary)
 
 
 if __name__ == "__main__":

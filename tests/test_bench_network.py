@@ -29,7 +29,8 @@ def test_summary_of_a_straggler_and_a_waiting_peer():
   # Process 0 computes 0.2 s a step, process 1 0.1 s and waits 0.3 s per round of H = 3 for it.
   h, steps = 3, 9
   run = {"traces": [_trace(0.0, 0.0, 0.2, steps, h), _trace(0.0, 0.3, 0.1, steps, h)],
-         "last_row": {"comm/bytes_per_replica": 1234.0}}
+         "last_row": {"comm/bytes_sent_per_replica": 1234.0, "comm/bytes_received_per_replica": 1234.0,
+                      "comm/collective_operand_bytes_per_replica": 1000.0}}
   out = bench_network.summarise("diloco", run, h, tokens_per_step=64)
   assert out["idle_fraction"] == pytest.approx([0.0, 0.5])  # 0.3 / (0.3 + 3 × 0.1)
   assert out["wall_s_per_round"] == pytest.approx(0.6) and out["longest_round_s_median"] == pytest.approx(0.6)
@@ -64,8 +65,8 @@ def test_fitted_alpha_is_the_stragglers_wait_beyond_the_model():
              "model_alpha_s": 0.0, "model_beta_s_per_byte": 0.0, "model_burst_bytes": 0.0}
   # DiLoCo, 2 processes, rounds of 2 steps: compute [4, 2] s a round; 2 rounds measured. The straggler
   # waited 0.2 s in them (the all-reduce's own cost): α = 0.1 s per exchange.
-  run = {"processes_count": 2, "method": "diloco", "groups": None, "bytes_sent_per_replica": 300.0,
-         "processes": [{"wait_s": 0.2}, {"wait_s": 4.5}]}
+  run = {"processes_count": 2, "method": "diloco", "groups": None, "collective_operand_bytes_per_replica": 300.0,
+         "bytes_sent_per_replica": 300.0, "processes": [{"wait_s": 0.2}, {"wait_s": 4.5}]}
   bench_network.attach_models(setting, run)
   assert run["model"]["wait_s_per_round"] == pytest.approx([0.0, 2.0])
   assert run["model_fitted"]["alpha_s"] == pytest.approx(0.1)

@@ -26,6 +26,7 @@ from noloco_jax.io import checkpoint
 from noloco_jax.io.checkpoint import logs
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.outer import wire
 from noloco_jax import training
 from noloco_jax.training import build as build_lib
 
@@ -345,12 +346,17 @@ def test_warm_start_takes_the_weights_and_starts_fresh(reference, tmp_path):
 def test_the_loop_state_round_trips_whole_through_json():
   """What Checkpointer.save writes of the loop state is what restore hands back (to_record / from_record)."""
   rng = np.random.default_rng(1)
-  loop = training.LoopState(step=7, round=2, comm_bytes=12345, history={"eval": [{"step": 0, "eval/loss": 5.5}]})
-  loop.add_step(8, {"loss": rng.normal(size=4).astype(np.float32), "grad_norm": rng.random(4, np.float32)}, 10)
-  loop.add_round(8, {"pseudo_grad_norm": rng.random(4, np.float32)}, 100)
+  loop = training.LoopState(step=7, round=2, comm_bytes=12345, bytes_sent=0.5, bytes_received=0.25,
+                            history={"eval": [{"step": 0, "eval/loss": 5.5}]})
+  loop.add_step(8, {"loss": rng.normal(size=4).astype(np.float32), "grad_norm": rng.random(4, np.float32)},
+                wire.allreduce(10, 3))
+  loop.add_round(8, {"pseudo_grad_norm": rng.random(4, np.float32)}, wire.permute(100))
   loop.set_round_weight_std(np.float32(0.25))
   back = training.LoopState.from_record(json.loads(json.dumps(loop.to_record())))
   assert (back.step, back.round, back.comm_bytes, back.history) == (8, 3, 12455, loop.history)
+  # On the wire: a ring all-reduce of 10 bytes over 3 replicas sends 2·2/3·10 per replica, a permute 100.
+  assert (back.bytes_sent, back.bytes_received) == (loop.bytes_sent, loop.bytes_received)  # exact through JSON
+  assert (back.bytes_sent, back.bytes_received) == pytest.approx((0.5 + 40 / 3 + 100, 0.25 + 40 / 3 + 100), rel=1e-15)
   assert back.pending_steps == [8]
   for a, b in zip(jax.tree.leaves((loop.pending_metrics, loop.pending_rounds)),
                   jax.tree.leaves((back.pending_metrics, back.pending_rounds))):

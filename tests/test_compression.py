@@ -322,7 +322,7 @@ def _train_twice(config, workdir, caplog):
   rounds = config.num_steps // config.outer.inner_steps
   setup = build_lib.build(config, vocab_size=257)
   one = jax.tree.map(lambda x: x[0], first["state"].params)
-  assert first["comm/bytes_per_replica"] == rounds * setup.method.bytes_per_round(one)
+  assert first["comm/collective_operand_bytes_per_replica"] == rounds * setup.method.bytes_per_round(one)
   shutil.rmtree(os.path.join(workdir, "checkpoints", "6"))  # resume from step 3: residual from disk
   with caplog.at_level("INFO"):
     second = train.train_and_evaluate(config, workdir)

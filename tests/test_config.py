@@ -198,6 +198,76 @@ def test_old_and_new_names_set_differently_is_an_error(old, new, value):
   assert config_lib.validate(config).outer[new.split(".")[1]] == value
 
 
+# ---- Each kind at its own paper defaults (config/outer.py: PAPER_OUTER, resolved at validation) ----
+
+PAPER = {"noloco": dict(outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.7, group_size=2, inner_steps=50),
+         "diloco": dict(outer_momentum=0.3, outer_lr=0.7, nesterov=False, inner_steps=100),
+         "gossip": dict(group_size=2, inner_steps=50), "epidemic": dict(fanout=1, inner_steps=50),
+         "epidemic_adam": dict(group_size=2, inner_steps=50)}
+
+
+@pytest.mark.parametrize("kind", sorted(PAPER))
+def test_choosing_a_kind_gives_its_paper_values_and_says_so(caplog, kind):
+  config = default.get_config()
+  config.outer.kind = kind  # what --config.outer.kind=KIND does
+  with caplog.at_level(logging.INFO):
+    outer = config_lib.validate(config).outer
+  assert {k: outer[k] for k in PAPER[kind]} == PAPER[kind]
+  from noloco_jax.outer.paper import PAPER_OUTER  # pylint: disable=g-import-not-at-top
+  assert PAPER_OUTER[kind] == PAPER[kind]  # the one table configs/paper.py and the notebooks use
+  logged = [r.getMessage() for r in caplog.records if "paper's defaults" in r.getMessage()]
+  assert len(logged) <= 1  # once per process and message (an earlier test may have logged it)
+  if kind == "diloco" and logged:
+    assert logged[0] == ("config.outer.kind='diloco': outer_momentum=0.3, outer_lr=0.7, nesterov=False, "
+                         "inner_steps=100 from the paper's defaults for diloco (noloco_jax/outer/paper.py); set a "
+                         "field to override it.")
+
+
+def test_a_field_set_to_another_kinds_default_is_kept():
+  config = default.get_config()
+  config.outer.update(kind="diloco", outer_momentum=0.5, inner_steps=50)  # NoLoCo's values, set on purpose
+  outer = config_lib.validate(config).outer
+  assert (outer.outer_momentum, outer.inner_steps, outer.outer_lr) == (0.5, 50, 0.7)
+  assert config_lib.Config.parse(config).outer.from_paper() == {"outer_lr": 0.7, "nesterov": False}
+
+
+def test_the_default_job_is_unchanged_and_its_file_keeps_the_fields_unset():
+  config = default.get_config()
+  assert all(config.outer[k] is None for k in PAPER["noloco"])  # left alone: resolved per kind
+  resolved = config_lib.validate(config).outer
+  assert {k: resolved[k] for k in PAPER["noloco"]} == PAPER["noloco"]
+  assert (resolved.nesterov, resolved.fanout) == (False, 1)  # the fields noloco does not use: as before
+  # A config written with every field set (e.g. a run's config.json) keeps its values whatever the kind.
+  written = config_lib.validate(default.get_config()).to_dict()
+  written["outer"]["kind"] = "diloco"
+  assert config_lib.validate(ml_collections.ConfigDict(written)).outer.outer_momentum == 0.5
+
+
+def test_an_old_name_beside_a_config_file_written_with_every_field():
+  """Before the per-kind fields could be unset, a file held outer_momentum=0.5 as its default: the old
+  name then still wins, as it did (the new field at its old default counts as not set)."""
+  written = config_lib.validate(default.get_config()).to_dict()
+  written["outer"]["momentum"] = 0.3
+  assert config_lib.validate(ml_collections.ConfigDict(written)).outer.outer_momentum == 0.3
+
+
+def test_the_command_line_sets_a_per_kind_field_and_the_kind(tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  out = subprocess.run([sys.executable, "-m", "noloco_jax.main", "--dry_run", "--topology=8x1GB",
+                        "--config=configs/default.py:smoke", "--config.outer.kind=diloco",
+                        "--config.outer.outer_momentum=0.5"], capture_output=True, text=True, cwd=REPO, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert ("config.outer.kind='diloco': outer_lr=0.7, nesterov=False from the paper's defaults for diloco"
+          in out.stderr), out.stderr[-3000:]
+
+
+def test_an_unknown_allreduce_algorithm_is_one_line():
+  config = smoke()
+  config.outer.allreduce_algorithm = "butterfly"
+  assert build_error(config) == "config.outer.allreduce_algorithm='butterfly' is not valid: one of ring | tree."
+
+
 def test_the_old_names_reach_the_outer_method():
   from noloco_jax.outer import methods  # pylint: disable=g-import-not-at-top
   config = smoke()

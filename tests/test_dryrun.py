@@ -35,11 +35,15 @@ def test_dry_run_compiles_a_grid_config_on_fake_devices_and_counts_bytes():
     assert program["arguments"] > 0 and program["peak"] >= program["arguments"]
   # The bytes the compiled round really sends, summed over a replica's two devices, are the formula's.
   assert result["bytes_per_round_counted"] == result["bytes_per_round_formula"] > 0
+  # On the wire, between replicas (outer/wire.py): a pair exchange sends and receives its one message,
+  # here split over each replica's two fsdp devices; the compiled round's collectives say the same.
+  for key in ("sent", "received", "operand"):
+    assert result["wire_per_round_counted"][key] == result["wire_per_round_formula"][key] == result["bytes_per_round_formula"]
   # Half the state per device: every leaf of this model is split over fsdp except the counters.
   assert result["state_bytes_per_device"] < 0.51 * result["state_bytes_per_replica"]
   assert result["fits"]
   text = dryrun.report(cfg, topology, result)
-  assert "FITS" in text and "outer_round" in text
+  assert "FITS" in text and "outer_round" in text and "sends" in text and "on the wire" in text
 
   tiny = dataclasses.replace(topology, bytes_per_device=1000, text="8x1KB")
   with pytest.raises(dryrun.DoesNotFit, match="8x1KB"):

@@ -332,6 +332,6 @@ def test_epidemic_training_saves_and_resumes_exactly(tmp_path, caplog, compile_c
     second = train.train_and_evaluate(config, workdir)
   assert "resumed from step 3" in caplog.text
   params = sum(int(np.prod(x.shape[1:])) for x in jax.tree.leaves(first["state"].params))
-  assert first["comm/bytes_per_replica"] == 2 * 2 * params * 4  # 2 rounds × fanout 2 × float32 model
+  assert first["comm/collective_operand_bytes_per_replica"] == 2 * 2 * params * 4  # 2 rounds × fanout 2 × float32 model
   for a, b in zip(jax.tree.leaves(first["state"]), jax.tree.leaves(second["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -159,6 +159,6 @@ def test_epidemic_adam_trains_and_pulls_replicas_together(tmp_path):
   el = results["epidemic_adam"]
   assert el["eval/loss"] < el["eval/loss_first"] - 0.5
   params = sum(int(np.prod(x.shape[1:])) for x in jax.tree.leaves(el["state"].params))
-  assert el["comm/bytes_per_replica"] == 4 * params * 4  # 4 rounds × one float32 model (pairs)
+  assert el["comm/collective_operand_bytes_per_replica"] == 4 * params * 4  # 4 rounds × one float32 model (pairs)
   # The pull is weak (Adam-normalised, its moments dominated by the real gradients): 0.60× when written.
   assert el["replicas/weight_std"] < 0.8 * results["none"]["replicas/weight_std"]

@@ -50,7 +50,7 @@ def test_tensorboard_events_read_back_by_tensorboard(tmp_path):
   from tensorboard.util import tensor_util  # pylint: disable=g-import-not-at-top
 
   w = writers.TensorBoardWriter(str(tmp_path))
-  w.write_scalars(3, {"train/loss": np.float32(2.5), "comm/bytes_per_replica": 1024})
+  w.write_scalars(3, {"train/loss": np.float32(2.5), "comm/collective_operand_bytes_per_replica": 1024})
   w.write_scalars(7, {"train/loss": 1.25})
   w.close()
   assert "tfevents" in os.path.basename(w.path)
@@ -58,7 +58,7 @@ def test_tensorboard_events_read_back_by_tensorboard(tmp_path):
   assert events[0].file_version == "brain.Event:2"
   got = [(e.step, v.tag, float(tensor_util.make_ndarray(v.tensor))) for e in events[1:] for v in e.summary.value]
   assert {v.metadata.plugin_data.plugin_name for e in events[1:] for v in e.summary.value} == {"scalars"}
-  assert got == [(3, "train/loss", 2.5), (3, "comm/bytes_per_replica", 1024.0), (7, "train/loss", 1.25)]
+  assert got == [(3, "train/loss", 2.5), (3, "comm/collective_operand_bytes_per_replica", 1024.0), (7, "train/loss", 1.25)]
 
 
 def test_progress_log_reports_rate_and_time_shares(caplog):

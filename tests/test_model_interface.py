@@ -101,7 +101,7 @@ def test_a_second_model_trains_end_to_end_with_noloco(tmp_path):
   evals = result["history"]["eval"]
   assert result["model/num_params"] == TinyMLP(257, 32, 1, 32).num_params()  # the smoke sizes: d 32, 1 layer
   assert np.isfinite(evals[-1]["eval/loss"]) and evals[-1]["eval/loss"] < evals[0]["eval/loss"]
-  assert result["comm/bytes_per_replica"] > 0  # NoLoCo rounds ran
+  assert result["comm/collective_operand_bytes_per_replica"] > 0  # NoLoCo rounds ran
 
 
 def test_the_pipeline_cuts_the_new_model_by_its_stage_roles():

@@ -9,6 +9,7 @@ order across processes (≈ 6e-8 relative). The NoLoCo state itself only moves t
 the weights are bitwise equal.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -103,6 +104,15 @@ def test_two_processes_match_one_process_and_resume_in_one(two_process_run, tmp_
     rows = metrics_lib.read_jsonl(os.path.join(workdir2, "metrics", f"process_{p}.jsonl"))
     assert [r["step"] for r in rows] == [3, 6, 9, 12] and {r["replicas/local"] for r in rows} == {4}
 
+  # The end-of-run summary reports the job's training loss, as metrics.jsonl does, not process 0's
+  # replicas' own (which each process knows alone: log_barrier=False).
+  summary = json.load(open(os.path.join(workdir2, "summary.json")))
+  last_train = [r for r in metrics_lib.read_jsonl(os.path.join(workdir2, "metrics.jsonl")) if "train/loss" in r][-1]
+  process0 = metrics_lib.read_jsonl(os.path.join(workdir2, "metrics", "process_0.jsonl"))[-1]["train/loss"]
+  assert summary["train/loss"] == last_train["train/loss"] != process0
+  assert summary["train/loss_over"] == "all replicas (metrics.jsonl)" and summary["resumed_from_step"] == 0
+  assert f"train/loss  {last_train['train/loss']:.4f}" in log0 and f"workdir     {workdir2} (started from scratch)" in log0
+
   one = training.train_and_evaluate(_config(), str(tmp_path / "one"))
   _assert_same_metrics(_rows(workdir2), _rows(tmp_path / "one"))
 
@@ -112,6 +122,7 @@ def test_two_processes_match_one_process_and_resume_in_one(two_process_run, tmp_
   shutil.rmtree(resumed_dir / "checkpoints" / "12")
   resumed = training.train_and_evaluate(_config(), str(resumed_dir))
   _assert_same_metrics(_rows(resumed_dir), _rows(tmp_path / "one"))
+  assert resumed["resumed_from_step"] == 6 and "resumed from its checkpoint at step 6" in resumed["text"]
   for a, b in zip(_host_leaves(resumed["state"].params), _host_leaves(one["state"].params)):
     np.testing.assert_array_equal(a, b)  # NoLoCo moves values only by ppermute: bitwise equal
 

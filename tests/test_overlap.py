@@ -17,6 +17,7 @@ from noloco_jax.inner.state import TrainState
 from noloco_jax.outer import methods as outer_lib
 from noloco_jax.outer import pairing
 from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.outer import wire
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.training import loop as train
@@ -111,7 +112,7 @@ def _toy_run(method, schedule, num_devices, theta0, targets, *, steps, H, tau, l
   inner = jax.jit(lambda s, a: s.replace(params=jax.tree.map(lambda t, x: t - lr * (t - x), s.params, a)),
                   donate_argnums=0)
   driver = OverlappedRounds(method, mesh, schedule, None, inner_steps=H, tau=tau, mix=mix, last_step=steps,
-                            bytes_per_round=0, threaded=False)
+                            traffic=wire.NOTHING, threaded=False)
   driver.start(run)
   try:
     for step in range(1, steps + 1):
@@ -249,7 +250,7 @@ def test_overlapped_training_resumes_bitwise_from_inside_a_window(tmp_path, capl
   assert set(first["state"].outer) == {"slow", "momentum", "inflight"}  # one state shape, in flight or not
   for a, b in zip(jax.tree.leaves(first["state"]), jax.tree.leaves(second["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert first["comm/bytes_per_replica"] == second["comm/bytes_per_replica"]
+  assert first["comm/collective_operand_bytes_per_replica"] == second["comm/collective_operand_bytes_per_replica"]
 
 
 # ---- Two processes over loopback: the send on a second thread (outer/overlap.py), same numbers ----
@@ -294,7 +295,7 @@ def test_the_loop_state_keeps_the_in_flight_step_and_the_late_weight_std():
   from noloco_jax.training.loop_state import LoopState  # pylint: disable=g-import-not-at-top
 
   loop = LoopState(step=4, round=1, comm_bytes=8)
-  loop.add_round(4, {"pseudo_grad_norm": np.ones(2, np.float32)}, 8, applied=False)  # sent: weight std not known yet
+  loop.add_round(4, {"pseudo_grad_norm": np.ones(2, np.float32)}, wire.permute(8), applied=False)  # sent: std not known yet
   loop.inflight_step = 4
   back = LoopState.from_record(json.loads(json.dumps(loop.to_record())))
   assert back.inflight_step == 4 and back.round == 2
@@ -320,7 +321,7 @@ def test_the_merge_keeps_every_dtype_with_a_bfloat16_outer_state():
   run = _ToyRun(state)
   before = jax.tree.map(lambda x: x.dtype, state)
   driver = OverlappedRounds(method, mesh, schedule, None, inner_steps=1, tau=0, mix=0.5, last_step=1,
-                            bytes_per_round=0, threaded=False)
+                            traffic=wire.NOTHING, threaded=False)
   driver.start(run)
   driver.after_step(run, 1, {})  # sent and (the last step) merged at once
   driver.close(failed=False)

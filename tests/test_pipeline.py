@@ -231,7 +231,7 @@ def test_noloco_with_two_stages_trains(trained):
   train_rows = [r for r in rows if "train/loss" in r]
   rounds = cfg.num_steps // cfg.outer.inner_steps
   # A replica's message is the sum over its stages of their shards: one model per round.
-  assert train_rows[-1]["comm/bytes_per_replica"] == rounds * result["model/num_params"] * 4
+  assert train_rows[-1]["comm/collective_operand_bytes_per_replica"] == rounds * result["model/num_params"] * 4
   assert result["replicas/weight_std"] > 0
   state = result["state"]
   layer_leaf = state.params["layers"]["blocks"]["mlp"]["up"]["kernel"]

@@ -28,12 +28,20 @@ def test_each_kind_trains_and_validation_loss_falls(kind, tmp_path):
   with open(os.path.join(tmp_path, "config.json")) as f:
     assert json.load(f)["outer"]["kind"] == kind
 
-  comm = train_rows[-1]["comm/bytes_per_replica"]
+  comm = train_rows[-1]["comm/collective_operand_bytes_per_replica"]
   params_bytes = result["model/num_params"] * 4
   rounds = cfg.num_steps // cfg.outer.inner_steps
   expected = {"noloco": rounds * params_bytes, "gossip": rounds * params_bytes, "diloco": rounds * params_bytes,
               "ddp": cfg.num_steps * params_bytes, "none": 0}[kind]
   assert comm == expected
+  # On the wire: a pair exchange sends and receives its one copy; a ring all-reduce over 8 replicas
+  # sends and receives 2·7/8 copies per replica (outer/wire.py).
+  ring = 2 * 7 / 8
+  wire = {"noloco": rounds * params_bytes, "gossip": rounds * params_bytes, "diloco": rounds * ring * params_bytes,
+          "ddp": cfg.num_steps * ring * params_bytes, "none": 0}[kind]
+  for key in ("comm/bytes_sent_per_replica", "comm/bytes_received_per_replica"):
+    assert train_rows[-1][key] == pytest.approx(wire, rel=1e-12), key
+    assert result[key] == train_rows[-1][key]
   if kind in ("noloco", "gossip"):
     with open(os.path.join(tmp_path, "pairings.jsonl")) as f:
       pairings = [json.loads(line) for line in f]

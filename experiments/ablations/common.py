@@ -12,7 +12,6 @@ re-exported here as `experiment` and `plots`.
 """
 
 import os
-import sys
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before the first `import jax`
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

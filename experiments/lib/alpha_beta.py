@@ -2,15 +2,17 @@
 
 Sizes come from the model interface (noloco_jax/models/): the paper's three Llama sizes as presets.
 The α–β model prices a message of S bytes at α + S·β seconds (α: latency per message, β: seconds
-per byte of the link) and compares a ring or tree all-reduce with NoLoCo's pair exchange.
+per byte of the link) and compares a ring or tree all-reduce with NoLoCo's pair exchange. The bytes
+and the messages of each exchange are noloco_jax/outer/wire.py's, the definitions the training
+metrics use (comm/bytes_sent_per_replica): an exchange's time is wire.Traffic.seconds(α, β).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 from noloco_jax import models
+from noloco_jax.outer import wire
 
 # ----------------------------------------------------------------------------------------------------
 # Model sizes
@@ -42,13 +44,15 @@ def model_bytes(num_params: int, dtype: str) -> int:
 # α–β cost model
 # ----------------------------------------------------------------------------------------------------
 # A message of m bytes costs α + m·β (α: per-message latency in s, β: s per byte = 8 / link bits/s).
-# P workers, S bytes per model copy. Formulas as in docs/method.md §6:
-#   ring all-reduce   2(P−1)·α + 2(P−1)/P·S·β   (each worker sends and receives ≈ 2·S)
+# P workers, S bytes per model copy. Formulas as in docs/method.md §6, each wire.Traffic.seconds of the
+# exchange in outer/wire.py (messages in sequence · α + bytes along the critical path · β):
+#   ring all-reduce   2(P−1)·α + 2(P−1)/P·S·β   (each worker sends and receives 2(P−1)/P·S ≈ 2·S)
 #   tree all-reduce   2·log2(P)·(α + S·β)        (whole copies up and down the tree)
 #   pair exchange     α + S·β                    (lean: each member sends one copy, both directions at
 #                                                 once on a full-duplex link)
 #   pair, reference   2·(α + 2·S·β)              (the reference code: φ and Δ, i.e. 2·S, go to the
-#                                                 root member, and 2·S come back, one after the other)
+#                                                 root member, and 2·S come back, one after the other;
+#                                                 not an exchange of this code, so not in wire.py)
 # This model has no variability: it shows the bandwidth-bound regime, where the pair's advantage over
 # a ring is at most about 2x per round, and none per inner step if it syncs twice as often.
 
@@ -60,17 +64,17 @@ def seconds_per_byte(link_bits_per_second: float) -> float:
 
 def ring_allreduce_alpha_beta(p: int, s_bytes: float, alpha: float, beta: float) -> float:
   """Ring all-reduce: 2(P−1)·α + 2(P−1)/P·S·β."""
-  return 2 * (p - 1) * alpha + 2 * (p - 1) / p * s_bytes * beta
+  return wire.allreduce(s_bytes, p, "ring").seconds(alpha, beta)
 
 
 def tree_allreduce_alpha_beta(p: int, s_bytes: float, alpha: float, beta: float) -> float:
-  """Binary-tree all-reduce: 2·log2(P)·(α + S·β)."""
-  return 2 * math.log2(p) * (alpha + s_bytes * beta)
+  """Binary-tree all-reduce: 2·⌊log2 P⌋·(α + S·β)."""
+  return wire.allreduce(s_bytes, p, "tree").seconds(alpha, beta)
 
 
 def pair_exchange_alpha_beta(s_bytes: float, alpha: float, beta: float) -> float:
   """Lean NoLoCo pair exchange, one copy each way at once: α + S·β (independent of P)."""
-  return alpha + s_bytes * beta
+  return wire.permute(s_bytes).seconds(alpha, beta)
 
 
 def pair_exchange_reference_alpha_beta(s_bytes: float, alpha: float, beta: float) -> float:
@@ -79,13 +83,14 @@ def pair_exchange_reference_alpha_beta(s_bytes: float, alpha: float, beta: float
 
 
 def bytes_sent_per_replica_per_round(method: str, p: int, s_bytes: float) -> float:
-  """Bytes one replica sends per outer round (it receives the same amount).
+  """Bytes one replica sends per exchange, mean over replicas (it receives as many): wire.Traffic.sent.
 
-  ring: 2(P−1)/P·S; tree: S up for a leaf (interior nodes send more); pair: S; pair_reference: 2·S
-  (from the non-root member; the root sends 2·S back).
+  ring: 2(P−1)/P·S; tree: 2(P−1)/P·S as well (N − 1 tree edges, one copy each way; a leaf sends S, an
+  interior node 3S); pair: S; pair_reference: 2·S (each member sends 2·S: φ and Δ up, or the result down).
   """
-  return {"ring": 2 * (p - 1) / p * s_bytes, "tree": s_bytes, "pair": s_bytes,
-          "pair_reference": 2 * s_bytes}[method]
+  if method in wire.ALLREDUCE_ALGORITHMS:
+    return wire.allreduce(s_bytes, p, method).sent
+  return {"pair": wire.permute(s_bytes).sent, "pair_reference": 2 * s_bytes}[method]
 
 
 def latency_share(latency_term: float, total: float) -> float:

@@ -70,7 +70,7 @@ def link_bytes(method: str, group_size: int, s_bytes: float) -> float:
   """Bytes one group's exchange puts through the shared link: every member sends its share.
 
   pair: each of the 2 members sends one copy S (2·S); ring all-reduce of n: n · 2(n − 1)/n · S =
-  2(n − 1)·S (alpha_beta.bytes_sent_per_replica_per_round).
+  2(n − 1)·S (alpha_beta.bytes_sent_per_replica_per_round: noloco_jax/outer/wire.py's bytes sent).
   """
   return group_size * bytes_sent_per_replica_per_round(method, group_size, s_bytes)
 

@@ -30,6 +30,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from noloco_jax import config as config_lib
 from noloco_jax.outer.paper import PAPER_OUTER
 from noloco_jax.config import files as config_files
 from noloco_jax.runtime import compile_cache
@@ -37,6 +38,10 @@ from noloco_jax.io import metrics as metrics_lib
 from noloco_jax import training
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: The cumulative bytes per replica a run logs (noloco_jax/outer/wire.py): on the wire, sent and
+#: received, and the compiled collectives' operands.
+COMM_KEYS = ("comm/bytes_sent_per_replica", "comm/bytes_received_per_replica",
+             "comm/collective_operand_bytes_per_replica")
 SMOKE_ENV = "NOLOCO_SMOKE"  # "1" shrinks notebooks and scripts to seconds (tests/test_notebooks.py)
 CACHE_ENV = compile_cache.ENV  # directory of JAX's persistent compilation cache; "" disables
 
@@ -113,10 +118,10 @@ class Run:
   """One finished (or diverged) training run, without its state."""
   label: str
   seed: int
-  config: ml_collections.ConfigDict
+  config: ml_collections.ConfigDict  # as the run trained with it: validated, every field resolved
   eval: list[dict]  # {"step", "eval/loss", "eval/ppl", "replicas/weight_std"} at every evaluation
-  train: list[dict]  # the train rows of metrics.jsonl (train/loss, comm/bytes_per_replica, perf/...)
-  final: dict  # train_and_evaluate's summary (eval/loss, eval/ppl, comm/bytes_per_replica, ...)
+  train: list[dict]  # the train rows of metrics.jsonl (train/loss, comm/bytes_sent_per_replica, perf/...)
+  final: dict  # train_and_evaluate's summary (eval/loss, eval/ppl, COMM_KEYS, ...)
   error: str | None = None  # set when the run stopped on a non-finite loss
 
   @property
@@ -156,11 +161,11 @@ def run(config: ml_collections.ConfigDict, *, label: str = "", workdir: str | No
     final = {k: v for k, v in result.items() if k not in ("state", "history", "text")}
   else:
     final = {"eval/loss": math.nan, "eval/ppl": math.nan, "replicas/weight_std": math.nan,
-             "comm/bytes_per_replica": trains[-1]["comm/bytes_per_replica"] if trains else math.nan}
+             **{k: trains[-1][k] if trains else math.nan for k in COMM_KEYS}}
   if temporary:
     shutil.rmtree(workdir, ignore_errors=True)
-  return Run(label=label or config.outer.kind, seed=int(config.seed), config=config, eval=evals,
-             train=trains, final=final, error=error)
+  return Run(label=label or config.outer.kind, seed=int(config.seed), config=config_lib.validate(config),
+             eval=evals, train=trains, final=final, error=error)
 
 
 def load_run(workdir: str, label: str = "") -> Run:
@@ -182,7 +187,9 @@ def _finished_with(workdir: str, config: ml_collections.ConfigDict) -> bool:
       stored = json.load(f)
   except (OSError, ValueError):
     return False
-  return os.path.exists(os.path.join(workdir, "summary.json")) and stored == json.loads(config.to_json_best_effort())
+  # config.json holds the validated config (every field resolved: an unset per-kind field has its value).
+  resolved = config_lib.validate(config)
+  return os.path.exists(os.path.join(workdir, "summary.json")) and stored == json.loads(resolved.to_json_best_effort())
 
 
 def run_seeds(config: ml_collections.ConfigDict, seeds: Iterable[int], *, label: str = "",
@@ -244,7 +251,7 @@ def curve(runs: Sequence[Run], key: str, source: str = "eval") -> tuple[np.ndarr
   return np.asarray(steps), values.mean(axis=0), std
 
 
-_FORMATS = {"replicas/weight_std": ".2e", "comm/bytes_per_replica": ",.0f"}
+_FORMATS = {"replicas/weight_std": ".2e", **{key: ",.0f" for key in COMM_KEYS}}
 
 
 def table(results: Mapping[str, Sequence[Run]],

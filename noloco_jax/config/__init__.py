@@ -42,9 +42,10 @@ def validate(config) -> ml_collections.ConfigDict:
 
 
 def default_config_dict() -> ml_collections.ConfigDict:
-  """Every field at its default, plus unset placeholders for the old names of renamed fields (so that
+  """Every field at its default, the per-kind outer fields unset (resolved from the kind's paper values
+  by `validate`: config/outer.py), plus unset placeholders for the old names of renamed fields (so that
   `--config.outer.lr=...` still parses): the base of configs/default.py."""
-  return Config().to_config_dict(renamed_placeholders=True)
+  return Config().to_config_dict(for_config_file=True)
 
 
 __all__ = ["Config", "ConfigError", "DataSpec", "Section", "default_config_dict", "load", "validate"]

@@ -7,9 +7,13 @@ ConfigDict (or dict, or an instance) into it:
 - a field the ConfigDict lacks takes the dataclass's default (a config written before the field
   existed keeps working);
 - a field the dataclass lacks is a ConfigError that suggests the nearest field;
+- a field typed `X | None` with default None may be left unset (None): the section resolves it when
+  it is built (config/outer.py: each kind's paper defaults), and remembers which it resolved
+  (`unset_fields`). A config file's ConfigDict keeps those as unset typed placeholders
+  (`to_config_dict(for_config_file=True)`), so that "left alone" and "set to the default" stay apart;
 - a renamed field (`RENAMED`: old name -> new name) is read under its old name too, with a one-line
-  warning; old and new set to different values is an error (a new field still at its default
-  counts as not set: a ConfigDict cannot tell "left alone" from "set to the default");
+  warning; old and new set to different values is an error (a new field unset, or at the value it
+  had as a default before it could be unset (`UNSET`), counts as not set);
 - every value is checked against the field's type (bool, int, float, str; an int is accepted and
   converted where a float is expected).
 
@@ -21,6 +25,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import types
 from typing import Any, ClassVar, Mapping
 
 import ml_collections
@@ -68,6 +73,14 @@ def typed(field: str, value: Any, kind: type) -> Any:
   return value
 
 
+def base_type(kind) -> tuple[Any, bool]:
+  """(the type, whether None is allowed) of a field annotation: `float | None` -> (float, True)."""
+  if isinstance(kind, types.UnionType):
+    args = [a for a in kind.__args__ if a is not type(None)]
+    return args[0], len(args) < len(kind.__args__)
+  return kind, False
+
+
 @dataclasses.dataclass(frozen=True)
 class Section:
   """Base of every section. Subclasses set PATH (e.g. "outer"; "" for the top level) and may set
@@ -75,9 +88,14 @@ class Section:
 
   PATH: ClassVar[str] = ""  # where the section sits: "outer" is config.outer
   RENAMED: ClassVar[Mapping[str, str]] = {}  # old field name -> new field name
+  UNSET: ClassVar[Mapping[str, Any]] = {}  # field that may be unset -> the default it had before
 
   def check(self) -> None:
     """Raises ConfigError on the first invalid field of this section alone (no other section needed)."""
+
+  def unset_fields(self) -> tuple[str, ...]:
+    """The fields that were left unset (None) and resolved by the section when it was built."""
+    return ()
 
   @classmethod
   def field_path(cls, name: str) -> str:
@@ -99,9 +117,11 @@ class Section:
     for name, value in items.items():
       if name not in fields:
         raise not_a_field(cls.PATH, name, list(fields), cls.RENAMED)
-      kind = fields[name].type
+      kind, optional = base_type(fields[name].type)
       if isinstance(kind, type) and issubclass(kind, Section):
         values[name] = kind.parse(value)
+      elif value is None and optional:
+        values[name] = None  # unset: resolved by the section (see unset_fields)
       else:
         values[name] = typed(cls.field_path(name), value, kind)
     section = cls(**values)
@@ -116,26 +136,34 @@ class Section:
       old_value = items.pop(old)
       if old_value is None:  # the placeholder the config files keep for the old name: not set
         continue
-      default = fields[new].default
-      if new in items and items[new] != default and items[new] != old_value:
+      now = items.get(new)
+      if now is not None and now != cls.UNSET.get(new, fields[new].default) and now != old_value:
         raise ConfigError(f"config.{cls.field_path(old)}={old_value!r} and config.{cls.field_path(new)}="
                           f"{items[new]!r} are both set; {old} is the old name of {new}: set only {new}.")
       logging.warning("config.%s is deprecated: use config.%s (same meaning); taking %s=%r.",
                       cls.field_path(old), cls.field_path(new), new, old_value)
       items[new] = old_value
 
-  def to_config_dict(self, renamed_placeholders: bool = False) -> ml_collections.ConfigDict:
-    """The section as a ConfigDict (what the trainer reads). `renamed_placeholders` adds each old name
-    as an unset typed placeholder, so that a config file built from it accepts `--config.outer.lr=...`."""
+  def to_config_dict(self, for_config_file: bool = False) -> ml_collections.ConfigDict:
+    """The section as a ConfigDict (what the trainer reads: every field resolved). `for_config_file`
+    (the base of a config file) keeps the unset fields unset and adds each old name of a renamed field,
+    both as typed placeholders: `--config.outer.lr=...` then parses, and a field left alone stays
+    distinguishable from one set to its default."""
     out = ml_collections.ConfigDict()
-    types = {}
+    kinds = {}
+    unset = self.unset_fields() if for_config_file else ()
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
-      out[f.name] = value.to_config_dict(renamed_placeholders) if isinstance(value, Section) else value
-      types[f.name] = f.type
-    if renamed_placeholders:
+      kinds[f.name] = base_type(f.type)[0]
+      if isinstance(value, Section):
+        out[f.name] = value.to_config_dict(for_config_file)
+      elif f.name in unset:
+        out[f.name] = ml_collections.config_dict.placeholder(kinds[f.name])
+      else:
+        out[f.name] = value
+    if for_config_file:
       for old, new in self.RENAMED.items():
-        out[old] = ml_collections.config_dict.placeholder(types[new])
+        out[old] = ml_collections.config_dict.placeholder(kinds[new])
     return out
 
   def to_dict(self) -> dict[str, Any]:

@@ -12,9 +12,19 @@ graph `topology`: EL-Oracle's s-regular graph or EL-Local's s-out graph); epidem
 code's Epidemic Learning variant (group mean, then a second inner-optimizer step along θ − mean_G θ);
 ddp and none have no outer step.
 Before these names the fields were `momentum`, `lr` and `gamma`: those still work (RENAMED), with a warning.
+
+Each kind at its own paper defaults. The fields whose value depends on the method (`PER_KIND`: H, n,
+α, β, γ, nesterov, s) default to *unset* (None). Validation resolves an unset field from the paper's
+values for the chosen kind (`PAPER_OUTER`, which noloco_jax/outer/paper.py publishes), or, for a field
+the kind does not use, from `UNSET_DEFAULTS` (the values these fields had before: NoLoCo's). So
+`--config.outer.kind=diloco` trains with DiLoCo's α = 0.3, β = 0.7, H = 100, while a value given on the
+command line or in a config file, even one equal to NoLoCo's, is kept; the log names the values that
+came from the paper. A config file written with every field set keeps its values, as before.
 """
 
 import dataclasses
+import logging
+from typing import Any
 
 from noloco_jax.config.fields import Section, at_least, fail, one_of
 
@@ -47,22 +57,60 @@ def register_kind(kind: str, *, grouped: bool = False) -> None:
   if grouped and kind not in GROUPED_KINDS:
     GROUPED_KINDS.append(kind)
 
+# How an all-reduce is priced on the wire (noloco_jax/outer/wire.py: ALLREDUCE_ALGORITHMS).
+ALLREDUCE_ALGORITHMS = ("ring", "tree")
+
+# The NoLoCo paper's outer hyperparameters per method (arXiv 2506.10911; docs/method.md §10), published
+# as noloco_jax/outer/paper.py. NoLoCo: α = 0.5, β = γ = 0.7, n = 2, H = 50. DiLoCo: α = 0.3, β = 0.7,
+# H = 100, heavy-ball (the reference code's, not Nesterov). Gossip is NoLoCo with α = 0, β = γ = 1 (set by
+# outer/methods.py), so only n and H are given. The paper does not run the Epidemic Learning kinds: they
+# get NoLoCo's H and pairs (epidemic_adam) or one peer (epidemic), the same bytes per round as NoLoCo.
+PAPER_OUTER: dict[str, dict[str, Any]] = {
+    "noloco": dict(outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.7, group_size=2, inner_steps=50),
+    "diloco": dict(outer_momentum=0.3, outer_lr=0.7, nesterov=False, inner_steps=100),
+    "gossip": dict(group_size=2, inner_steps=50),
+    "epidemic": dict(fanout=1, inner_steps=50),
+    "epidemic_adam": dict(group_size=2, inner_steps=50),
+    "ddp": {},
+    "none": {},
+}
+# The fields a kind's paper defaults fill when left unset, and what a field the kind does not use gets.
+UNSET_DEFAULTS: dict[str, Any] = dict(inner_steps=50, group_size=2, outer_momentum=0.5, outer_lr=0.7,
+                                      consensus_weight=0.7, nesterov=False, fanout=1)
+PER_KIND = tuple(UNSET_DEFAULTS)
+# The hyperparameters each kind uses (the others are ignored by it): what the end-of-run summary names.
+IN_FORCE: dict[str, tuple[str, ...]] = {
+    "noloco": ("outer_momentum", "outer_lr", "consensus_weight", "group_size", "inner_steps"),
+    "gossip": ("group_size", "inner_steps"),
+    "epidemic": ("fanout", "inner_steps"),
+    "epidemic_adam": ("group_size", "inner_steps"),
+    "diloco": ("outer_momentum", "outer_lr", "nesterov", "inner_steps"),
+    "ddp": (),
+    "none": (),
+}
+# Values a kind fixes itself, whatever the fields say (outer/methods.py).
+FIXED_BY_KIND: dict[str, dict[str, float]] = {"gossip": dict(outer_momentum=0.0, outer_lr=1.0, consensus_weight=1.0)}
+_logged: set[str] = set()  # the resolution is logged once per process and message
+
 
 @dataclasses.dataclass(frozen=True)
 class OuterConfig(Section):
   PATH = "outer"
   RENAMED = {"momentum": "outer_momentum", "lr": "outer_lr", "gamma": "consensus_weight"}
+  UNSET = UNSET_DEFAULTS  # what "at its default" meant before the per-kind fields could be unset
 
   kind: str = "noloco"  # noloco | diloco | gossip | epidemic | epidemic_adam | ddp | none
-  inner_steps: int = 50  # H: inner steps per outer round.
-  group_size: int = 2  # n: replicas per averaging group (noloco, gossip, epidemic_adam).
-  # α: momentum of the outer step, δ ← α·δ + ... (noloco, diloco; NoLoCo reference 0.5, DiLoCo 0.3).
-  outer_momentum: float = 0.5
-  outer_lr: float = 0.7  # β: outer learning rate, the step along the group's mean θ − φ (noloco, diloco).
+  # The next seven fields left unset (None) take the kind's paper value (PAPER_OUTER above; the
+  # module docstring), e.g. H = 50 for noloco and 100 for diloco.
+  inner_steps: int | None = None  # H: inner steps per outer round.
+  group_size: int | None = None  # n: replicas per averaging group (noloco, gossip, epidemic_adam).
+  # α: momentum of the outer step, δ ← α·δ + ... (noloco, diloco; NoLoCo paper 0.5, DiLoCo 0.3).
+  outer_momentum: float | None = None
+  outer_lr: float | None = None  # β: outer learning rate, the step along the group's mean θ − φ (noloco, diloco; 0.7).
   # γ: pull of each replica's slow weights φ_i towards its group's mean φ (noloco only). The paper
-  # gives no value; the reference code uses γ = β.
-  consensus_weight: float = 0.7
-  nesterov: bool = False  # DiLoCo only: Nesterov (original DiLoCo) instead of heavy-ball (reference).
+  # gives no value; the reference code uses γ = β (0.7).
+  consensus_weight: float | None = None
+  nesterov: bool | None = None  # DiLoCo only: Nesterov (original DiLoCo) instead of heavy-ball (paper: False).
   message_dtype: str = "float32"  # float32 | bfloat16: dtype of the exchanged tensor.
   # Storage dtype of the outer state (φ, δ; DiLoCo's φ and momentum): "" = the parameters' dtype,
   # or float32 | bfloat16. The update itself always computes in float32.
@@ -91,13 +139,17 @@ class OuterConfig(Section):
   # Error feedback: what a compressed message did not carry, times this decay, is added to the next
   # round's message (to whichever partner that goes). 0 = no feedback (and no residual in the state).
   feedback_decay: float = 1.0
-  fanout: int = 1  # epidemic: s, the random peers each replica sends its model to per round (< num_replicas)
+  fanout: int | None = None  # epidemic: s, the random peers each replica sends its model to per round (< num_replicas; 1)
   # epidemic: the round's random directed graph (de Vos et al. 2023; outer/epidemic.py):
   #   oracle = EL-Oracle: uniform over the s-regular graphs, every replica sends to s and receives from
   #            exactly s others (drawn exactly for min(s, num_replicas − 1 − s) ≤ 3);
   #   local  = EL-Local: every replica sends to s others of its own uniform choice; the in-degree is
   #            random, Binomial(N − 1, s/(N − 1)) (a replica may receive nothing).
   topology: str = "oracle"
+  # How the wire figures price an all-reduce (DiLoCo's round, DDP's step; noloco_jax/outer/wire.py):
+  # ring | tree. Accounting only: XLA and NCCL choose their own algorithm, this names the one assumed
+  # by comm/bytes_sent_per_replica and comm/bytes_received_per_replica.
+  allreduce_algorithm: str = "ring"
   # Streaming overlap (noloco, gossip, any compression; docs/method.md §13): τ inner steps run
   # while a round's exchange is in flight; its group mean is merged after step tH + τ. 0 = wait for it.
   overlap_steps: int = 0  # τ, in [0, inner_steps)
@@ -105,8 +157,41 @@ class OuterConfig(Section):
   # the share of the τ in-flight steps' progress a replica keeps. 0 discards it; 1 never pulls θ to φ.
   overlap_mix: float = 0.5
 
+  def __post_init__(self):
+    # Unset per-kind fields take the kind's paper value (module docstring); which ones did is kept
+    # for the log and for a config file's ConfigDict (`unset_fields`).
+    paper = PAPER_OUTER.get(self.kind, {})
+    unset = tuple(name for name in PER_KIND if getattr(self, name) is None)
+    for name in unset:
+      object.__setattr__(self, name, paper.get(name, UNSET_DEFAULTS[name]))
+    object.__setattr__(self, "_unset", unset)
+
+  def unset_fields(self) -> tuple[str, ...]:
+    return self._unset
+
+  def from_paper(self) -> dict[str, Any]:
+    """{field: value} of the hyperparameters in force that were left unset and took the paper's value."""
+    return {name: getattr(self, name) for name in IN_FORCE.get(self.kind, ()) if name in self._unset}
+
+  def in_force(self) -> dict[str, Any]:
+    """{field: value} of every outer hyperparameter this kind uses, the values it fixes itself included."""
+    return {**FIXED_BY_KIND.get(self.kind, {}), **{name: getattr(self, name) for name in IN_FORCE.get(self.kind, ())}}
+
+  @classmethod
+  def parse(cls, node) -> "OuterConfig":
+    section = super().parse(node)
+    taken = section.from_paper()
+    if section is not node and taken:
+      message = (f"config.outer.kind={section.kind!r}: {', '.join(f'{k}={v!r}' for k, v in taken.items())} from the "
+                 f"paper's defaults for {section.kind} (noloco_jax/outer/paper.py); set a field to override it.")
+      if message not in _logged:
+        _logged.add(message)
+        logging.info("%s", message)
+    return section
+
   def check(self) -> None:
     one_of("outer.kind", self.kind, KINDS)
+    one_of("outer.allreduce_algorithm", self.allreduce_algorithm, ALLREDUCE_ALGORITHMS)
     at_least("outer.inner_steps", self.inner_steps, 1)
     one_of("outer.message_dtype", self.message_dtype, MESSAGE_DTYPES)
     one_of("outer.state_dtype", self.state_dtype, STATE_DTYPES)

@@ -1,7 +1,9 @@
 """Metric definitions and writers. One name per metric, the same in TensorBoard, metrics.jsonl and notebooks.
 
 Names: train/loss, train/grad_norm, eval/loss, eval/ppl, replicas/weight_std,
-outer/pseudo_grad_norm, outer/round, comm/bytes_per_replica (cumulative), perf/steps_per_s,
+outer/pseudo_grad_norm, outer/round, comm/bytes_sent_per_replica, comm/bytes_received_per_replica
+(cumulative, on the wire), comm/collective_operand_bytes_per_replica (cumulative; all three defined in
+noloco_jax/outer/wire.py), perf/steps_per_s,
 perf/tokens_per_s, model/num_params (logged once, per replica), outer/skipped_rounds (cumulative;
 only with nan_policy="skip_round").
 The writers themselves (TensorBoard, JSON lines, log) are in writers.py.

@@ -40,6 +40,7 @@ from noloco_jax.config.outer import OuterConfig
 from noloco_jax.inner.state import TrainState
 from noloco_jax.models.base import DTYPES
 from noloco_jax.outer import epidemic, epidemic_adam, exchange, rules
+from noloco_jax.outer import wire as wire_lib
 from noloco_jax.outer.pairing import Groups, PairingSchedule
 from noloco_jax.parallel.mesh import REPLICA
 
@@ -95,6 +96,18 @@ class OuterMethod:
   # Elastic grow (io/checkpoint/resize.py): (params, outer) of the live peer, one replica as host (NumPy)
   # arrays -> (params, outer) of a new replica that starts from it.
   new_replica: Callable = _copy_of_peer
+  # Bytes on the wire (outer/wire.py): (params of one replica, number of replicas, all-reduce algorithm)
+  # -> (wire.Traffic of one round, of one inner step). None: the collectives' operands are point-to-point
+  # messages, each sent once (`traffic` below).
+  wire: Callable | None = None
+
+
+def traffic(method: OuterMethod, params, num_replicas: int, algorithm: str = "ring"):
+  """(one round, one inner step) of `method` on the wire, per replica (outer/wire.py's definitions)."""
+  if method.wire is not None:
+    return method.wire(params, num_replicas, algorithm)
+  once = lambda b: wire_lib.permute(b) if b else wire_lib.NOTHING
+  return once(method.bytes_per_round(params)), once(method.bytes_per_step(params))
 
 
 def tree_bytes(tree, dtype=None) -> int:
@@ -178,15 +191,19 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, codec, kin
   return OuterMethod(
       kind=kind, has_rounds=True, uses_pairing=True, init=init, reduce_grads=None, make_round=round_of(parts),
       bytes_per_round=lambda params: (group_size - 1) * codec.payload_bytes(params),
-      bytes_per_step=lambda params: 0, parts=parts, new_replica=new_replica)
+      bytes_per_step=lambda params: 0, parts=parts, new_replica=new_replica,
+      wire=lambda params, n, algorithm: (wire_lib.permute(codec.payload_bytes(params), group_size - 1), wire_lib.NOTHING))
 
 
-def _epidemic(fanout: int, message_dtype) -> OuterMethod:
+def _epidemic(fanout: int, message_dtype, regular: bool) -> OuterMethod:
+  """`regular`: EL-Oracle's s-regular graph (every replica receives exactly s models), else EL-Local's."""
   return OuterMethod(
       kind="epidemic", has_rounds=True, uses_pairing=True, init=lambda params: {"slow": params},
       reduce_grads=None, make_round=lambda pool, num_devices: epidemic.make_round(pool, num_devices, message_dtype),
       bytes_per_round=lambda params: fanout * tree_bytes(params, message_dtype), bytes_per_step=lambda params: 0,
-      new_replica=_from_slow)
+      new_replica=_from_slow,
+      wire=lambda params, n, algorithm: (wire_lib.push(tree_bytes(params, message_dtype), fanout, n, regular=regular),
+                                         wire_lib.NOTHING))
 
 
 def _epidemic_adam(group_size: int, message_dtype, optimizer: optax.GradientTransformation | None) -> OuterMethod:
@@ -197,7 +214,9 @@ def _epidemic_adam(group_size: int, message_dtype, optimizer: optax.GradientTran
       reduce_grads=None,
       make_round=lambda pool, num_devices: epidemic_adam.make_round(pool, num_devices, message_dtype, optimizer),
       bytes_per_round=lambda params: (group_size - 1) * tree_bytes(params, message_dtype),
-      bytes_per_step=lambda params: 0, new_replica=_from_slow)
+      bytes_per_step=lambda params: 0, new_replica=_from_slow,
+      wire=lambda params, n, algorithm: (wire_lib.permute(tree_bytes(params, message_dtype), group_size - 1),
+                                         wire_lib.NOTHING))
 
 
 def _mean_over_replicas(x_k):
@@ -228,7 +247,10 @@ def _diloco(lr: float, momentum: float, nesterov: bool) -> OuterMethod:
   return OuterMethod(
       kind="diloco", has_rounds=True, uses_pairing=False, init=init, reduce_grads=None,
       make_round=make_round, bytes_per_round=lambda params: tree_bytes(params, jnp.float32),
-      bytes_per_step=lambda params: 0, new_replica=_from_slow)
+      bytes_per_step=lambda params: 0, new_replica=_from_slow,
+      # One all-reduce of the float32 pseudo-gradient per round, priced under the named algorithm.
+      wire=lambda params, n, algorithm: (wire_lib.allreduce(tree_bytes(params, jnp.float32), n, algorithm),
+                                         wire_lib.NOTHING))
 
 
 def _ddp() -> OuterMethod:
@@ -237,7 +259,9 @@ def _ddp() -> OuterMethod:
 
   return OuterMethod(
       kind="ddp", has_rounds=False, uses_pairing=False, init=lambda params: (), reduce_grads=reduce_grads,
-      make_round=None, bytes_per_round=lambda params: 0, bytes_per_step=lambda params: tree_bytes(params))
+      make_round=None, bytes_per_round=lambda params: 0, bytes_per_step=lambda params: tree_bytes(params),
+      # One all-reduce of the gradients (the parameters' dtype) every inner step.
+      wire=lambda params, n, algorithm: (wire_lib.NOTHING, wire_lib.allreduce(tree_bytes(params), n, algorithm)))
 
 
 def _none() -> OuterMethod:
@@ -264,7 +288,7 @@ _REGISTRY: dict[str, Factory] = {
                                      "noloco", overlap=o.overlap_steps > 0),
     # The momentum ablation: pure pairwise averaging of the fast weights, φ ← mean_G θ.
     "gossip": lambda o, opt: _noloco(0.0, 1.0, 1.0, o.group_size, make_codec(o), "gossip", overlap=o.overlap_steps > 0),
-    "epidemic": lambda o, opt: _epidemic(o.fanout, MESSAGE_DTYPES[o.message_dtype]),
+    "epidemic": lambda o, opt: _epidemic(o.fanout, MESSAGE_DTYPES[o.message_dtype], regular=o.topology == "oracle"),
     "epidemic_adam": lambda o, opt: _epidemic_adam(o.group_size, MESSAGE_DTYPES[o.message_dtype], opt),
     "diloco": lambda o, opt: _diloco(o.outer_lr, o.outer_momentum, o.nesterov),
     "ddp": lambda o, opt: _ddp(),

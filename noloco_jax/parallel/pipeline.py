@@ -27,7 +27,7 @@ the sharding inside a replica changes (`state_shardings`), for θ, the Adam mome
 Because every parameter lives on exactly one stage (shard), everything outside the inner step works
 unchanged: outer rounds (manual over `replica` only, `stage` automatic) exchange each stage's own
 shards with the same stage of the partner replica, so a replica's message is the sum over its stages
-of its shards, exactly one model (comm/bytes_per_replica unchanged); weight std is computed on the
+of its shards, exactly one model (the comm/* bytes unchanged); weight std is computed on the
 logical [N, ...] arrays, i.e. Σ over stages, replicas and parameters as in docs/method.md §9; checkpoints store
 the same tree as an unpipelined run (a run can resume with another num_stages).
 With fsdp > 1 as well, `stage` and `fsdp` split different dimensions of a leaf (or one jointly,
@@ -51,8 +51,8 @@ and in the backward pass (S = 2, M = 4: 20%). Activation memory: the scan keeps 
 residuals, M micro-batches per stage (GPipe; `model.remat` recomputes inside the layers).
 Not implemented: 1F1B (same bubble, M-independent activation memory) and interleaved stages.
 
-Communication per inner step and replica (none of it is counted in comm/bytes_per_replica, which is
-the outer exchange): each of the S − 1 non-last stages sends one [b, L, D] activation (+ [b, L] int32
+Communication per inner step and replica (none of it is counted in the comm/* metrics, which are
+the exchange between replicas): each of the S − 1 non-last stages sends one [b, L, D] activation (+ [b, L] int32
 targets) per slot, T slots (the M useful ones plus S − 1 bubble slots whose values are ignored), and
 the backward pass sends the same cotangents back; plus one all-gather of the ends over `stage` and
 one reduce-scatter of their gradients, both inside the replica.

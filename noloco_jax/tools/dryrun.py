@@ -6,9 +6,11 @@ builds the mesh the run would use on `64` devices of `80 GB`, lowers and compile
 outer round and the evaluation step from abstract shapes (jax.ShapeDtypeStruct with the state's real
 shardings; no array is ever created), and prints the parameter count, each program's per-device memory
 from XLA's own buffer assignment (`compiled.memory_analysis()`: arguments, temporaries, outputs, the
-part of the outputs aliased to donated arguments), and the bytes one outer round sends per replica,
-both from the method's formula and counted in the compiled program's collectives. It exits non-zero,
-saying what did not fit, when a program's peak exceeds the devices' memory.
+part of the outputs aliased to donated arguments), and the bytes each replica sends and receives on
+the wire per round and per inner step, and puts into collective operands, both from the formulas of
+outer/wire.py and counted in the compiled programs' collectives (tools/hlo.py: `wire_bytes`, the same
+formulas applied to each collective XLA emitted). It exits non-zero, saying what did not fit, when a
+program's peak exceeds the devices' memory.
 
 Devices: when the default backend has at least that many devices (a real cluster) they are used;
 otherwise `fake_devices` must have run before JAX started, creating that many CPU devices, and the
@@ -31,6 +33,7 @@ import numpy as np
 
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.training import build as build_lib
+from noloco_jax.outer import methods as outer_methods
 from noloco_jax.outer import rounds as rounds_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
@@ -109,6 +112,7 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
                             stages=config.num_stages)
   setup = build_lib.build(config, mesh=mesh, vocab_size=vocab_size or config.model.vocab_size or None,
                       check_data=False)
+  config = setup.config  # validated: every field resolved (the per-kind outer fields included)
   n, b, l1 = config.num_replicas, config.data.batch_size, config.data.seq_len + 1
 
   state = _abstract(jax.eval_shape(setup.init_state), setup.state_shardings)
@@ -128,6 +132,22 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
       "bytes_per_step_formula": setup.method.bytes_per_step(one_replica),
       "programs": {}, "compile_s": {},
   }
+  # Between replicas, per replica (outer/wire.py), under the config's all-reduce algorithm.
+  per_round, per_step = outer_methods.traffic(setup.method, one_replica, n, config.outer.allreduce_algorithm)
+  result["allreduce_algorithm"] = config.outer.allreduce_algorithm
+  result["wire_per_round_formula"] = dataclasses.asdict(per_round)
+  result["wire_per_step_formula"] = dataclasses.asdict(per_step)
+  # The devices of one replica group (fsdp × stages) and the replicas each group holds.
+  per_group = mesh.devices.size // mesh.shape[REPLICA]
+  replicas_per_group = n // mesh.shape[REPLICA]
+
+  def counted(text: str) -> dict[str, dict[str, float]]:
+    """Per replica: the program's collectives across replica groups (`across`) and within one (`within`:
+    fsdp gathers and reductions, pipeline sends), summed over the replica's devices. Replicas that share
+    a device exchange by local copies, which no collective shows."""
+    tally = hlo_lib.wire_bytes(text, mesh.devices.size, config.outer.allreduce_algorithm, block=per_group)
+    return {side: {k: float(getattr(w, k).sum()) / n for k in ("sent", "received", "operand")}
+            for side, w in tally.items()}
 
   host_bytes = sum(int(np.prod(s.shard_shape(tuple(x.shape)))) * x.dtype.itemsize
                    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(setup.state_shardings))
@@ -153,6 +173,8 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
   # Collective ops in the inner step's program, per device: fsdp all-gathers and gradient reductions,
   # ddp's all-reduce. Static: an op inside a loop (micro-batches, the pipeline) is counted once.
   result["inner_collectives_per_device"] = hlo_lib.all_collective_bytes(inner_compiled.as_text())
+  inner_wire = counted(inner_compiled.as_text())
+  result["wire_per_step_counted"], result["wire_within_replica_per_step_counted"] = inner_wire["across"], inner_wire["within"]
   if setup.method.has_rounds:
     # One round with one grouping (what a `fresh` round compiles; a `pool` round is a switch over
     # such branches of the same size), so the collectives in the program are exactly one round's.
@@ -167,9 +189,9 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
     result["round_collectives_per_device"] = per_device
     # A replica's group of devices each send their own shard: the replica's bytes are the sum over its
     # devices (mesh.devices.size / replica groups of them).
-    per_group = mesh.devices.size // mesh.shape[REPLICA]
     result["bytes_per_round_counted"] = per_group * per_device.get(
         "collective-permute" if setup.method.uses_pairing else "all-reduce", 0)
+    result["wire_per_round_counted"] = counted(round_compiled.as_text())["across"]
   if include_eval:
     eval_batch = jax.ShapeDtypeStruct((b, l1), jnp.int32, sharding=mesh_lib.replicated(mesh))
     compile_("eval_step", setup.eval_step, state.params, eval_batch)
@@ -208,12 +230,24 @@ def report(config: ml_collections.ConfigDict, topology: Topology, result: dict[s
     cells = "  ".join(_fmt(p[k], unit) for k in ("arguments", "temporaries", "outputs", "aliased", "peak", "host"))
     lines.append(f"  {name:<18}{cells}   {result['compile_s'][name]:7.1f}")
   lines.append("")
+  algorithm = result["allreduce_algorithm"]
+  for what, key in (("outer round", "per_round"), ("inner step", "per_step")):
+    formula, got = result[f"wire_{key}_formula"], result.get(f"wire_{key}_counted")
+    if not formula["operand"] and not (got and got["operand"]):
+      continue
+    line = (f"Per {what}, between replicas, per replica (outer/wire.py, all-reduce as {algorithm}): sends "
+            f"{formula['sent']:,.0f} and receives {formula['received']:,.0f} bytes on the wire, "
+            f"{formula['operand']:,} bytes of collective operands")
+    if got is not None:
+      line += (f"; counted in the compiled program: {got['sent']:,.0f} sent, {got['received']:,.0f} received, "
+               f"{got['operand']:,.0f} operand")
+    lines.append(line + ".")
   if "bytes_per_round_counted" in result:
-    lines.append(f"Outer round sends {result['bytes_per_round_formula']:,} bytes per replica (formula); "
-                 f"{result['bytes_per_round_counted']:,} counted in the compiled round's collectives "
-                 f"(per device: {result['round_collectives_per_device']}).")
-  if result["bytes_per_step_formula"]:
-    lines.append(f"Every inner step all-reduces {result['bytes_per_step_formula']:,} bytes per replica.")
+    lines.append(f"Outer round collectives, operand bytes per device: {result['round_collectives_per_device']}.")
+  within = result.get("wire_within_replica_per_step_counted")
+  if within and within["operand"]:
+    lines.append(f"Per inner step within each replica (fsdp / stages, counted): {within['sent']:,.0f} bytes sent, "
+                 f"{within['received']:,.0f} received per replica (all its devices together).")
   if "inner_collectives_per_device" in result:
     lines.append(f"Collective ops in the inner step, operand bytes per device (a loop body counted once): "
                  f"{result['inner_collectives_per_device']}.")

@@ -9,15 +9,23 @@ half of an async pair). Operands, not results: an async `collective-permute-star
 For `collective-permute`, an operand's bytes are what each source device sends; for `all-reduce`,
 what each device contributes (a ring all-reduce moves ≈ 2·(D−1)/D times that over each device's link).
 
+Operand bytes are not bytes on the wire: `wire_bytes` turns every collective of a program into what
+each device sends and receives under a named algorithm, with the formulas of noloco_jax/outer/wire.py
+(the same ones the training metrics use), so that a method's wire figures can be checked against the
+program XLA really compiled (tests/test_wire.py) and the dry run can print both.
+
 Caveat: XLA:CPU widens bf16 collectives to f32 after lowering, so a bf16 message shows up as f32
 in the CPU-compiled program; `stablehlo_collective_bytes` reads the lowered (pre-XLA) program instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
+
+from noloco_jax.outer import wire
 
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
          "f32": 4, "s64": 8, "u64": 8, "f64": 8}
@@ -149,3 +157,60 @@ def collective_groups(hlo_text: str) -> list[tuple[str, list[tuple[int, ...]]]]:
         groups = [tuple(int(i) for i in grp.split(",") if i) for grp in re.findall(r"\{([\d,]*)\}", g.group(1))]
     found.append((opcode, groups))
   return found
+
+
+# ---- Bytes on the wire of every collective (outer/wire.py's formulas) ----
+
+
+def collectives(hlo_text: str) -> list[tuple[str, int, list[tuple[int, ...]]]]:
+  """(op, operand bytes per device, groups) of every collective in program order (see
+  `collective_ops` and `collective_groups`)."""
+  ops = collective_groups(hlo_text)
+  sizes = {op: iter(collective_ops(hlo_text, op)) for op in OPS}
+  return [(op, next(sizes[op]), groups) for op, groups in ops]
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+  """Per-device bytes of a program's collectives, as arrays over the program's devices."""
+  sent: np.ndarray
+  received: np.ndarray
+  operand: np.ndarray
+
+
+def wire_bytes(hlo_text: str, num_devices: int, algorithm: str = "ring", block: int = 1) -> dict[str, Wire]:
+  """What each device sends, receives and puts into collective operands, split into collectives that
+  stay within one block of `block` consecutive devices ("within": a replica's own fsdp or stage
+  devices) and those that cross blocks ("across": between replicas).
+
+  collective-permute: each (source, target) pair sends the operand once. all-reduce, all-gather,
+  reduce-scatter, all-to-all: every member of each replica group (no groups: all devices) sends and
+  receives what outer/wire.py says for a group of that size (an all-gather's operand is one member's
+  share). A tree all-reduce's bytes differ by position in the tree: each member gets the mean.
+  """
+  out = {side: Wire(np.zeros(num_devices), np.zeros(num_devices), np.zeros(num_devices, np.int64))
+         for side in ("within", "across")}
+  for op, nbytes, groups in collectives(hlo_text):
+    if op == "collective-permute":
+      for source, target in groups:
+        side = out["within" if source // block == target // block else "across"]
+        side.sent[source] += nbytes
+        side.received[target] += nbytes
+        side.operand[source] += nbytes
+      continue
+    for group in groups or [tuple(range(num_devices))]:
+      g = len(group)
+      if op == "all-reduce":
+        traffic = wire.allreduce(nbytes, g, algorithm)
+      elif op == "all-gather":
+        traffic = wire.allgather(nbytes * g, g)
+      elif op == "reduce-scatter":
+        traffic = wire.reduce_scatter(nbytes, g)
+      else:  # all-to-all: every member keeps 1/g of its operand and sends the rest, one chunk per peer
+        traffic = wire.Traffic(sent=(g - 1) / g * nbytes, received=(g - 1) / g * nbytes, operand=nbytes)
+      side = out["within" if len({d // block for d in group}) == 1 else "across"]
+      for d in group:
+        side.sent[d] += traffic.sent
+        side.received[d] += traffic.received
+        side.operand[d] += nbytes
+  return out

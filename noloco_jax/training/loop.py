@@ -55,7 +55,7 @@ def _train(run: run_lib.Run, driver: rounds_lib.RoundDriver, plugins: plugins_li
   for step in range(run.loop.step + 1, run.config.num_steps + 1):
     driver.before_step(run, step)
     run.state, metrics = run.setup.inner_step(run.state, run.next_batch())  # inner step
-    run.loop.add_step(step, metrics, run.bytes_per_step)
+    run.loop.add_step(step, metrics, run.traffic_per_step)
     driver.after_step(run, step, metrics)  # round boundary
     plugins.after_step(run, step, metrics)  # record
     if plugins.barrier_due(run, step):  # barrier work

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from noloco_jax.io.checkpoint import records
+from noloco_jax.outer.wire import Traffic
 
 
 def _fresh_history() -> dict[str, Any]:
@@ -23,7 +24,13 @@ def _fresh_history() -> dict[str, Any]:
 class LoopState:
   step: int = 0  # the last completed inner step (0: nothing trained yet)
   round: int = 0  # outer rounds completed
-  comm_bytes: int = 0  # bytes one replica has sent so far (comm/bytes_per_replica)
+  # Cumulative bytes per replica (outer/wire.py): the collectives' operands
+  # (comm/collective_operand_bytes_per_replica), and on the wire, sent and received (mean over
+  # replicas; comm/bytes_sent_per_replica, comm/bytes_received_per_replica). None: restored from a
+  # checkpoint written before the wire was counted, until `fill_wire_bytes`.
+  comm_bytes: int = 0
+  bytes_sent: float | None = 0.0
+  bytes_received: float | None = 0.0
   # {"eval": [every evaluation's scalars], "train": the last train log, "skipped_rounds": [...]}
   history: dict[str, Any] = dataclasses.field(default_factory=_fresh_history)
   # Per-step metrics since the last log (device arrays until fetched; NumPy after a resume).
@@ -44,21 +51,34 @@ class LoopState:
   def resumed(self) -> bool:
     return self.step > 0
 
-  def add_step(self, step: int, metrics: dict, bytes_sent: int) -> None:
+  def add_step(self, step: int, metrics: dict, traffic: Traffic) -> None:
     self.step = step
-    self.comm_bytes += bytes_sent
+    self._count(traffic)
     self.pending_steps.append(step)
     self.pending_metrics.append(metrics)  # device arrays: fetched only when logging
 
-  def add_round(self, step: int, metrics: dict, bytes_sent: int, applied: bool = True) -> None:
-    """Round `self.round` started at `step` (its metrics: device arrays); `applied`: its update is in the
-    state already (a lock-step round), else the round driver calls `round_applied` when it is."""
-    self.comm_bytes += bytes_sent
+  def add_round(self, step: int, metrics: dict, traffic: Traffic, applied: bool = True) -> None:
+    """Round `self.round` started at `step` (its metrics: device arrays; `traffic`: its bytes);
+    `applied`: its update is in the state already (a lock-step round), else the round driver calls
+    `round_applied` when it is."""
+    self._count(traffic)
     self.pending_rounds.append((metrics, None))
     self.round += 1
     self.round_started_at = step
     if applied:
       self.round_applied_at = step
+
+  def _count(self, traffic: Traffic) -> None:
+    self.comm_bytes += traffic.operand
+    self.bytes_sent += traffic.sent
+    self.bytes_received += traffic.received
+
+  def fill_wire_bytes(self, per_round: Traffic, per_step: Traffic) -> None:
+    """After restoring a checkpoint that predates the wire counts: the steps and rounds done so far
+    priced as the run's own (exact unless the run's replica count or message changed since)."""
+    if self.bytes_sent is None:
+      self.bytes_sent = self.round * per_round.sent + self.step * per_step.sent
+      self.bytes_received = self.round * per_round.received + self.step * per_step.received
 
   def round_applied(self, step: int) -> None:
     self.round_applied_at = step
@@ -77,6 +97,7 @@ class LoopState:
   def to_record(self) -> dict[str, Any]:
     """JSON-able host values (fetches the pending device arrays: every process must call it)."""
     return {"step": int(self.step), "round": int(self.round), "comm_bytes": int(self.comm_bytes),
+            "bytes_sent": float(self.bytes_sent), "bytes_received": float(self.bytes_received),
             "history": self.history, "inflight_step": int(self.inflight_step),
             "pending": records.pending_to_host(self.pending_steps, self.pending_metrics, self.pending_rounds)}
 
@@ -84,5 +105,6 @@ class LoopState:
   def from_record(cls, record: dict[str, Any]) -> "LoopState":
     steps, metrics, rounds = records.pending_from_host(record["pending"])
     return cls(step=record["step"], round=record["round"], comm_bytes=record["comm_bytes"],
+               bytes_sent=record.get("bytes_sent"), bytes_received=record.get("bytes_received"),
                history=record["history"], pending_steps=steps, pending_metrics=metrics, pending_rounds=rounds,
                inflight_step=record.get("inflight_step", 0))

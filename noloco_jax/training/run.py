@@ -22,6 +22,8 @@ from noloco_jax.inner.state import TrainState
 from noloco_jax.io import checkpoint as checkpoint_lib
 from noloco_jax.io import data as data_lib
 from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.outer import methods
+from noloco_jax.outer import wire
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.runtime import distributed
@@ -58,8 +60,9 @@ class Run:
   writer: metrics_lib.writers.MetricWriter  # metrics.jsonl + TensorBoard (process 0), log lines
   checkpointer: checkpoint_lib.Checkpointer
   on_exit: Callable[[Callable[[bool], None]], None]  # registers closer(failed) with the clean-up
-  bytes_per_round: int  # comm/bytes_per_replica added by one round
-  bytes_per_step: int  # ... and by one inner step (ddp)
+  start_step: int  # the step restored from this workdir's checkpoint (0: not resumed)
+  traffic_per_round: wire.Traffic  # bytes of one round per replica, on the wire and as operands
+  traffic_per_step: wire.Traffic  # ... and of one inner step (ddp)
   faults: faults.Injector | None = None  # NOLOCO_FAULTS / NOLOCO_TRACE (tests, benchmarks), else None
   rate: StepRate | None = None
   phase_seconds: dict = dataclasses.field(default_factory=dict)  # time at barriers, by plug-in
@@ -132,9 +135,13 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
   writer = metrics_lib.make_writer(workdir)
   close(lambda failed: writer.close())
   one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
+  # Bytes per replica of one round and of one inner step: on the wire, under outer.allreduce_algorithm,
+  # and the collectives' operands (outer/wire.py).
+  per_round, per_step = methods.traffic(setup.method, one_replica, n, config.outer.allreduce_algorithm)
+  loop.fill_wire_bytes(per_round, per_step)  # a checkpoint from before the wire was counted
   run = Run(setup=setup, workdir=workdir, state=state, loop=loop, data=data, eval_batches=eval_batches,
             writer=writer, checkpointer=checkpointer, on_exit=close,
-            bytes_per_round=setup.method.bytes_per_round(one_replica),
-            bytes_per_step=setup.method.bytes_per_step(one_replica), faults=faults.from_env(),
+            start_step=loop.step, traffic_per_round=per_round, traffic_per_step=per_step,
+            faults=faults.from_env(),
             rate=StepRate(loop.step, n * config.data.batch_size * config.data.seq_len))
   return run

@@ -1,32 +1,117 @@
-"""The end-of-run summary: the one screen printed when a run ends, and what WORKDIR/summary.json holds."""
+"""The end-of-run summary: the one screen printed when a run ends, and what WORKDIR/summary.json holds.
+
+Every figure in it is one that metrics.jsonl holds too. The training loss is read back from
+metrics.jsonl's last training row: in a multi-process job without `log_barrier` each process only
+knows its own replicas' loss, and process 0's merged row (io/process_metrics.py) is the job's. A
+process that reads metrics.jsonl before process 0 has written that row (any process but 0, which
+prints nothing) falls back to its own replicas and says so in `train/loss_over`.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
 import jax
 
+from noloco_jax.config.outer import FIXED_BY_KIND, PAPER_OUTER, OuterConfig
 from noloco_jax.training.loop_state import LoopState
 
+# How the summary writes each outer hyperparameter (config/outer.py: IN_FORCE).
+SYMBOLS = {"outer_momentum": "α", "outer_lr": "β", "consensus_weight": "γ", "group_size": "n", "fanout": "s",
+           "inner_steps": "H", "nesterov": "nesterov"}
+COMM_KEYS = ("comm/bytes_sent_per_replica", "comm/bytes_received_per_replica",
+             "comm/collective_operand_bytes_per_replica")
 
-def summarize(config, loop: LoopState, num_params: int, seconds: float) -> dict[str, Any]:
-  """The end-of-run summary: {"text": the printed screen, and the scalars summary.json holds}."""
-  evals, comm_bytes = loop.history["eval"], loop.comm_bytes
+
+def last_train_row(workdir: str, step: int) -> dict[str, Any] | None:
+  """metrics.jsonl's training row of `step` (the last one), or None when it is not there (yet)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return None
+  row = None
+  with open(path) as f:
+    for line in f:
+      if line.strip():
+        parsed = json.loads(line)
+        if "train/loss" in parsed:
+          row = parsed
+  return row if row is not None and row["step"] == step else None
+
+
+def outer_in_force(config) -> dict[str, Any]:
+  """{field: value} of every outer hyperparameter the run's kind uses (none for ddp and none)."""
+  return OuterConfig.parse(config.outer).in_force()
+
+
+def _outer_line(config, in_force: dict[str, Any]) -> str:
+  kind = config.outer.kind
+  paper, fixed = PAPER_OUTER.get(kind, {}), FIXED_BY_KIND.get(kind, {})
+  cells = []
+  for name, value in in_force.items():
+    if name == "nesterov":
+      text = "Nesterov" if value else "heavy-ball"
+    else:
+      text = f"{SYMBOLS[name]}={value:g}"
+    if name in fixed:
+      text += f" (fixed by {kind})"
+    elif paper.get(name) == value:
+      text += " (paper)"
+    cells.append(text)
+  if kind in ("noloco", "gossip", "epidemic", "epidemic_adam"):
+    cells.append(f"messages {config.outer.message_dtype}"
+                 + (f", {config.outer.compression}" if config.outer.compression != "none" else ""))
+  if kind in ("diloco", "ddp"):
+    cells.append(f"all-reduce priced as {config.outer.allreduce_algorithm}")
+  return f"outer {kind}: " + (", ".join(cells) if cells else "no outer step")
+
+
+def _start_line(workdir: str, start_step: int, config) -> str:
+  if start_step:
+    how = f"resumed from its checkpoint at step {start_step}"
+  elif config.checkpoint.warm_start:
+    how = f"warm start from {config.checkpoint.warm_start}"
+  else:
+    how = "started from scratch"
+  return f"workdir     {workdir} ({how})"
+
+
+def _mib(x: float) -> str:
+  return f"{x:,.0f} ({x / 2 ** 20:.1f} MiB)"
+
+
+def summarize(config, loop: LoopState, num_params: int, seconds: float, workdir: str,
+              start_step: int = 0) -> dict[str, Any]:
+  """The end-of-run summary: {"text": the printed screen, and the scalars summary.json holds}.
+
+  `start_step`: the step the run resumed from (0: it did not resume).
+  """
+  evals = loop.history["eval"]
   first, last = evals[0], evals[-1]
-  train = loop.history.get("train", {})
+  row = last_train_row(workdir, loop.step)
+  over = "all replicas (metrics.jsonl)" if row is not None else "this process's replicas"
+  train = row if row is not None else loop.history.get("train", {})
+  loss = float(train.get("train/loss", math.nan))
+  comm = {"comm/bytes_sent_per_replica": loop.bytes_sent, "comm/bytes_received_per_replica": loop.bytes_received,
+          "comm/collective_operand_bytes_per_replica": loop.comm_bytes}
+  in_force = outer_in_force(config)
+  rounds_h = f" | H={config.outer.inner_steps}" if "inner_steps" in in_force else ""
   lines = [
       "=" * 72,
-      f"noloco_jax: {config.outer.kind} | {config.num_replicas} replicas | {config.num_steps} steps "
-      f"| H={config.outer.inner_steps} | model {config.model.arch} {config.model.preset} "
-      f"({num_params:,} params per replica)",
+      f"noloco_jax: {config.outer.kind} | {config.num_replicas} replicas | {config.num_steps} steps{rounds_h} "
+      f"| model {config.model.arch} {config.model.preset} ({num_params:,} params per replica)",
+      _outer_line(config, in_force),
+      _start_line(workdir, start_step, config),
       f"eval/loss   {first['eval/loss']:.4f} (step {first['step']}) -> {last['eval/loss']:.4f} (step {last['step']})",
       f"eval/ppl    {last['eval/ppl']:.3f}",
-      f"train/loss  {train.get('train/loss', float('nan')):.4f}",
+      f"train/loss  {loss:.4f} (step {train.get('step', loop.step)}, {over})",
       f"replicas/weight_std  {last['replicas/weight_std']:.3e}",
-      f"comm/bytes_per_replica  {comm_bytes:,} ({comm_bytes / 2**20:.1f} MiB)",
-      f"wall time   {seconds:.1f} s  ({train.get('perf/steps_per_s', float('nan')):.2f} steps/s at the last log)",
+      f"comm/bytes_sent_per_replica      {_mib(comm['comm/bytes_sent_per_replica'])} on the wire",
+      f"comm/bytes_received_per_replica  {_mib(comm['comm/bytes_received_per_replica'])} on the wire",
+      f"comm/collective_operand_bytes_per_replica  {_mib(comm['comm/collective_operand_bytes_per_replica'])}",
+      f"wall time   {seconds:.1f} s  ({float(train.get('perf/steps_per_s', math.nan)):.2f} steps/s at the last log)",
   ]
   skipped = loop.history.get("skipped_rounds", [])
   if config.nan_policy == "skip_round":
@@ -35,14 +120,18 @@ def summarize(config, loop: LoopState, num_params: int, seconds: float) -> dict[
                     if skipped else ""))
   lines.append("=" * 72)
   return {"text": "\n".join(lines), "eval/loss": last["eval/loss"], "eval/ppl": last["eval/ppl"],
-          "eval/loss_first": first["eval/loss"], "replicas/weight_std": last["replicas/weight_std"],
-          "comm/bytes_per_replica": comm_bytes, "wall_time_s": seconds, "model/num_params": num_params,
-          "outer/skipped_rounds": len(skipped)}
+          "eval/loss_first": first["eval/loss"], "train/loss": loss, "train/loss_over": over,
+          "replicas/weight_std": last["replicas/weight_std"], **comm,
+          "outer/kind": config.outer.kind, "outer": in_force,
+          "outer/allreduce_algorithm": config.outer.allreduce_algorithm,
+          "workdir": os.path.abspath(workdir), "resumed_from_step": start_step,
+          "warm_start": config.checkpoint.warm_start or None,
+          "wall_time_s": seconds, "model/num_params": num_params, "outer/skipped_rounds": len(skipped)}
 
 
 def report(run, seconds: float) -> dict[str, Any]:
   """Prints the summary (process 0), writes WORKDIR/summary.json, and returns it with the final state."""
-  summary = summarize(run.config, run.loop, run.setup.model.num_params(), seconds)
+  summary = summarize(run.config, run.loop, run.setup.model.num_params(), seconds, run.workdir, run.start_step)
   if jax.process_index() == 0:
     print(summary["text"], flush=True)
     with open(os.path.join(run.workdir, "summary.json"), "w") as f:

@@ -9,7 +9,6 @@ the package docstring (io/checkpoint/__init__.py).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging as py_logging
 import os
 import threading

@@ -2,7 +2,8 @@
 
 The `meta/` item (written by process 0) is one JSON object:
 
-    format, step, round, comm_bytes, history, pending   (the loop state, `LoopState.to_record()`)
+    format, step, round, comm_bytes, bytes_sent, bytes_received, history, pending
+                                                        (the loop state, `LoopState.to_record()`)
     num_replicas, process_count, pairing, state_shapes, config
 
 `pairing` is the pairing schedule's parameters (mode, seed, group size, replicas) and the grouping
@@ -92,8 +93,11 @@ def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
 def loop_record(meta: dict) -> dict[str, Any]:
   """The loop state's part of a meta record (what `LoopState.from_record` reads)."""
   record = {k: meta[k] for k in ("step", "round", "comm_bytes", "history", "pending")}
-  if "inflight_step" in meta:  # streaming overlap (outer/overlap.py); absent from older checkpoints
-    record["inflight_step"] = meta["inflight_step"]
+  # Absent from older checkpoints: streaming overlap's step in flight (outer/overlap.py), the wire counts
+  # (outer/wire.py; the loop then fills them: LoopState.fill_wire_bytes).
+  for key in ("inflight_step", "bytes_sent", "bytes_received"):
+    if key in meta:
+      record[key] = meta[key]
   return record
 
 

@@ -86,7 +86,11 @@ class TrainLog(Plugin):
     scalars = {
         "train/loss": float(losses.mean()),
         "train/grad_norm": float(np.mean([np.asarray(m["grad_norm"]) for m in metrics])),
-        "comm/bytes_per_replica": loop.comm_bytes,
+        # Cumulative, per replica (outer/wire.py): on the wire under outer.allreduce_algorithm, and the
+        # compiled collectives' operands.
+        "comm/bytes_sent_per_replica": loop.bytes_sent,
+        "comm/bytes_received_per_replica": loop.bytes_received,
+        "comm/collective_operand_bytes_per_replica": loop.comm_bytes,
         "outer/round": loop.round,
         **run.rate.since_last_log(step),
     }

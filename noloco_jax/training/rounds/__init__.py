@@ -27,9 +27,9 @@ def make_driver(setup, run) -> RoundDriver:
                  "on a second thread" if threaded else "in order on the main thread")
     driver = OverlappedRounds(method, setup.mesh, setup.schedule, setup.state_shardings, inner_steps=o.inner_steps,
                               tau=o.overlap_steps, mix=o.overlap_mix, last_step=config.num_steps,
-                              bytes_per_round=run.bytes_per_round, threaded=threaded)
+                              traffic=run.traffic_per_round, threaded=threaded)
   else:
-    driver = LockstepRounds(setup.rounds, o.inner_steps, run.bytes_per_round)
+    driver = LockstepRounds(setup.rounds, o.inner_steps, run.traffic_per_round)
   if config.nan_policy == "skip_round":
     driver = wrappers.Guarded(driver, guard_lib.RoundGuard(config, setup.mesh, run.loop.history))
   if run.faults is not None and run.faults.tracing:

@@ -12,8 +12,9 @@ from noloco_jax.training.rounds.base import RoundDriver
 
 class LockstepRounds(RoundDriver):
 
-  def __init__(self, rounds, inner_steps: int, bytes_per_round: int):
-    self._rounds, self._H, self._bytes = rounds, inner_steps, bytes_per_round
+  def __init__(self, rounds, inner_steps: int, traffic):
+    """`traffic`: the bytes of one round (outer/wire.Traffic), counted in the loop state."""
+    self._rounds, self._H, self._traffic = rounds, inner_steps, traffic
     self._programs = None
 
   def start(self, run) -> None:
@@ -32,7 +33,7 @@ class LockstepRounds(RoundDriver):
       return
     round_fn, route = self._programs.program(run.loop.round)  # also starts compiling the next round's
     run.state, round_metrics = round_fn(run.state, route)
-    run.loop.add_round(step, round_metrics, self._bytes)
+    run.loop.add_round(step, round_metrics, self._traffic)
 
   def close(self, failed: bool) -> None:
     if self._programs is not None:

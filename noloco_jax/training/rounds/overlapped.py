@@ -52,11 +52,11 @@ class OverlappedRounds(RoundDriver):
   """`send` at step tH, `merge` after step tH + τ (module doc)."""
 
   def __init__(self, method, mesh, schedule, state_shardings, *, inner_steps: int, tau: int, mix: float,
-               last_step: int, bytes_per_round: int, threaded: bool):
+               last_step: int, traffic, threaded: bool):
     """`state_shardings`: the state's home layout (None: every leaf split over `replica`, as tests build)."""
     self._programs = rounds_lib.SplitPrograms(method, mesh, schedule, state_shardings, mix)
     self._home = state_shardings.outer[methods.INFLIGHT] if state_shardings is not None else None
-    self.tau, self._last, self._H, self._bytes = tau, last_step, inner_steps, bytes_per_round
+    self.tau, self._last, self._H, self._traffic = tau, last_step, inner_steps, traffic
     self._executor = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap-exchange")
                       if threaded else None)
     # The exchange in flight: a Future, or its mean itself (dispatched inline); None once its mean is in the
@@ -109,7 +109,7 @@ class OverlappedRounds(RoundDriver):
     else:
       self._pending = exchange_fn(own, payload, route)
     self.sent_at = run.loop.inflight_step = step
-    run.loop.add_round(step, round_metrics, self._bytes, applied=False)
+    run.loop.add_round(step, round_metrics, self._traffic, applied=False)
 
   def settle(self, run) -> None:
     """Waits for the exchange in flight (if any) and puts its mean into the state's in-flight buffer."""
