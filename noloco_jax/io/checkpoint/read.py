@@ -12,8 +12,10 @@ later resume), validated by the schema like any config.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
@@ -24,6 +26,7 @@ import orbax.checkpoint as ocp
 
 from noloco_jax import config as config_schema
 from noloco_jax.io.checkpoint import records
+from noloco_jax.outer import consensus as consensus_lib
 
 CHECKPOINT_DIR = "checkpoints"  # the same folder as manager.CHECKPOINT_DIR (not imported: no orbax manager needed)
 
@@ -57,6 +60,15 @@ class Snapshot:
                                 f"{self.num_replicas - 1}.")
     return jax.tree.map(lambda x: x[i], self.params)
 
+  def weights(self, replica: int | None = None, *, consensus: bool = False, source: str = "slow") -> Any:
+    """One model's weights as host arrays: replica `replica`'s θ, or the consensus model (outer/consensus.py:
+    the replica mean of φ, of θ with source="theta" or when the method keeps no φ). Replica 0 by default."""
+    if consensus:
+      if replica is not None:
+        raise CheckpointReadError("--replica and --consensus exclude each other: export one replica or the consensus model.")
+      return jax.tree.map(np.asarray, consensus_lib.consensus_params(self.params, self.slow, source))
+    return self.replica(0 if replica is None else replica)
+
 
 def checkpoint_root(workdir: str) -> str:
   """WORKDIR/checkpoints, or a clear error when the path holds no checkpoints folder."""
@@ -67,13 +79,27 @@ def checkpoint_root(workdir: str) -> str:
   return root
 
 
+@contextlib.contextmanager
+def _quiet_orbax():
+  """orbax warns about every read-only manager it opens (through absl); a reader wants none of that."""
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
 def steps(workdir: str) -> list[int]:
   """The committed checkpoint steps of a run, in order (orbax's own list: temporary folders excluded)."""
-  manager = ocp.CheckpointManager(checkpoint_root(workdir), options=ocp.CheckpointManagerOptions(read_only=True))
-  try:
-    return sorted(int(s) for s in manager.all_steps())
-  finally:
-    manager.close()
+  root = checkpoint_root(workdir)
+  with _quiet_orbax():
+    manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True))
+    try:
+      return sorted(int(s) for s in manager.all_steps())
+    finally:
+      manager.close()
 
 
 def read(workdir: str, step: int | None = None, *, slow: bool = True) -> Snapshot:
@@ -86,16 +112,18 @@ def read(workdir: str, step: int | None = None, *, slow: bool = True) -> Snapsho
     step = available[-1]
   elif step not in available:
     raise CheckpointReadError(f"--step={step}: not a checkpoint of {workdir!r}; its steps are {available}.")
-  manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True))
-  try:
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  finally:
-    manager.close()
+  with _quiet_orbax():
+    manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True))
+    try:
+      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    finally:
+      manager.close()
   if meta.get("format") != records.FORMAT:
     raise CheckpointReadError(f"checkpoint step {step} in {root}: meta format {meta.get('format')!r}, this "
                               f"code reads {records.FORMAT!r}.")
   config = _config(workdir, meta)
-  params, phi = _read_state(os.path.join(root, str(step), "state"), slow)
+  with _quiet_orbax():
+    params, phi = _read_state(os.path.join(root, str(step), "state"), slow)
   return Snapshot(workdir=os.path.abspath(workdir), step=int(step), config=config, params=params, slow=phi, meta=meta)
 
 
