@@ -9,6 +9,7 @@ from noloco_jax.config.inner import InnerConfig
 from noloco_jax.config.model import ModelConfig
 from noloco_jax.config.outer import OuterConfig
 from noloco_jax.config.pipeline import PipelineConfig
+from noloco_jax.config.wandb import WandbConfig
 
 NAN_POLICIES = ("error", "skip_round")
 
@@ -59,6 +60,7 @@ class Config(Section):
   inner: InnerConfig = _section(InnerConfig)  # noloco_jax/config/inner.py
   outer: OuterConfig = _section(OuterConfig)  # noloco_jax/config/outer.py
   pipeline: PipelineConfig = _section(PipelineConfig)  # noloco_jax/config/pipeline.py
+  wandb: WandbConfig = _section(WandbConfig)  # noloco_jax/config/wandb.py (an optional experiment tracker)
 
   def check(self) -> None:
     """The top-level fields alone (the sections have checked themselves when they were parsed)."""

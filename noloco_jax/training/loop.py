@@ -77,7 +77,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
   bytes_per_round = setup.method.bytes_per_round(one_replica)
   bytes_per_step = setup.method.bytes_per_step(one_replica)
 
-  writer = metrics_lib.make_writer(workdir)
+  writer = metrics_lib.make_writer(workdir, config)
   # Without log_barrier, nothing between two evaluations waits for another process except the outer
   # round's own exchange with partners: training rows are this process's replicas (io/process_metrics.py),
   # the per-round weight std (an all-reduce over every replica) is left to evaluations, and SIGTERM is
@@ -196,6 +196,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict
     print(summary["text"], flush=True)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump({k: v for k, v in summary.items() if k != "text"}, f, indent=2)
+  writer.write_summary({k: v for k, v in summary.items() if k != "text"})
   writer.close()
   return {**summary, "state": state, "history": loop.history}
 
