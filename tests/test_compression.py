@@ -221,6 +221,13 @@ def test_feedback_off_keeps_no_residual_in_the_state():
       "slow", "momentum", "residual"}
 
 
+# The coded round's mesh, fewer-device and one-device programs agree bitwise with jax 0.10 and 0.11.
+# With jax 0.12 (its XLA:CPU) a few elements differ by one unit in the last place (6 of 40 in one leaf,
+# measured): the programs differ (ppermutes, local gathers, a gather table), and so do XLA's fusion and
+# contraction choices in them. Checked to one ulp there.
+_BITWISE_ACROSS_PROGRAMS = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 12)
+
+
 @pytest.mark.parametrize("compression,num_devices", [("topk", 4), ("int4", 2)])
 def test_coded_mesh_and_simulator_paths_agree_bitwise(compression, num_devices):
   theta, phi, delta, residual = _replicas(5)
@@ -234,7 +241,10 @@ def test_coded_mesh_and_simulator_paths_agree_bitwise(compression, num_devices):
   results["table"] = _round(method, key, table, theta, outer, num_devices=1)
   for d in (num_devices, 1, "table"):
     for a, b in zip(jax.tree.leaves(results[d]), jax.tree.leaves(results[N])):
-      np.testing.assert_array_equal(a, b)
+      if _BITWISE_ACROSS_PROGRAMS:
+        np.testing.assert_array_equal(a, b)
+      else:  # jax >= 0.12: XLA:CPU rounds a few elements of the differently compiled paths 1 ulp apart
+        np.testing.assert_array_max_ulp(a, b, maxulp=1)
 
 
 @pytest.mark.parametrize("compression,extra,ratio", [

@@ -83,7 +83,7 @@ def test_the_files_hold_the_consensus_weights_and_a_llama_config(exported):
   with open(os.path.join(out, "config.json")) as f:
     cfg = json.load(f)
   assert cfg["architectures"] == ["LlamaForCausalLM"]
-  assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["intermediate_size"]) == (32, 1, 2, 64)
+  assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["intermediate_size"]) == (32, 2, 2, 64)
   assert cfg["vocab_size"] == 257 and cfg["eos_token_id"] == 256 and cfg["rope_parameters"]["rope_theta"] == 500.0
   assert not cfg["tie_word_embeddings"] and cfg["noloco_jax"]["step"] == 12
   try:
