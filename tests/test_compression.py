@@ -222,9 +222,10 @@ def test_feedback_off_keeps_no_residual_in_the_state():
 
 
 # The coded round's mesh, fewer-device and one-device programs agree bitwise with jax 0.10 and 0.11.
-# With jax 0.12 (its XLA:CPU) a few elements differ by one unit in the last place (6 of 40 in one leaf,
-# measured): the programs differ (ppermutes, local gathers, a gather table), and so do XLA's fusion and
-# contraction choices in them. Checked to one ulp there.
+# With jax 0.12 (its XLA:CPU) the mesh programs still do, but the one-device simulator's (local
+# gathers, or a gather table) differs from them in a few elements by float32 round-off (measured: at
+# most 6e-8 absolute, 16 ulps on values near zero): another program, other fusion and contraction
+# choices by XLA. Checked to rtol 1e-6 / atol 1e-7 there.
 _BITWISE_ACROSS_PROGRAMS = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 12)
 
 
@@ -241,10 +242,10 @@ def test_coded_mesh_and_simulator_paths_agree_bitwise(compression, num_devices):
   results["table"] = _round(method, key, table, theta, outer, num_devices=1)
   for d in (num_devices, 1, "table"):
     for a, b in zip(jax.tree.leaves(results[d]), jax.tree.leaves(results[N])):
-      if _BITWISE_ACROSS_PROGRAMS:
+      if _BITWISE_ACROSS_PROGRAMS or d == num_devices:
         np.testing.assert_array_equal(a, b)
-      else:  # jax >= 0.12: XLA:CPU rounds a few elements of the differently compiled paths 1 ulp apart
-        np.testing.assert_array_max_ulp(a, b, maxulp=1)
+      else:  # jax >= 0.12, one device: float32 round-off apart from the mesh (see above)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("compression,extra,ratio", [
