@@ -87,7 +87,7 @@ def hf_state_dict(params) -> dict[str, np.ndarray]:
          "model.norm.weight": params["final_norm"]["scale"],
          "lm_head.weight": np.transpose(params["head"]["kernel"])}  # [D, V] -> [V, D]
   for i in range(num_layers):
-    layer = jax_free_index(blocks, i)
+    layer = _layer(blocks, i)
     pre = f"model.layers.{i}."
     for name in ("q", "k", "v"):  # [D, H, K] -> [H·K, D]
       kernel = layer["attn"][name]["kernel"]
@@ -100,10 +100,10 @@ def hf_state_dict(params) -> dict[str, np.ndarray]:
   return {k: np.ascontiguousarray(np.asarray(v)) for k, v in out.items()}
 
 
-def jax_free_index(tree, i: int):
+def _layer(tree, i: int):
   """Layer i of a tree of stacked [num_layers, ...] arrays (plain dict walk: host arrays, no jax)."""
   if isinstance(tree, dict):
-    return {k: jax_free_index(v, i) for k, v in tree.items()}
+    return {k: _layer(v, i) for k, v in tree.items()}
   return np.asarray(tree)[i]
 
 
