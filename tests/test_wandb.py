@@ -118,3 +118,11 @@ def test_the_writer_is_made_only_when_a_project_is_set(tmp_path):
   assert not any(isinstance(w, writers.WandbWriter) for w in writer._writers)  # pylint: disable=protected-access
   writer.close()
   assert not os.path.exists(tmp_path / "wandb")
+
+
+def test_changing_the_tracker_never_blocks_or_warns_a_resume():
+  from noloco_jax.io.checkpoint import records  # pylint: disable=g-import-not-at-top
+  saved = {"seed": 0, "outer": {"kind": "noloco"}}  # a checkpoint from before config.wandb existed
+  now = {"seed": 0, "outer": {"kind": "noloco"}, "wandb": {"project": "p", "mode": "auto"}}
+  assert records.config_changes(saved, now) == []
+  assert records.config_changes({**now, "wandb": {"project": "q"}}, now) == []
