@@ -4,7 +4,7 @@ Names: train/loss, train/grad_norm, eval/loss, eval/ppl, replicas/weight_std,
 outer/pseudo_grad_norm, outer/round, comm/bytes_per_replica (cumulative), perf/steps_per_s,
 perf/tokens_per_s, model/num_params (logged once, per replica), outer/skipped_rounds (cumulative;
 only with nan_policy="skip_round").
-The writers themselves (TensorBoard, JSON lines, log) are in writers.py.
+The writers themselves (TensorBoard, JSON lines, log, Weights & Biases) are in writers.py.
 """
 
 from __future__ import annotations
