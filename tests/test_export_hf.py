@@ -176,8 +176,10 @@ def test_a_sentencepiece_run_exports_its_model_file_and_transformers_decodes_our
   import ml_collections  # pylint: disable=g-import-not-at-top
   from noloco_jax.io.data.tokenizer import SentencePieceTokenizer  # pylint: disable=g-import-not-at-top
   corpus = tmp_path / "corpus.txt"
-  corpus.write_text((TEXT + "\nclass A:\n    def g(self):\n        return [1, 2, 3]\n") * 50)
-  spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "m"), vocab_size=300, byte_fallback=True,
+  with open(export_hf.__file__, encoding="utf-8") as f:  # some real Python as the corpus
+    corpus.write_text(f.read() + TEXT)
+  spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "m"), vocab_size=500, byte_fallback=True,
+                                 hard_vocab_limit=False, character_coverage=0.995,
                                  normalization_rule_name="identity", remove_extra_whitespaces=False, unk_id=0,
                                  eos_id=1, bos_id=-1, pad_id=-1, minloglevel=2)
   config = ml_collections.ConfigDict({"data": {"tokenizer": "sentencepiece", "spm_model": str(tmp_path / "m.model"),
