@@ -15,9 +15,9 @@ setuptools.setup(
     # are packages of the checkout too, so that scripts, notebooks and tests import them by name.
     packages=setuptools.find_packages(include=["noloco_jax", "noloco_jax.*", "configs", "experiments",
                                                "experiments.*"]),
-    python_requires=">=3.11",  # Tested: 3.11 (CI) and 3.12.
+    python_requires=">=3.11",  # Tested: 3.11 with jax 0.10 and 3.13 with jax 0.12 (CI); README "Installing".
     install_requires=[
-        "jax>=0.10,<0.12",
+        "jax>=0.10,<0.13",
         "flax>=0.12,<0.13",
         "optax>=0.2.5,<0.3",
         "orbax-checkpoint>=0.12,<0.13",
@@ -33,8 +33,13 @@ setuptools.setup(
     ],
     extras_require={
         "plots": ["matplotlib>=3.8"],
+        # safetensors (the reference reader of the export), tokenizers (the byte tokenizer's file) and wandb
+        # (its writer's test, offline) are small; transformers and torch, which the export's strongest test
+        # loads, are not installed here (README "After a run": pip install transformers 'torch==2.13.0').
         "test": ["pytest>=8", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29",
-                 "matplotlib>=3.8"],
+                 "matplotlib>=3.8", "safetensors>=0.4", "tokenizers>=0.19", "wandb>=0.17"],
         "hf": ["tokenizers>=0.19", "huggingface_hub>=0.23"],
+        "export": ["tokenizers>=0.19"],  # python -m noloco_jax.export_hf: the tokenizer.json of the byte tokenizer
+        "wandb": ["wandb>=0.17"],  # --config.wandb.project=...: the Weights & Biases writer (io/writers.py)
     },
 )

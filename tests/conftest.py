@@ -22,3 +22,19 @@ def compile_cache(tmp_path):
   yield options
   for k, v in saved.items():
     jax.config.update(k, v)
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory):
+  """A finished smoke run (NoLoCo, 8 replicas, 12 steps, checkpoints at steps 6 and 12) for the tools used
+  after a run (export_hf, sample, report). A non-default RoPE base and two layers, so that an exporter that dropped the base or
+  mixed up the layers would be caught. Built once per test process; tests must not write into it."""
+  from configs import default  # pylint: disable=g-import-not-at-top  (after the environment above)
+  from noloco_jax import training  # pylint: disable=g-import-not-at-top
+  cfg = default.get_config("smoke")
+  cfg.checkpoint_every = 6
+  cfg.model.rope_theta = 500.0
+  cfg.model.num_layers = 2  # more than one layer: the stacked layer axis is cut into model.layers.<i>
+  workdir = str(tmp_path_factory.mktemp("finished_run"))
+  training.train_and_evaluate(cfg, workdir)
+  return workdir

@@ -221,6 +221,14 @@ def test_feedback_off_keeps_no_residual_in_the_state():
       "slow", "momentum", "residual"}
 
 
+# The coded round's mesh, fewer-device and one-device programs agree bitwise with jax 0.10 and 0.11.
+# With jax 0.12 (its XLA:CPU) the mesh programs still do, but the one-device simulator's (local
+# gathers, or a gather table) differs from them in a few elements by float32 round-off (measured: at
+# most 6e-8 absolute, 16 ulps on values near zero): another program, other fusion and contraction
+# choices by XLA. Checked to rtol 1e-6 / atol 1e-7 there.
+_BITWISE_ACROSS_PROGRAMS = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 12)
+
+
 @pytest.mark.parametrize("compression,num_devices", [("topk", 4), ("int4", 2)])
 def test_coded_mesh_and_simulator_paths_agree_bitwise(compression, num_devices):
   theta, phi, delta, residual = _replicas(5)
@@ -234,7 +242,10 @@ def test_coded_mesh_and_simulator_paths_agree_bitwise(compression, num_devices):
   results["table"] = _round(method, key, table, theta, outer, num_devices=1)
   for d in (num_devices, 1, "table"):
     for a, b in zip(jax.tree.leaves(results[d]), jax.tree.leaves(results[N])):
-      np.testing.assert_array_equal(a, b)
+      if _BITWISE_ACROSS_PROGRAMS or d == num_devices:
+        np.testing.assert_array_equal(a, b)
+      else:  # jax >= 0.12, one device: float32 round-off apart from the mesh (see above)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("compression,extra,ratio", [

@@ -114,13 +114,16 @@ def test_group_exchange_sends_one_message_per_other_member():
 def test_epidemic_push_sends_s_copies_and_receives_s_on_average():
   s, n = 2, 8
   t = wire.round_traffic("epidemic", 100, n, fanout=s)
+  regular = wire.push(100, s, n, regular=True)
   most = 0
   for draw in range(200):
-    targets = epidemic.draw_targets(seed=0, draw=draw, num_replicas=n, fanout=s)
+    targets = epidemic.draw_targets(seed=0, draw=draw, num_replicas=n, fanout=s, topology="local")
     received = np.bincount(targets.ravel(), minlength=n) * 100
     assert received.mean() == t.received == t.sent == s * 100  # every edge is one message
     most = max(most, received.max())
-  assert s * 100 < most <= t.max_received == (n - 1) * 100  # the in-degree is random
+    oracle = np.bincount(epidemic.draw_targets(seed=0, draw=draw, num_replicas=n, fanout=s).ravel(), minlength=n)
+    assert (oracle * 100 == regular.max_received).all()  # EL-Oracle: every replica receives exactly s
+  assert s * 100 < most <= t.max_received == (n - 1) * 100  # EL-Local: the in-degree is random
 
 
 def test_fsdp_step_is_two_gathers_and_a_reduce_scatter():

@@ -10,6 +10,7 @@ and validation; the checks across sections in one place (checks.py).
 | outer     | the outer step (α, β, γ, H, n)   | outer.py      |
 | checkpoint| what is kept, warm start         | checkpoint.py |
 | pipeline  | micro-batches between stages     | pipeline.py   |
+| wandb     | the optional W&B writer          | wandb.py      |
 
 Config files (configs/*.py) stay ml_collections files: configs/default.py builds its ConfigDict from
 these defaults (`default_config_dict`), so `--config.outer.kind=diloco` works as before. `validate`

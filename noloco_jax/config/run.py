@@ -4,13 +4,33 @@ import dataclasses
 
 from noloco_jax.config.checkpoint import CheckpointConfig
 from noloco_jax.config.data import DataSpec
-from noloco_jax.config.fields import Section, at_least, fail, one_of
+from noloco_jax.config.fields import ConfigError, Section, at_least, fail, one_of
 from noloco_jax.config.inner import InnerConfig
 from noloco_jax.config.model import ModelConfig
 from noloco_jax.config.outer import OuterConfig
 from noloco_jax.config.pipeline import PipelineConfig
+from noloco_jax.config.wandb import WandbConfig
 
 NAN_POLICIES = ("error", "skip_round")
+CONSENSUS_SOURCES = ("", "slow", "theta")  # outer/consensus.py: SOURCES, or "" for none
+
+
+def parse_steps(value: str, num_steps: int | None = None) -> tuple[int, int] | None:
+  """config.profile_steps: "a,b" (or "a") -> (a, b); "" -> None. One clear line for anything else."""
+  value = str(value).strip()
+  if not value:
+    return None
+  try:
+    steps = [int(p.strip()) for p in value.split(",")]
+  except ValueError:
+    steps = []
+  if len(steps) == 1:
+    steps = steps * 2
+  if len(steps) != 2 or not 1 <= steps[0] <= steps[1] or (num_steps is not None and steps[1] > num_steps):
+    bound = f" <= num_steps={num_steps}" if num_steps is not None else ""
+    raise ConfigError(f"profile_steps={value!r}: give 'FIRST,LAST' (or one step), inner steps with "
+                      f"1 <= FIRST <= LAST{bound}, e.g. '10,12'.")
+  return steps[0], steps[1]
 
 
 def _section(kind):
@@ -52,6 +72,14 @@ class Config(Section):
   # (a run whose every round diverges is not training). Skipped rounds are counted in the train rows
   # of metrics.jsonl (outer/skipped_rounds) and in the summary.
   nan_max_skipped_rounds: int = 3
+  # The consensus model (the mean of the replicas; noloco_jax/outer/consensus.py) is scored on the
+  # validation set at every evaluation, beside the replicas' mean loss: eval/consensus_loss and
+  # eval/consensus_ppl. "slow" averages φ (θ for methods without φ), "theta" averages θ, "" turns it off.
+  eval_consensus: str = "slow"
+  # "FIRST,LAST" (or one step): a jax.profiler trace of those inner steps into WORKDIR/profile (for
+  # TensorBoard's profile plugin and Perfetto; README "Profiling"); include a multiple of
+  # outer.inner_steps to capture an outer round. "" = no trace.
+  profile_steps: str = ""
 
   checkpoint: CheckpointConfig = _section(CheckpointConfig)  # noloco_jax/config/checkpoint.py
   model: ModelConfig = _section(ModelConfig)  # noloco_jax/config/model.py
@@ -59,6 +87,7 @@ class Config(Section):
   inner: InnerConfig = _section(InnerConfig)  # noloco_jax/config/inner.py
   outer: OuterConfig = _section(OuterConfig)  # noloco_jax/config/outer.py
   pipeline: PipelineConfig = _section(PipelineConfig)  # noloco_jax/config/pipeline.py
+  wandb: WandbConfig = _section(WandbConfig)  # noloco_jax/config/wandb.py (an optional experiment tracker)
 
   def check(self) -> None:
     """The top-level fields alone (the sections have checked themselves when they were parsed)."""
@@ -70,3 +99,8 @@ class Config(Section):
       fail("num_devices", self.num_devices,
            f"0 (automatic) or a divisor of num_replicas={self.num_replicas} (each device holds N/D replicas)")
     one_of("nan_policy", self.nan_policy, NAN_POLICIES)
+    one_of("eval_consensus", self.eval_consensus, CONSENSUS_SOURCES)
+    try:
+      parse_steps(self.profile_steps, self.num_steps)
+    except ConfigError as e:
+      fail("profile_steps", self.profile_steps, str(e).split(": ", 1)[1].rstrip("."))

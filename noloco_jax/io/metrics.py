@@ -6,7 +6,7 @@ outer/pseudo_grad_norm, outer/round, comm/bytes_sent_per_replica, comm/bytes_rec
 noloco_jax/outer/wire.py), perf/steps_per_s,
 perf/tokens_per_s, model/num_params (logged once, per replica), outer/skipped_rounds (cumulative;
 only with nan_policy="skip_round").
-The writers themselves (TensorBoard, JSON lines, log) are in writers.py.
+The writers themselves (TensorBoard, JSON lines, log, Weights & Biases) are in writers.py.
 """
 
 from __future__ import annotations
@@ -50,15 +50,17 @@ def weight_std_numpy(params_NxP) -> float:
   return float(np.sqrt(sum(((x - x.mean(0)) ** 2).sum() for x in leaves) / (n * count)))
 
 
-def make_writer(workdir: str) -> writers.MetricWriter:
-  """TensorBoard events + metrics.jsonl + log lines on process 0; log lines only on the others."""
+def make_writer(workdir: str, config=None) -> writers.MetricWriter:
+  """TensorBoard events + metrics.jsonl + log lines on process 0 (and W&B when config.wandb.project is
+  set); log lines only on the others."""
   if jax.process_index() != 0:
     return writers.LoggingWriter()
-  return writers.MultiWriter([
-      writers.LoggingWriter(),
-      writers.TensorBoardWriter(workdir),
-      writers.JsonlWriter(os.path.join(workdir, "metrics.jsonl")),
-  ])
+  chosen = [writers.LoggingWriter(), writers.TensorBoardWriter(workdir),
+            writers.JsonlWriter(os.path.join(workdir, "metrics.jsonl"))]
+  wandb_config = config.get("wandb") if config is not None else None
+  if wandb_config is not None and wandb_config.project and wandb_config.mode != "disabled":
+    chosen.append(writers.WandbWriter(workdir, wandb_config, config.to_dict()))
+  return writers.MultiWriter(chosen)
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Metric writers without TensorFlow: TensorBoard event files, metrics.jsonl, log lines, progress.
+"""Metric writers without TensorFlow: TensorBoard event files, metrics.jsonl, log lines, progress, and
+optionally Weights & Biases.
 
 `MetricWriter` has the method set of clu's `metric_writers.MetricWriter` (write_scalars,
 write_summaries, ..., flush, close), so code written against clu's writers runs against these. We
@@ -17,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -53,6 +55,10 @@ class MetricWriter(abc.ABC):
 
   def write_hparams(self, hparams: Mapping[str, Any]):
     del hparams
+
+  def write_summary(self, summary: Mapping[str, Any]):
+    """The end-of-run summary (training/summary.py's scalars); not one of clu's methods."""
+    del summary
 
   def flush(self):
     pass
@@ -120,6 +126,66 @@ class JsonlWriter(MetricWriter):
     self._file.close()
 
 
+def wandb_mode(mode: str, environ: Mapping[str, str] | None = None) -> str:
+  """config.wandb.mode to W&B's: "auto" is online with WANDB_API_KEY in the environment, else offline."""
+  if mode != "auto":
+    return mode
+  return "online" if (environ if environ is not None else os.environ).get("WANDB_API_KEY") else "offline"
+
+
+class WandbWriter(MetricWriter):
+  """One Weights & Biases run: the config at the start, every scalar row at its step, the summary at the end.
+
+  `wandb` is imported here, by the process that writes (process 0), and only when config.wandb.project
+  is set: it is an optional extra (`pip install '.[wandb]'`) and starts a service process of its own.
+  Its files go to `workdir/wandb/`. A resumed run (the same workdir) continues the same W&B run: its id is
+  kept in `workdir/wandb/run_id`. W&B accepts only increasing steps, so rows a resumed run logs again
+  (those after the restored checkpoint) are dropped by W&B with a warning; metrics.jsonl stays the
+  record that is rewritten exactly (io/checkpoint/logs.py).
+  """
+
+  def __init__(self, workdir: str, wandb_config, run_config: Mapping[str, Any] | None = None):
+    import wandb  # pylint: disable=g-import-not-at-top  (optional extra; see the docstring)
+
+    self._wandb = wandb
+    directory = os.path.join(os.path.abspath(workdir), "wandb")
+    os.makedirs(directory, exist_ok=True)
+    id_file = os.path.join(directory, "run_id")
+    if os.path.isfile(id_file):
+      with open(id_file) as f:
+        run_id = f.read().strip()
+    else:
+      run_id = secrets.token_hex(4)  # W&B run ids: lowercase letters and digits
+      with open(id_file, "w") as f:
+        f.write(run_id + "\n")
+    self.mode = wandb_mode(wandb_config.mode)
+    tags = [t.strip() for t in wandb_config.tags.split(",") if t.strip()]
+    self.run = wandb.init(
+        project=wandb_config.project, entity=wandb_config.entity or None,
+        name=wandb_config.name or os.path.basename(os.path.abspath(workdir)), group=wandb_config.group or None,
+        tags=tags or None, mode=self.mode, dir=os.path.abspath(workdir), id=run_id, resume="allow",
+        config=dict(run_config or {}),
+        # Our own log lines stay ours: W&B does not wrap stdout/stderr (its "console" capture).
+        settings=wandb.Settings(console="off"))
+    self._closed = False
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    self.run.log({k: _float(v) for k, v in scalars.items()}, step=int(step))
+
+  def write_hparams(self, hparams: Mapping[str, Any]):
+    self.run.config.update(dict(hparams), allow_val_change=True)
+
+  def write_summary(self, summary: Mapping[str, Any]):
+    for key, value in summary.items():
+      if isinstance(value, (int, float, str, bool)) or np.isscalar(value):
+        self.run.summary[key] = value
+
+  def close(self):
+    if not self._closed:
+      self._closed = True
+      self.run.finish()
+
+
 class LoggingWriter(MetricWriter):
   """One log line per write: `[step] name = value, ...`."""
 
@@ -140,6 +206,10 @@ class MultiWriter(MetricWriter):
   def write_hparams(self, hparams: Mapping[str, Any]):
     for w in self._writers:
       w.write_hparams(hparams)
+
+  def write_summary(self, summary: Mapping[str, Any]):
+    for w in self._writers:
+      w.write_summary(summary)
 
   def flush(self):
     for w in self._writers:

@@ -132,7 +132,7 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
       f.write(config.to_json(indent=2))
   # Opened after the restore, which rewrites the logs for a resume (io/checkpoint/logs.py): a writer opened
   # before would append to the file the rewrite replaced.
-  writer = metrics_lib.make_writer(workdir)
+  writer = metrics_lib.make_writer(workdir, config)
   close(lambda failed: writer.close())
   one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
   # Bytes per replica of one round and of one inner step: on the wire, under outer.allreduce_algorithm,

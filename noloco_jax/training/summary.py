@@ -136,4 +136,5 @@ def report(run, seconds: float) -> dict[str, Any]:
     print(summary["text"], flush=True)
     with open(os.path.join(run.workdir, "summary.json"), "w") as f:
       json.dump({k: v for k, v in summary.items() if k != "text"}, f, indent=2)
+  run.writer.write_summary({k: v for k, v in summary.items() if k != "text"})  # e.g. the W&B run's summary
   return {**summary, "state": run.state, "history": run.loop.history}

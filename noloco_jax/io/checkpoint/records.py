@@ -76,7 +76,7 @@ def schedule_record(schedule, round_: int) -> dict | None:
 
 def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
   """Dotted names of the fields that differ, ignoring those that cannot change the numbers."""
-  ignore = {"checkpoint", "num_devices", "checkpoint_every", "log_every", "log_barrier", "data.prefetch"}
+  ignore = {"checkpoint", "num_devices", "checkpoint_every", "log_every", "log_barrier", "data.prefetch", "wandb"}
   out = []
   for key in sorted(set(saved) | set(now)):
     name = prefix + key

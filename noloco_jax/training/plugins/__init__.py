@@ -9,10 +9,13 @@ from __future__ import annotations
 import jax
 
 from noloco_jax.training.plugins.base import Plugin, Plugins
+from noloco_jax.config.run import parse_steps
 from noloco_jax.training.plugins.checkpointing import Checkpointing
+from noloco_jax.training.plugins.consensus_eval import ConsensusEval
 from noloco_jax.training.plugins.evaluation import Evaluation, evaluate
 from noloco_jax.training.plugins.fault_injection import FaultInjection
 from noloco_jax.training.plugins.pairing_log import PairingLog
+from noloco_jax.training.plugins.profiler import Profiler
 from noloco_jax.training.plugins.progress import Dispatch, Progress
 from noloco_jax.training.plugins.stop import StopAgreement
 from noloco_jax.training.plugins.train_log import TrainLog
@@ -31,7 +34,12 @@ def from_config(run) -> Plugins:
   plugins.append(TrainLog(job_wide=config.log_barrier or single))
   if jax.process_index() == 0 and run.setup.schedule is not None:
     plugins.append(PairingLog(run.setup.schedule))
-  plugins += [Evaluation(), StopAgreement(stop_every), Checkpointing()]
+  plugins.append(Evaluation())
+  if config.eval_consensus:
+    plugins.append(ConsensusEval(config.eval_consensus))
+  if config.profile_steps:
+    plugins.append(Profiler(run.workdir, *parse_steps(config.profile_steps)))
+  plugins += [StopAgreement(stop_every), Checkpointing()]
   return Plugins(plugins)
 
 

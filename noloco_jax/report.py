@@ -1,0 +1,321 @@
+"""A run's report from its metrics.jsonl alone: one PNG per run (or one for a comparison) and a text summary.
+
+    python -m noloco_jax.report WORKDIR [WORKDIR ...] [--out PNG] [--link-gbps 1] [--alpha-ms 1]
+
+Nothing is re-trained or re-evaluated: the figures are the rows the run logged (metrics.jsonl) and the
+sizes in its config.json. A run still in progress works: a half-written last line is skipped, and the
+summary says which step the run has reached.
+
+The PNG has six panels: validation (and training) loss against inner steps, against training tokens
+(steps × replicas × batch × sequence length, all replicas together) and against modelled wall time;
+the cross-replica weight std; the bytes on the wire per replica (cumulative); and the rounds skipped
+(nan_policy="skip_round"). The consensus model's loss is drawn beside eval/loss where the run logged it.
+
+Modelled wall time: the run's own measured compute time (the sum over log intervals of steps ÷
+perf/steps_per_s, evaluations excluded, the first interval's compilation replaced by the median rate) plus the time its logged bytes would take on a link of
+--link-gbps with --alpha-ms of latency per outer round (or per step for ddp), i.e. the deterministic
+α–β model of experiments/compare_methods.py applied to the bytes the run counted. On the CPU simulator
+the measured part is every replica's compute on one host; it is a figure to compare runs by, not a
+forecast.
+
+Without matplotlib (`pip install '.[plots]'`) the text summary is still printed and the PNG step says
+how to install it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+BYTES_SENT = ("comm/bytes_sent_per_replica", "comm/bytes_per_replica")  # the new name first, today's second
+BYTES_RECEIVED = ("comm/bytes_received_per_replica",)
+PLOTS_HINT = "the PNG needs matplotlib: pip install '.[plots]' (the text summary above needs nothing)"
+
+
+class ReportError(ValueError):
+  """A workdir that cannot be reported on; the message is one line naming it."""
+
+
+def read_rows(path: str) -> tuple[list[dict], int]:
+  """(rows of a metrics.jsonl, lines skipped). A line that does not parse is skipped: the last one is a
+  run in progress writing it; any other is counted so the summary can say so."""
+  rows, skipped = [], 0
+  with open(path, "rb") as f:
+    for line in f:
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except ValueError:
+        skipped += 1
+        continue
+      if isinstance(row, dict) and "step" in row:
+        rows.append({k: _number(v) for k, v in row.items()})
+  return rows, skipped
+
+
+def _number(v):
+  """JSON has no NaN or inf: the writer stores them as strings ("nan", "inf")."""
+  if isinstance(v, str):
+    try:
+      return float(v)
+    except ValueError:
+      return v
+  return v
+
+
+class Run:
+  """One workdir's logged series, as NumPy arrays by step."""
+
+  def __init__(self, workdir: str):
+    self.workdir = os.path.abspath(workdir)
+    path = os.path.join(self.workdir, "metrics.jsonl")
+    if not os.path.isfile(path):
+      raise ReportError(f"WORKDIR={workdir!r} holds no metrics.jsonl: give the --workdir of a run.")
+    self.rows, self.skipped_lines = read_rows(path)
+    self.config = _read_json(os.path.join(self.workdir, "config.json")) or {}
+    self.summary = _read_json(os.path.join(self.workdir, "summary.json"))
+    self.name = os.path.basename(self.workdir.rstrip("/"))
+
+  def series(self, *keys: str) -> tuple[np.ndarray, np.ndarray, str | None]:
+    """(steps, values, key) of the first of `keys` present in any row, rows in step order, one value per
+    step (the last logged); empty arrays and None when no row has any of them."""
+    for key in keys:
+      by_step = {}
+      for row in self.rows:
+        if key in row and isinstance(row[key], (int, float)):
+          by_step[int(row["step"])] = float(row[key])
+      if by_step:
+        steps = np.array(sorted(by_step))
+        return steps, np.array([by_step[s] for s in steps]), key
+    return np.zeros(0), np.zeros(0), None
+
+  def _get(self, section: str, name: str, default=None):
+    value = self.config.get(section, {}).get(name) if section else self.config.get(name)
+    return default if value is None else value
+
+  @property
+  def kind(self) -> str:
+    return str(self._get("outer", "kind", "?"))
+
+  @property
+  def num_steps(self) -> int | None:
+    return self._get("", "num_steps")
+
+  @property
+  def last_step(self) -> int:
+    return max((int(r["step"]) for r in self.rows), default=0)
+
+  @property
+  def tokens_per_step(self) -> int | None:
+    n, b, l = self._get("", "num_replicas"), self._get("data", "batch_size"), self._get("data", "seq_len")
+    return int(n * b * l) if None not in (n, b, l) else None
+
+  def tokens(self, steps: np.ndarray) -> np.ndarray | None:
+    per = self.tokens_per_step
+    return None if per is None else steps * float(per)
+
+  def measured_seconds(self, steps: np.ndarray) -> np.ndarray | None:
+    """Compute seconds up to each step: Σ over log intervals of Δsteps ÷ perf/steps_per_s, interpolated.
+    The first interval holds the compilation: it is counted at the median rate of the later ones."""
+    s, rate, _ = self.series("perf/steps_per_s")
+    keep = rate > 0
+    s, rate = s[keep], rate[keep]
+    if not len(s):
+      return None
+    if len(rate) > 1:
+      rate = np.concatenate([[np.median(rate[1:])], rate[1:]])
+    previous = np.concatenate([[0], s[:-1]])
+    elapsed = np.concatenate([[0.0], np.cumsum((s - previous) / rate)])
+    return np.interp(steps, np.concatenate([[0], s]), elapsed)
+
+  def modelled_seconds(self, steps: np.ndarray, link_gbps: float, alpha_s: float) -> np.ndarray | None:
+    """Measured compute + the α–β time of the logged bytes and rounds (the module docstring)."""
+    compute = self.measured_seconds(steps)
+    if compute is None:
+      return None
+    bs, sent, _ = self.series(*BYTES_SENT)
+    wire = np.interp(steps, bs, sent) * 8 / (link_gbps * 1e9) if len(bs) else 0.0
+    if self.kind == "ddp":
+      messages = steps.astype(float)
+    else:
+      rs, rounds, _ = self.series("outer/round")
+      messages = np.interp(steps, rs, rounds) if len(rs) else 0.0
+    return compute + wire + alpha_s * messages
+
+
+def _read_json(path: str) -> dict | None:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+# ---- the text summary ----
+
+
+def _fmt_bytes(b: float) -> str:
+  return f"{b / 2**20:,.1f} MiB" if b < 2**30 else f"{b / 2**30:,.2f} GiB"
+
+
+def summarize(run: Run, link_gbps: float = 1.0, alpha_s: float = 1e-3) -> list[str]:
+  """A few lines about one run: where it is, its losses, spread, bytes, skipped rounds and times."""
+  total = run.num_steps
+  state = "finished" if run.summary is not None and (total is None or run.last_step >= total) else "in progress"
+  head = f"{run.name}: {run.kind}, {run._get('', 'num_replicas', '?')} replicas, step {run.last_step}"
+  head += f" of {total}" if total else ""
+  lines = [head + f" ({state})" + (f"; {run.skipped_lines} unreadable line(s) skipped" if run.skipped_lines else "")]
+  es, ev, _ = run.series("eval/loss")
+  if len(es):
+    best = int(np.nanargmin(ev)) if np.isfinite(ev).any() else -1
+    text = f"  eval/loss   {ev[0]:.4f} (step {es[0]}) -> {ev[-1]:.4f} (step {es[-1]}), ppl {math.exp(min(ev[-1], 700)):.3f}"
+    if best >= 0 and best != len(ev) - 1:
+      text += f"; best {ev[best]:.4f} at step {es[best]}"
+    lines.append(text)
+  cs, cv, _ = run.series("eval/consensus_loss")
+  if len(cs):
+    lines.append(f"  eval/consensus_loss {cv[-1]:.4f} (step {cs[-1]}): {cv[-1] - ev[-1]:+.4f} against eval/loss"
+                 if len(es) and es[-1] == cs[-1] else f"  eval/consensus_loss {cv[-1]:.4f} (step {cs[-1]})")
+  ts, tv, _ = run.series("train/loss")
+  if len(ts):
+    lines.append(f"  train/loss  {tv[-1]:.4f} (step {ts[-1]})")
+  ws, wv, _ = run.series("replicas/weight_std")
+  if len(ws):
+    lines.append(f"  replicas/weight_std {wv[-1]:.3e} (step {ws[-1]})")
+  bs, bv, key = run.series(*BYTES_SENT)
+  if len(bs):
+    rs, rv, _ = run.series(*BYTES_RECEIVED)
+    lines.append(f"  bytes on the wire per replica: {_fmt_bytes(bv[-1])} sent" +
+                 (f", {_fmt_bytes(rv[-1])} received" if len(rs) else "") + f" ({key})")
+  ss, sv, _ = run.series("outer/skipped_rounds")
+  if len(ss):
+    lines.append(f"  rounds skipped: {int(sv[-1])}")
+  tokens = run.tokens(np.array([run.last_step]))
+  if tokens is not None:
+    lines.append(f"  tokens: {tokens[0]:,.0f} (all replicas)")
+  steps = np.array([run.last_step])
+  measured, modelled = run.measured_seconds(steps), run.modelled_seconds(steps, link_gbps, alpha_s)
+  if measured is not None:
+    lines.append(f"  time: {measured[0]:.1f} s measured compute; {modelled[0]:.1f} s modelled "
+                 f"({link_gbps:g} Gb/s, α={alpha_s * 1e3:g} ms)")
+  return lines
+
+
+# ---- the picture ----
+
+
+def plot(runs: list[Run], out: str, link_gbps: float = 1.0, alpha_s: float = 1e-3) -> str:
+  """Six panels for one run or a comparison (one colour per run) into the PNG `out`."""
+  import matplotlib  # pylint: disable=g-import-not-at-top  (the `plots` extra; see the module docstring)
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+  (ax_step, ax_tok, ax_time), (ax_std, ax_bytes, ax_skip) = axes
+  colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for i, run in enumerate(runs):
+    c = colours[i % len(colours)]
+    label = f"{run.name} ({run.kind})" if len(runs) > 1 else run.kind
+    es, ev, _ = run.series("eval/loss")
+    ts, tv, _ = run.series("train/loss")
+    cs, cv, _ = run.series("eval/consensus_loss")
+    for ax, x_of in ((ax_step, lambda s: s), (ax_tok, run.tokens),
+                     (ax_time, lambda s: run.modelled_seconds(s, link_gbps, alpha_s))):
+      for steps, values, style, what in ((ts, tv, dict(lw=1, alpha=0.45), "train"),
+                                         (es, ev, dict(lw=2, marker="o", ms=3), "eval"),
+                                         (cs, cv, dict(lw=1.5, ls="--", marker="x", ms=4), "consensus eval")):
+        x = x_of(steps) if len(steps) else None
+        if x is not None and len(steps):
+          ax.plot(x, values, color=c, label=f"{label}: {what}", **style)
+    ws, wv, _ = run.series("replicas/weight_std")
+    if (wv > 0).any():  # a log scale: identical replicas (std 0, e.g. step 0) are left out
+      ax_std.plot(ws[wv > 0], wv[wv > 0], color=c, marker=".", label=label)
+    bs, bv, key = run.series(*BYTES_SENT)
+    if len(bs):
+      ax_bytes.plot(bs, bv / 2**20, color=c, label=f"{label}: sent")
+    rs, rv, _ = run.series(*BYTES_RECEIVED)
+    if len(rs):
+      ax_bytes.plot(rs, rv / 2**20, color=c, ls=":", label=f"{label}: received")
+    ss, sv, _ = run.series("outer/skipped_rounds")
+    if len(ss):
+      ax_skip.step(ss, sv, where="post", color=c, label=label)
+  titles = [(ax_step, "Loss vs inner steps", "inner step", "loss (nats)"),
+            (ax_tok, "Loss vs training tokens (all replicas)", "tokens", "loss (nats)"),
+            (ax_time, f"Loss vs modelled wall time ({link_gbps:g} Gb/s, α={alpha_s * 1e3:g} ms)", "seconds", "loss (nats)"),
+            (ax_std, "Cross-replica weight std", "inner step", "replicas/weight_std"),
+            (ax_bytes, "Bytes on the wire per replica (cumulative)", "inner step", "MiB"),
+            (ax_skip, "Rounds skipped (nan_policy=skip_round)", "inner step", "rounds")]
+  for ax, title, xlabel, ylabel in titles:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+      ax.legend(fontsize=7)
+    else:
+      ax.text(0.5, 0.5, "not logged by this run" if len(runs) == 1 else "not logged by these runs",
+              ha="center", va="center", transform=ax.transAxes, color="grey")
+  if ax_std.lines:
+    ax_std.set_yscale("log")
+  names = ", ".join(r.name for r in runs)
+  progress = [r for r in runs if r.summary is None]
+  fig.suptitle(f"noloco_jax report: {names}" + (" (in progress)" if progress else ""), fontsize=12)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+  return out
+
+
+def default_out(workdirs: list[str]) -> str:
+  """WORKDIR/report.png for one run; report_comparison.png in the current directory for several."""
+  return os.path.join(workdirs[0], "report.png") if len(workdirs) == 1 else "report_comparison.png"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m noloco_jax.report", description=__doc__.split("\n")[0])
+  p.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="one run, or several to compare")
+  p.add_argument("--out", default=None, help="the PNG (default: WORKDIR/report.png; report_comparison.png for several)")
+  p.add_argument("--link-gbps", type=float, default=1.0, help="link bandwidth of the modelled wall time, Gb/s")
+  p.add_argument("--alpha-ms", type=float, default=1.0, help="latency per message of the modelled wall time, ms")
+  p.add_argument("--no-png", dest="png", action="store_false", help="the text summary only")
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.link_gbps <= 0 or args.alpha_ms < 0:
+    print(f"noloco_jax.report: error: --link-gbps={args.link_gbps} must be > 0 and --alpha-ms={args.alpha_ms} "
+          ">= 0.", file=sys.stderr)
+    return 2
+  start = time.perf_counter()
+  try:
+    runs = [Run(w) for w in args.workdirs]
+  except ReportError as e:
+    print(f"noloco_jax.report: error: {e}", file=sys.stderr)
+    return 2
+  alpha_s = args.alpha_ms / 1e3
+  for run in runs:
+    print("\n".join(summarize(run, args.link_gbps, alpha_s)))
+  if not args.png:
+    return 0
+  try:
+    import matplotlib  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    print(f"noloco_jax.report: {PLOTS_HINT}", file=sys.stderr)
+    return 0
+  out = plot(runs, args.out or default_out(args.workdirs), args.link_gbps, alpha_s)
+  print(f"Report: {out} ({time.perf_counter() - start:.1f} s)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
