@@ -64,3 +64,29 @@ def test_simulator_and_mesh_runs_give_the_same_metrics(tmp_path):
     for key in ("train/loss", "eval/loss", "replicas/weight_std"):
       if key in ra:
         np.testing.assert_allclose(ra[key], rb[key], rtol=2e-5, atol=1e-7, err_msg=f"{key} at step {ra['step']}")
+
+
+def test_the_config_is_parsed_once_per_run(tmp_path, monkeypatch):
+  """Issue 22: the ConfigDict is parsed and validated once (main.py / build.load_config); everything after
+  receives the typed config or its sections, which are never parsed again."""
+  from noloco_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
+
+  parses = []
+  real = config_lib.Config.parse.__func__
+
+  def counting(cls, node):
+    if not isinstance(node, config_lib.Section):
+      parses.append(cls.__name__)
+    return real(cls, node)
+
+  for section in {config_lib.Config, *(type(getattr(config_lib.Config(), f)) for f in ("outer", "data", "model",
+                                                                                      "inner", "checkpoint"))}:
+    monkeypatch.setattr(section, "parse", classmethod(counting))
+  config = default.get_config("smoke")
+  config.num_steps = 3
+  typed = build_lib.load_config(config)  # what main.py does with the flags' ConfigDict
+  assert parses.count("Config") == 1
+  parses.clear()
+  training.train_and_evaluate(typed, str(tmp_path))
+  assert parses == [], parses  # nothing downstream parses a ConfigDict again
