@@ -264,10 +264,10 @@ def test_rewrite_for_resume_keeps_each_row_up_to_the_step_once(tmp_path):
   with open(path, "w") as f:
     f.write('{"step": 0, "a": 1}\n{"step": 3, "a": 2}\n{"step": 3, "b": 5}\n{"step": 0, "a": 1}\n'
             '{"step": 6, "a": 3}\n{"step": 9, "a"')
-  assert logs.rewrite_for_resume(path, 3) == (2, 1)  # steps 6 and the cut line; step 0 twice
+  assert logs.rewrite_for_resume(path, 3) == logs.Rewrite(late=1, repeats=1, cut=True)  # step 6; step 0 twice
   with open(path) as f:
     assert [json.loads(line) for line in f] == [{"step": 0, "a": 1}, {"step": 3, "a": 2}, {"step": 3, "b": 5}]
-  assert logs.rewrite_for_resume(path, 3) == (0, 0)
+  assert logs.rewrite_for_resume(path, 3) == logs.Rewrite()
   assert logs.start_afresh(path) == 3 and os.path.getsize(path) == 0
 
 
@@ -302,3 +302,74 @@ def test_asyncio_records_about_orbax_tasks_lose_their_traceback():
   assert record.exc_info is None and record.getMessage() == "Task exception was never retrieved"
   other = py_logging.LogRecord("asyncio", py_logging.ERROR, "x.py", 1, "unrelated\nsecond line", None, None)
   assert failures.QuietOrbaxLog().filter(other) and other.getMessage() == "unrelated\nsecond line"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 25 item 5: a damaged log never blocks a resume; rows missing before the step are reported.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_damaged_lines_are_named_by_line_and_dropped(tmp_path):
+  """`42` and `{"step": "abc"}` blocked every resume with a traceback naming neither file nor line; a
+  garbage line in the middle was counted as "written after step N"."""
+  path = str(tmp_path / "metrics.jsonl")
+  with open(path, "w") as f:
+    f.write('{"step": 0, "a": 1}\n42\n{"step": "abc"}\nxx garbage\n[1, 2]\n{"step": 3, "a": 2}\n{"step": 6, "a": 3}\n'
+            '{"step": true}\n{"step": 9, "a"')
+  done = logs.rewrite_for_resume(path, 3)
+  assert done == logs.Rewrite(late=1, cut=True, damaged=[(2, "42"), (3, '{"step": "abc"}'), (4, "xx garbage"),
+                                                        (5, "[1, 2]"), (8, '{"step": true}')])
+  with open(path) as f:
+    assert [json.loads(line) for line in f] == [{"step": 0, "a": 1}, {"step": 3, "a": 2}]
+  logs.replace_row(path, {"step": 3, "b": 1})  # (resize.py's events) a damaged line there is no error either
+  with open(path, "a") as f:
+    f.write("42\n")
+  logs.replace_row(path, {"step": 3, "b": 2})
+  with open(path) as f:
+    assert [json.loads(line) for line in f] == [{"step": 0, "a": 1}, {"step": 3, "a": 2}, {"step": 3, "b": 2}]
+
+
+def test_a_resume_repairs_its_logs_and_names_what_it_cannot(tmp_path, caplog):
+  """Before the restored step: eval rows come back from the checkpoint's history, pairing rows from the
+  schedule, training rows from the per-process files where every process logged them; the rest are named."""
+  from noloco_jax.io.checkpoint import log_repair
+  from noloco_jax.io.checkpoint import records
+  from noloco_jax.outer import pairing
+
+  schedule = pairing.PairingSchedule(seed=0, num_replicas=4, group_size=2, mode="round_robin")
+  train = lambda s: {"step": s, "train/loss": 1.0 / s, "outer/round": s // 2}
+  evals = [{"step": 0, "eval/loss": 5.0}, {"step": 4, "eval/loss": float("nan")}, {"step": 8, "eval/loss": 3.0}]
+  full_metrics = [{"step": 0, "eval/loss": 5.0}, train(2), train(4), {"step": 4, "eval/loss": "nan"}, train(6),
+                  train(8), {"step": 8, "eval/loss": 3.0}]
+  full_pairings = [records.pairing_row(schedule, r, 2 * (r + 1)) for r in range(4)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full_metrics[:2]))
+  (tmp_path / "pairings.jsonl").write_text(json.dumps(full_pairings[0]) + "\nnot json\n")
+  os.makedirs(tmp_path / "metrics")
+  for p in (0, 1):  # step 6 logged by both processes, step 8 by process 0 only
+    rows = [{**train(6), "replicas/local": 2, "time": 1.0}] + ([{**train(8), "replicas/local": 2}] if p == 0 else [])
+    (tmp_path / "metrics" / f"process_{p}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  expected = log_repair.Expected(step=8, evals=evals, log_every=2, num_replicas=4, rounds=4, inner_steps=2,
+                                 pairing_row=lambda r, s: records.pairing_row(schedule, r, s))
+  with caplog.at_level("WARNING"):
+    logs.truncate_logs(str(tmp_path), 8)
+    log_repair.repair(str(tmp_path), expected)
+  assert metrics_rows(tmp_path / "metrics.jsonl") == [r for r in full_metrics if not ("train/loss" in r and r["step"] in (4, 8))]
+  assert metrics_rows(tmp_path / "pairings.jsonl") == full_pairings
+  assert "pairings.jsonl line 2 is damaged" in caplog.text
+  assert "lacked the evaluation row(s) of step(s) 4, 8" in caplog.text
+  assert "lacked the training row(s) of step(s) 6; merged them again" in caplog.text
+  assert "lacks 2 training row(s) before the restored step 8 (step(s) 4, 8" in caplog.text
+  assert "lacked the row(s) of round(s) 1, 2, 3 before the restored step 8; rebuilt them" in caplog.text
+
+  # Rows kept that the schedule would not give: nothing rebuilt, and said so.
+  (tmp_path / "pairings.jsonl").write_text(json.dumps({**full_pairings[0], "groups": [[0, 3], [1, 2]]}) + "\n")
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    log_repair.repair(str(tmp_path), expected)
+  assert "lacks the row(s) of round(s) 1, 2, 3" in caplog.text and "differ from the schedule's" in caplog.text
+
+
+def metrics_rows(path) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
