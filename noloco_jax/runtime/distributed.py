@@ -30,7 +30,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 from typing import Any
 
 import jax
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from noloco_jax.runtime import job_checks
-from noloco_jax.runtime.failures import EXIT_FAILED
+from noloco_jax.runtime import failures
 from noloco_jax.parallel import mesh as mesh_lib
 
 ENV = {
@@ -53,7 +52,7 @@ ENV = {
 MODES = ("auto", "on", "off")
 
 
-class ConsistencyError(RuntimeError):
+class ConsistencyError(failures.ReportedError, RuntimeError):
   """The processes of one job disagree (config, seed, layout), or replicas start from different states."""
 
 
@@ -199,11 +198,12 @@ def fail_fast():
     if isinstance(e, jax.errors.JaxRuntimeError):
       hint = (" A collective failed: another process of the job has most likely died or been killed; "
               "its log shows why.")
-    logging.exception("Process %d of %d failed: %s: %s.%s Exiting with status %d.", jax.process_index(),
-                      jax.process_count(), type(e).__name__, str(e)[:2000].rstrip("."), hint, EXIT_FAILED)
-    for stream in (sys.stdout, sys.stderr):
-      stream.flush()
-    os._exit(EXIT_FAILED)  # pylint: disable=protected-access
+    _, status, helps = failures.report(e, failures.run_workdir())
+    # The traceback only where it helps (not for an error that names its cause, nor for Ctrl-C).
+    (logging.exception if helps else logging.error)(
+        "Process %d of %d failed: %s: %s.%s Exiting with status %d.", jax.process_index(), jax.process_count(),
+        type(e).__name__, str(e)[:2000].rstrip("."), hint, status)
+    failures.exit_now(e, traceback_printed=True)  # the same last line as a single-process run, then os._exit
 
 
 # ---------------------------------------------------------------------------------------------------

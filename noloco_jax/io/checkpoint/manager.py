@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 
 from noloco_jax.inner.state import TrainState
 from noloco_jax.runtime import failures
+from noloco_jax.runtime import preemption
 from noloco_jax.io.checkpoint import checksum
 from noloco_jax.io.checkpoint import guard
 from noloco_jax.io.checkpoint import log_repair
@@ -92,7 +93,14 @@ class Checkpointer:
     `loop_state` is the loop's record (training/loop_state.py): its `to_record()` is saved whole, in
     the meta item. With nan_policy="error", the losses it holds that were not yet logged are checked
     first: a state whose losses were not checked is never saved.
+
+    A SIGINT (Ctrl-C) that arrives meanwhile is raised once the save has started (or, synchronous,
+    completed), never inside orbax's code (runtime/preemption.py); the loop then settles it.
     """
+    with preemption.deferred_interrupts():
+      self._save(step, state, loop_state, data_iter)
+
+  def _save(self, step: int, state: TrainState, loop_state, data_iter) -> None:
     record = loop_state.to_record()
     if record["step"] != step:
       raise ValueError(f"checkpoint: saving step {step} with a loop state at step {record['step']}.")
@@ -159,9 +167,10 @@ class Checkpointer:
     self._in_flight = None
 
   def close(self) -> None:
-    """Waits for the last asynchronous save to be complete."""
-    self.wait_until_finished()
-    self._manager.close()
+    """Waits for the last asynchronous save to be complete (a SIGINT meanwhile is raised after it)."""
+    with preemption.deferred_interrupts():
+      self.wait_until_finished()
+      self._manager.close()
 
   def settle_after_error(self, timeout_s: float | None = None) -> None:
     """After the loop raised: completes the save in flight, or abandons it saying so; never raises.
@@ -185,10 +194,21 @@ class Checkpointer:
         errors.append(e)
 
     waiter = threading.Thread(target=wait, name="noloco-checkpoint-settle", daemon=True)
-    waiter.start()
-    waiter.join(timeout_s)
+    # Ctrl-C while waiting is counted, not raised (runtime/preemption.py): the first one may be why the
+    # run is failing; one more abandons the wait.
+    interrupts, again = preemption.interrupted(), False
+    with preemption.deferred_interrupts():
+      waiter.start()
+      end = None if timeout_s is None else time.monotonic() + timeout_s
+      while waiter.is_alive() and (end is None or time.monotonic() < end):
+        waiter.join(0.1)
+        if preemption.interrupted() > interrupts:
+          again = True
+          break
     if waiter.is_alive() or errors:
-      why = f"did not complete within {timeout_s} s" if waiter.is_alive() else f"failed ({failures.first_line(errors[0])})"
+      why = (f"failed ({failures.first_line(errors[0])})" if errors else
+             "was interrupted again (Ctrl-C); the next run removes its temporary directory" if again else
+             f"did not complete within {timeout_s} s")
       logging.warning("checkpoint: the save of step %d, in flight when the run failed, %s and is abandoned. "
                       "%s.", step, why, self._intact(step))
       return
