@@ -7,12 +7,16 @@ wrong type as a flag error with usage hints; both become e.g.
     noloco_jax: config.outer.momentun is not a field; did you mean config.outer.outer_momentum?
     noloco_jax: config.num_steps='abc' is not valid: an integer.
 
+A config file that cannot be loaded (a syntax error, an exception in `get_config`) is one line naming
+the file and line, e.g. `noloco_jax: flag --config=my.py: SyntaxError: invalid syntax (my.py, line 1)`.
 A ConfigError raised later (config.validate, the data checks) goes through `exit_usage` in main.py.
 """
 
 import dataclasses
+import os
 import re
 import sys
+import traceback
 from typing import NoReturn, Sequence
 
 from absl import flags
@@ -38,6 +42,13 @@ def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
     rest = flag_values(argv)
   except (flags.Error, AttributeError, KeyError) as e:
     exit_usage(explain(argv, e, flag_values, config_flag))
+  except Exception as e:  # pylint: disable=broad-except
+    # A config file with a syntax error, or one that raised something absl does not wrap (ZeroDivisionError,
+    # ImportError, ...): one line naming the file and line, as for every other config error.
+    message = config_file_error(argv, e, config_flag)
+    if message is None:
+      raise
+    exit_usage(message)
   try:
     # A config file that cannot be loaded leaves a stand-in that raises when it is first read.
     getattr(flag_values[config_flag].value, "keys", None)
@@ -45,6 +56,23 @@ def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
     last = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
     exit_usage(f"--{config_flag}={flag_values[config_flag].config_filename}: cannot load it: {last}")
   return rest
+
+
+def config_file_error(argv: Sequence[str], error: Exception, config_flag: str) -> str | None:
+  """One line for an exception raised while the --config file was loaded, or None if it came from elsewhere."""
+  arg = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith((f"--{config_flag}=", f"-{config_flag}="))), None)
+  if arg is None:
+    return None
+  path = os.path.abspath(arg.split(":", 1)[0])
+  if isinstance(error, SyntaxError) and error.filename and os.path.abspath(error.filename) == path:
+    line = error.lineno
+  else:
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == path]
+    if not frames:
+      return None
+    line = frames[-1].lineno
+  text = (error.msg if isinstance(error, SyntaxError) else str(error)).strip().split("\n", 1)[0]
+  return f"flag --{config_flag}={arg}: {type(error).__name__}: {text} ({arg.split(':', 1)[0]}, line {line})"
 
 
 def explain(argv: Sequence[str], error: Exception, flag_values: flags.FlagValues, config_flag: str) -> str:
