@@ -139,3 +139,50 @@ def _value_at(config: ml_collections.ConfigDict, path: str):
   for name in path.split("."):
     node = node[name]
   return node
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cluster scripts: how many replicas a job of D devices runs (scripts/slurm_gpu.sbatch).
+# ---------------------------------------------------------------------------------------------------
+
+
+def replicas_for_devices(num_replicas: int, num_stages: int, fsdp: int, devices: int) -> int | None:
+  """The num_replicas to run on `devices` devices (one per process, e.g. one GPU per SLURM task).
+
+  None when the config's own layout (num_replicas × num_stages × fsdp) uses exactly those devices:
+  the config decides, e.g. a paper-grid row. Otherwise one replica per group of num_stages × fsdp
+  devices, the config's devices per replica kept (the default job: one replica per GPU). ValueError
+  when that group does not divide the devices.
+  """
+  per_replica = num_stages * fsdp
+  if num_replicas * per_replica == devices:
+    return None
+  if devices % per_replica:
+    raise ValueError(f"the config gives each replica num_stages × fsdp = {num_stages} × {fsdp} = {per_replica} "
+                     f"devices, which does not divide this job's {devices} devices: set NUM_REPLICAS, or ask "
+                     f"for a multiple of {per_replica} GPUs.")
+  return devices // per_replica
+
+
+def _layout_main(argv: Sequence[str]) -> int:
+  """`python -m noloco_jax.config.cli DEVICES --config=FILE[:ARGS] [--config.FIELD=VALUE ...] [other flags]`:
+  prints the num_replicas to pass for a job of DEVICES devices, or nothing to keep the config's (other
+  flags, e.g. --heartbeat_timeout_s, are ignored). A config error is one line on stderr and exit 2."""
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  devices, rest = int(argv[1]), [a for a in argv[2:] if a.startswith(("--config=", "--config."))]
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "config file", flag_values=flag_values)
+  parse_flags([argv[0], *rest], flag_values)  # a usage error: one line, exit 2
+  config = flag_values.config
+  try:
+    replicas = replicas_for_devices(config.num_replicas, config.num_stages, config.fsdp, devices)
+  except ValueError as e:
+    exit_usage(str(e))
+  if replicas is not None:
+    print(replicas)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(_layout_main(sys.argv))
+
