@@ -35,7 +35,6 @@ class _Interrupts:
   """SIGINTs received since the handler was installed, and whether they are being held back now."""
   count = 0
   deferred = 0  # depth of nested `deferred_interrupts` blocks
-  installed = False
 
 
 def install_preemption_handler() -> None:
@@ -47,7 +46,6 @@ def install_preemption_handler() -> None:
   signal.signal(signal.SIGTERM, on_sigterm)
   if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # e.g. `nohup ... &` ignores SIGINT: kept
     signal.signal(signal.SIGINT, _on_sigint)
-    _Interrupts.installed = True
     _quiet_swallowed_interrupts()
 
 
@@ -80,11 +78,14 @@ def _quiet_swallowed_interrupts() -> None:
   """The `Exception ignored in ...: KeyboardInterrupt` report of an interrupt raised where Python cannot
   propagate it (a garbage-collection callback): dropped, since `stop_requested` raises it again."""
   previous = sys.unraisablehook
+  if getattr(previous, "_noloco_interrupts", False):
+    return
 
   def hook(unraisable):
     if not isinstance(unraisable.exc_value, KeyboardInterrupt):
       previous(unraisable)
 
+  hook._noloco_interrupts = True  # pylint: disable=protected-access
   sys.unraisablehook = hook
 
 
