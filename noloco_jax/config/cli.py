@@ -21,6 +21,7 @@ from typing import NoReturn, Sequence
 
 from absl import flags
 import ml_collections
+from ml_collections import config_flags
 
 from noloco_jax.config.fields import TYPE_WORDS, Section, not_a_field
 from noloco_jax.config.run import Config
@@ -168,7 +169,6 @@ def _layout_main(argv: Sequence[str]) -> int:
   """`python -m noloco_jax.config.cli DEVICES --config=FILE[:ARGS] [--config.FIELD=VALUE ...] [other flags]`:
   prints the num_replicas to pass for a job of DEVICES devices, or nothing to keep the config's (other
   flags, e.g. --heartbeat_timeout_s, are ignored). A config error is one line on stderr and exit 2."""
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   devices, rest = int(argv[1]), [a for a in argv[2:] if a.startswith(("--config=", "--config."))]
   flag_values = flags.FlagValues()
   config_flags.DEFINE_config_file("config", None, "config file", flag_values=flag_values)
