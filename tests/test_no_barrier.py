@@ -25,6 +25,8 @@ from noloco_jax.runtime import launch_local
 from noloco_jax.training import build as build_lib
 from noloco_jax.training import faults
 
+import mp_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -246,8 +248,7 @@ def _run_two(workdir, log_barrier: bool, delay_s: float):
            "--config.outer.inner_steps=6", "--config.log_every=2", "--config.eval_every=0",
            f"--config.log_barrier={log_barrier}"]
   job = launch_local.Job(2, 4, flags, log_dir=str(workdir) + "_logs", cwd=REPO,
-                         env={"NOLOCO_FAULTS": f"delay:process=1,seconds={delay_s}",
-                              "NOLOCO_HEARTBEAT_TIMEOUT_S": "20"})
+                         env=mp_env.env(NOLOCO_FAULTS=f"delay:process=1,seconds={delay_s}"))
   codes = job.wait(timeout_s=300, grace_s=20)
   logs = "".join(open(p).read()[-3000:] for p in job.log_paths)
   assert codes == [0, 0], logs
@@ -282,7 +283,7 @@ def test_a_process_killed_at_step_8_ends_the_job_and_the_survivors_resume(tmp_pa
   flags = ["--config=configs/default.py:smoke", f"--workdir={workdir}", "--config.checkpoint_every=3",
            "--config.checkpoint.async_save=False"]
   job = launch_local.Job(2, 4, flags, log_dir=str(tmp_path / "logs"), cwd=REPO,
-                         env={"NOLOCO_FAULTS": "kill:process=1,step=8", "NOLOCO_HEARTBEAT_TIMEOUT_S": "10"})
+                         env=mp_env.env(NOLOCO_FAULTS="kill:process=1,step=8"))
   codes = job.wait(timeout_s=300, grace_s=60)
   logs = "".join(open(p).read()[-3000:] for p in job.log_paths)
   assert codes[1] == -9 and codes[0] != 0, (codes, logs)  # killed by the fault; process 0 then fails
