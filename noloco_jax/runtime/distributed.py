@@ -40,6 +40,7 @@ import numpy as np
 
 from noloco_jax.config import cli
 from noloco_jax.runtime import job_checks
+from noloco_jax.runtime import peer_watch
 from noloco_jax.runtime import failures
 from noloco_jax.parallel import mesh as mesh_lib
 
@@ -53,6 +54,7 @@ ENV = {
     "shutdown_timeout_s": "NOLOCO_SHUTDOWN_TIMEOUT_S",
 }
 MODES = ("auto", "on", "off")
+PEER_WATCH_GRACE_S = 5.0  # after a failed collective, how long the peer watch may take to name a dead peer
 
 
 class ConsistencyError(failures.ReportedError, RuntimeError):
@@ -225,6 +227,10 @@ def fail_fast():
       raise
     hint = ""
     if isinstance(e, jax.errors.JaxRuntimeError):
+      # A dead peer breaks the collective and the peer watch's connection at once; the watch's line
+      # names the dead process, so it is given the moment its thread needs (on a loaded machine, seconds).
+      if peer_watch.peer_lost(PEER_WATCH_GRACE_S):
+        time.sleep(PEER_WATCH_GRACE_S)  # the watch thread ends the process meanwhile
       hint = (" A collective failed: another process of the job has most likely died or been killed; "
               "its log shows why.")
     _, status, helps = failures.report(e, failures.run_workdir())
