@@ -379,9 +379,9 @@ def test_rewrite_for_resume_keeps_earlier_rows_and_counts_a_cut_line(tmp_path):
   path = str(tmp_path / "metrics.jsonl")
   with open(path, "w") as f:
     f.write('{"step": 0, "a": 1}\n{"step": 3, "a": 2}\n{"step": 6, "a": 3}\n{"step": 9, "a"')
-  assert logs.rewrite_for_resume(path, 3) == (2, 0)
+  assert logs.rewrite_for_resume(path, 3) == logs.Rewrite(late=1, cut=True)
   assert [r["step"] for r in metrics_lib.read_jsonl(path)] == [0, 3]
-  assert logs.rewrite_for_resume(path, 3) == (0, 0)
+  assert logs.rewrite_for_resume(path, 3) == logs.Rewrite()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -486,3 +486,97 @@ def test_falling_back_from_a_corrupt_checkpoint_prints_no_tracebacks(killed, cac
   assert "is not readable" in "\n".join(lines)
   assert not [l for l in lines if "Traceback" in l or "Event loop is closed" in l], "\n".join(lines[-40:])
   assert len(lines) < 150, len(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 25: everything a resume reads is verified; a damaged step is set aside, never trained on.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _edit_json(path, edit) -> None:
+  with open(path) as f:
+    item = json.load(f)
+  edit(item)
+  with open(path, "w") as f:
+    json.dump(item, f)
+
+
+def _set(keys, value):
+  def edit(item):
+    for key in keys[:-1]:
+      item = item[key]
+    item[keys[-1]] = value(item[keys[-1]])
+  return edit
+
+
+@pytest.mark.parametrize("item,edit", [
+    ("data/process_0.json", _set(["iterator", "replicas", "3", "next_index"], lambda i: i + 5)),
+    ("meta/metadata", _set(["comm_bytes"], lambda b: b + 1000)),
+    ("meta/metadata", _set(["history", "eval", 0, "eval/loss"], lambda x: x / 2)),
+    ("data/process_0.json", "previous step's file"),
+], ids=["next_index", "comm_bytes", "history", "data_of_another_step"])
+def test_an_edited_json_item_sets_the_step_aside(reference, tmp_path, caplog, item, edit):
+  """Issue 25 item 2: an edited next_index or comm_bytes resumed silently (another final loss; every later
+  comm/bytes_per_replica shifted). Now the step is set aside like a corrupt one and the previous one used."""
+  workdir = copy_run(reference[0], tmp_path / "run")
+  latest, previous = checkpoint_steps(workdir)[-2:][::-1]
+  path = os.path.join(workdir, "checkpoints", str(latest), item)
+  if edit == "previous step's file":
+    shutil.copy(os.path.join(workdir, "checkpoints", str(previous), item), path)
+  else:
+    _edit_json(path, edit)
+  with caplog.at_level("INFO"):
+    _, _, resume = restore_only(workdir)
+  assert f"step {latest} in {os.path.join(workdir, 'checkpoints')} is not readable (ItemChecksumError" in caplog.text
+  assert resume.step == previous
+  assert [n.split("-")[0] for n in os.listdir(os.path.join(workdir, "checkpoints_corrupt"))] == [str(latest)]
+
+
+def _rewrite_digest(meta):
+  from noloco_jax.io.checkpoint import checksum  # pylint: disable=g-import-not-at-top
+  meta["digest"] = checksum.digest(meta)
+
+
+def test_a_pairing_record_that_contradicts_its_config_falls_back(reference, tmp_path, caplog):
+  """Issue 25 item 3: a meta record whose pairing groups disagree with its own (unchanged) config ended the
+  run ("saved under another pairing schedule; no config field differs. Resume with the same seed ..."):
+  wrong advice, and no fallback. The digest is rewritten here so that only the pairing check can see it."""
+  workdir = copy_run(reference[0], tmp_path / "run")
+  latest, previous = checkpoint_steps(workdir)[-2:][::-1]
+
+  def damage(meta):
+    meta["pairing"]["groups"] = [[0, 2], [1, 3], [4, 6], [5, 7]]
+    _rewrite_digest(meta)
+
+  _edit_json(os.path.join(workdir, "checkpoints", str(latest), "meta", "metadata"), damage)
+  with caplog.at_level("INFO"):
+    _, _, resume = restore_only(workdir)
+  assert "its pairing record disagrees with the schedule of its own config" in caplog.text
+  assert resume.step == previous
+  # Another schedule by config is still an error naming the field, not a fallback.
+  with pytest.raises(checkpoint.IncompatibleCheckpointError, match=r"outer\.pairing: 'round_robin' -> 'fresh'"):
+    restore_only(workdir, outer__pairing="fresh")
+  assert checkpoint_steps(workdir)[-1] == previous
+
+
+def test_a_damaged_log_does_not_block_a_resume_and_is_repaired(reference, tmp_path, caplog):
+  """Issue 25 item 5: a line `42` in metrics.jsonl blocked every resume (AttributeError, no file or line
+  named); an emptied metrics.jsonl or a truncated pairings.jsonl went unreported."""
+  workdir = copy_run(reference[0], tmp_path / "run")
+  latest = checkpoint_steps(workdir)[-1]
+  metrics_path, pairings_path = os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "pairings.jsonl")
+  with open(metrics_path) as f:
+    lines = f.readlines()
+  evals = [line for line in lines if '"eval/loss"' in line]
+  with open(metrics_path, "w") as f:  # every eval row gone, a damaged line in their place
+    f.writelines([line for line in lines if line not in evals] + ["42\n"])
+  with open(pairings_path) as f:
+    pairings = f.readlines()
+  with open(pairings_path, "w") as f:
+    f.writelines(pairings[:2])
+  with caplog.at_level("WARNING"):
+    _, _, resume = restore_only(workdir)
+  assert resume.step == latest
+  assert f"{metrics_path} line {len(lines) - len(evals) + 1} is damaged" in caplog.text
+  assert rows(workdir) == [r for r in rows(reference[0]) if r["step"] <= latest]  # the eval rows are back
+  assert pairing_rows(workdir) == [p for p in pairing_rows(reference[0]) if p["step"] <= latest]

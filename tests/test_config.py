@@ -349,8 +349,9 @@ def test_skip_round_needs_checkpoints_at_round_ends():
   config_lib.validate(config)
 
 
-def test_an_unstable_gamma_is_refused_unless_allowed(caplog):
+def test_an_unstable_gamma_is_refused_unless_allowed(caplog, monkeypatch):
   """The issue's examples: α = 0.9, γ = 1.2 (inside the paper's interval) diverges; γ = 0.3 is fine."""
+  monkeypatch.setattr(stability, "_WARNED", set())  # warned once per process: start from none
   config = smoke()
   config.outer.outer_momentum, config.outer.consensus_weight = 0.9, 0.3  # outside the paper's interval, stable
   with caplog.at_level(logging.WARNING):
@@ -366,8 +367,9 @@ def test_an_unstable_gamma_is_refused_unless_allowed(caplog):
   config.outer.allow_unstable = True
   with caplog.at_level(logging.WARNING):
     stability.check_config(config_lib.validate(config))
+    stability.check_config(config_lib.validate(config))  # main.py checks, then train.build again
   warnings = [r.getMessage() for r in caplog.records if "unstable" in r.getMessage()]
-  assert len(warnings) == 1 and "11.4% per round" in warnings[0], warnings
+  assert len(warnings) == 1 and "11.4% per round" in warnings[0], warnings  # issue 25 item 6: it printed twice
 
 
 def test_round_robin_needs_pairs():
@@ -416,6 +418,23 @@ def test_a_bad_command_line_prints_one_line_and_exits_2(tmp_path, flags, last_li
   # Nothing but the error and at most a deprecation warning: no traceback, no usage text.
   assert len(lines) <= 2 and "Traceback" not in proc.stderr, proc.stderr
   assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+@pytest.mark.parametrize("source,error", [
+    ("def get_config(:\n  pass\n", "SyntaxError: invalid syntax ({path}, line 1)"),
+    ("import ml_collections\n\ndef get_config():\n  return 1 / 0\n", "ZeroDivisionError: division by zero ({path}, line 4)"),
+    ("import no_such_module_here\n", "ModuleNotFoundError: No module named 'no_such_module_here' ({path}, line 1)"),
+], ids=["syntax_error", "raises_in_get_config", "import_error"])
+def test_a_config_file_that_cannot_load_is_one_line_and_exits_2(tmp_path, source, error):
+  """Issue 25 item 6: a config file with a syntax error gave exit 1 and a 54-line traceback."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "my_config.py"
+  path.write_text(source)
+  proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path / 'run'}", f"--config={path}"],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.splitlines() == [f"noloco_jax: flag --config={path}: " + error.format(path=path)], proc.stderr
 
 
 def test_a_config_error_found_after_start_up_is_one_line_and_exits_2(tmp_path):

@@ -36,9 +36,14 @@ def test_many_rounds_with_h1_run_to_the_end(tmp_path):
   # `smoke` so that each step takes longer to run than to dispatch: the host then runs ahead, which
   # is what filled XLA:CPU's 32-programs-per-device queue. Before the fix this aborted (status 134)
   # in 3 of 4 tries on the shared 2-core machine, each time before round 140.
+  # round_robin pairing: one round program (a traced switch over the matchings) serves all 240 rounds.
+  # The deadlock needs a collective in the rounds, not a new grouping each round; `fresh` compiled 240
+  # programs, and on a loaded machine those compiles, not the rounds, used up the test's time
+  # (issue 25 item 8).
   steps = 240
   cmd = [sys.executable, "-m", "noloco_jax.main", "--config=configs/default.py:smoke", f"--workdir={tmp_path}",
-         f"--config.num_steps={steps}", "--config.outer.inner_steps=1", "--config.eval_every=0",
+         f"--config.num_steps={steps}", "--config.outer.inner_steps=1", "--config.outer.pairing=round_robin",
+         "--config.eval_every=0",
          "--config.log_every=60", "--config.checkpoint.async_save=false", "--config.model.d_model=64",
          "--config.model.mlp_dim=128", "--config.data.batch_size=4", "--config.data.seq_len=64"]
   proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)

@@ -34,6 +34,8 @@ from noloco_jax.runtime import launch_local
 from noloco_jax.training import build as build_lib
 from noloco_jax.training.loop_state import LoopState
 
+import mp_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -283,7 +285,7 @@ def killed(tmp_path_factory):
   root = tmp_path_factory.mktemp("elastic")
   workdir = root / "run"
   job = launch_local.Job(2, 4, KILL_FLAGS + [f"--workdir={workdir}"], log_dir=str(root / "logs"), cwd=REPO,
-                         env={"NOLOCO_FAULTS": "kill:process=1,step=8", "NOLOCO_HEARTBEAT_TIMEOUT_S": "10"})
+                         env=mp_env.env(NOLOCO_FAULTS="kill:process=1,step=8"))
   codes = job.wait(timeout_s=300, grace_s=60)
   assert codes[1] == -9 and codes[0] != 0, (codes, "".join(open(p).read()[-2000:] for p in job.log_paths))
   assert sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())[-1] == 6

@@ -12,6 +12,7 @@ import time
 from configs import default
 from noloco_jax.runtime import job_checks
 from noloco_jax.runtime import launch_local
+import mp_env
 from test_multiprocess import REPO, _flags
 
 
@@ -20,7 +21,7 @@ def _start_pair(root, per_process_flags):
   port = launch_local.free_port()
   procs = []
   for pid, (workdir, extra) in enumerate(per_process_flags):
-    env = launch_local.process_env(pid, 2, 4, port, {"NOLOCO_HEARTBEAT_TIMEOUT_S": "10"})
+    env = launch_local.process_env(pid, 2, 4, port, mp_env.env())
     with open(root / f"p{pid}.log", "w") as log:
       procs.append(subprocess.Popen([sys.executable, "-m", "noloco_jax.main"] + _flags(workdir, **extra),
                                     env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))

@@ -48,3 +48,14 @@ def test_a_signal_to_the_launcher_reaches_its_processes_before_it_exits(tmp_path
     for pid in pids:
       if _alive(pid):
         os.kill(pid, signal.SIGKILL)
+
+
+def test_a_process_killed_by_a_signal_is_named_and_exits_128_plus_n(tmp_path):
+  """Issue 25 item 6: a child killed by SIGKILL made the launcher exit 247 (sys.exit(-9)), with `exit statuses
+  [0, -9]` as the only word of it."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+  proc = subprocess.run([sys.executable, "-m", "noloco_jax.runtime.launch_local", "--num_processes=2",
+                         "--module=launch_exit_child", "--grace_s=5", "--", "0", "kill"], env=env, cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 137, proc.stdout + proc.stderr
+  assert "launch_local: exit statuses [0, 137]: process 1 was killed by signal 9 (SIGKILL)" in proc.stdout, proc.stdout

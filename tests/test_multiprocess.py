@@ -29,6 +29,8 @@ from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax import training
 
+import mp_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-5
 # Overrides on top of `smoke`: checkpoints after steps 6 and 12, synchronous so the test can rely on
@@ -52,9 +54,9 @@ def _flags(workdir, **extra):
       f"--config.{k}={v}" for k, v in {**OVERRIDES, **extra}.items()]
 
 
-def _start(workdir, log_dir, num_processes=2, devices=4, heartbeat_s=10, **extra):
+def _start(workdir, log_dir, num_processes=2, devices=4, **extra):
   return launch_local.Job(num_processes, devices, _flags(workdir, **extra), log_dir=str(log_dir), cwd=REPO,
-                          env={"NOLOCO_HEARTBEAT_TIMEOUT_S": str(heartbeat_s)})
+                          env=mp_env.env())
 
 
 def _logs(job) -> str:
@@ -83,11 +85,26 @@ def _assert_same_metrics(got, want):
       np.testing.assert_allclose(g[key], w[key], rtol=RTOL, err_msg=f"step {w['step']} {key}")
 
 
+def _leave_rows_of_a_dead_run(workdir) -> None:
+  """What a 2-process job killed at step 7, before its first checkpoint completed, leaves behind."""
+  os.makedirs(workdir / "metrics")
+  for p in (0, 1):
+    with open(workdir / "metrics" / f"process_{p}.jsonl", "w") as f:
+      for step in (3, 6):
+        f.write(json.dumps({"step": step, "train/loss": 99.0, "train/grad_norm": 1.0, "comm/bytes_per_replica": 0,
+                            "outer/round": step // 3, "perf/steps_per_s": 1.0, "perf/tokens_per_s": 512.0,
+                            "outer/pseudo_grad_norm": 1.0, "replicas/local": 4, "time": 0.0}) + "\n")
+  with open(workdir / "metrics.jsonl", "w") as f:
+    f.write(json.dumps({"step": 3, "train/loss": 99.0}) + "\n" + json.dumps({"step": 6, "train/loss": 99.0}) + "\n")
+
+
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
-  """The 2 × 4 job, run once: (workdir, job)."""
+  """The 2 × 4 job, run once: (workdir, job). Its workdir starts with the rows of a 2-process run killed
+  before its first checkpoint (issue 25 item 1: they were merged again, and every row after them lost)."""
   root = tmp_path_factory.mktemp("mp2")
   workdir = root / "run"
+  _leave_rows_of_a_dead_run(workdir)
   job = _start(workdir, root / "logs")
   codes = job.wait(timeout_s=480, grace_s=30)
   assert codes == [0, 0], _logs(job)
@@ -133,7 +150,7 @@ def _host_leaves(tree):
 
 def test_a_killed_process_ends_the_job_quickly_and_the_checkpoint_stays_valid(tmp_path):
   workdir = tmp_path / "run"
-  job = _start(workdir, tmp_path / "logs", heartbeat_s=10, num_steps=100_000, checkpoint_every=3)
+  job = _start(workdir, tmp_path / "logs", num_steps=100_000, checkpoint_every=3)
   ckpt_dir = workdir / "checkpoints"
   deadline = time.time() + 420
   while not (ckpt_dir.is_dir() and len([d for d in os.listdir(ckpt_dir) if d.isdigit()]) >= 2):
@@ -149,8 +166,9 @@ def test_a_killed_process_ends_the_job_quickly_and_the_checkpoint_stays_valid(tm
   elapsed = time.time() - killed_at
   job.wait(timeout_s=0, grace_s=5)
   assert rc0 != 0, _logs(job)
-  # Bound: the broken link fails process 0's next collective at once; failing that, the heartbeat
-  # timeout (10 s here) ends it. 45 s leaves room for a loaded 2-core machine.
+  # Bound: peer_watch.py (or the broken link failing process 0's next collective) ends process 0 within
+  # about a second; 45 s leaves room for a loaded 2-core machine. The runtime's heartbeat (mp_env.py)
+  # is far longer, so it cannot be what ends it in time.
   assert elapsed < 45, f"process 0 took {elapsed:.1f} s to exit\n" + _logs(job)
   with open(job.log_paths[0]) as f:
     log0 = f.read()
@@ -170,7 +188,7 @@ def test_mismatched_processes_fail_the_start_up_check(tmp_path):
   port = launch_local.free_port()
   procs = []
   for pid, seed in ((0, 0), (1, 1)):
-    env = launch_local.process_env(pid, 2, 4, port, {"NOLOCO_HEARTBEAT_TIMEOUT_S": "10"})
+    env = launch_local.process_env(pid, 2, 4, port, mp_env.env())
     with open(root / f"p{pid}.log", "w") as log:
       procs.append(subprocess.Popen([sys.executable, "-m", "noloco_jax.main"] + _flags(root / "run", seed=seed),
                                     env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
@@ -212,3 +230,29 @@ def test_replica_checksums_tell_replicas_apart():
   sums = distributed.replica_checksums(mesh, tree)
   differ = [r for r in range(8) if not np.array_equal(sums[r], sums[0])]
   assert differ == [3]
+
+
+def test_start_up_problems_before_jax_distributed_are_one_line(monkeypatch, capsys):
+  """Issue 25 item 6: a bad NOLOCO_NUM_PROCESSES was a traceback (exit 1); a coordinator that never answered
+  made the runtime abort with a C++ stack dump (status 134)."""
+  import socket  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("NOLOCO_NUM_PROCESSES", "two")
+  flag_values = types.SimpleNamespace(**{f: None for f in ("distributed", "coordinator_address", "num_processes",
+                                                            "process_id", "heartbeat_timeout_s",
+                                                            "initialization_timeout_s", "shutdown_timeout_s")})
+  with pytest.raises(SystemExit) as usage:
+    distributed.options_from_flags(flag_values)
+  assert usage.value.code == 2
+  assert capsys.readouterr().err == "noloco_jax: NOLOCO_NUM_PROCESSES='two' is not valid: an integer is needed.\n"
+  port = launch_local.free_port()  # nobody listens there
+  start = time.monotonic()
+  with pytest.raises(SystemExit) as unreachable:
+    distributed.wait_for_coordinator(f"127.0.0.1:{port}", 1.5)
+  assert time.monotonic() - start >= 1.5
+  assert str(unreachable.value).startswith(f"noloco_jax: error: the coordinator 127.0.0.1:{port} (process 0) did "
+                                           "not answer within 1.5 s (ConnectionRefusedError")
+  with socket.socket() as listening:
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    distributed.wait_for_coordinator(f"127.0.0.1:{listening.getsockname()[1]}", 5)  # answers: returns

@@ -25,6 +25,8 @@ from noloco_jax.runtime import launch_local
 from noloco_jax.training import build as build_lib
 from noloco_jax.runtime import faults
 
+import mp_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -162,6 +164,44 @@ def test_process_zero_merges_what_has_arrived_in_step_order(tmp_path):
   assert [(r["step"], r["train/loss"]) for r in w0.rows] == [(6, 6.0)]
 
 
+def test_a_new_attempt_merges_none_of_the_rows_a_dead_attempt_left(tmp_path):
+  """Issue 25 item 1: a 2-process job killed before its first checkpoint left rows (3, 6, 9) in
+  process_<i>.jsonl; its restart from scratch appended to them and the merged metrics.jsonl lost every
+  row after step 9. The same for a second resume from one step (the resumed_at_<step> files)."""
+  row = lambda loss: {"train/loss": loss, "train/grad_norm": 1.0, "outer/round": 1, "perf/steps_per_s": 1.0}
+  for start in (0, 3):
+    dead = [process_metrics.ProcessLog(str(tmp_path), _Recorder(), 2, process_index=p, process_count=2,
+                                       start_step=start) for p in (0, 1)]
+    for step in (start + 3, start + 6, start + 9):  # the dead attempt's rows, merged into its metrics.jsonl
+      for p in (1, 0):
+        dead[p].write_train(step, row(100.0))
+    for log in dead:
+      log.close()
+    w0 = _Recorder()
+    again = [process_metrics.ProcessLog(str(tmp_path), w, 2, process_index=p, process_count=2, start_step=start)
+             for p, w in ((0, w0), (1, _Recorder()))]
+    for step in range(start + 3, start + 16, 3):
+      for p in (1, 0):
+        again[p].write_train(step, row(float(step)))
+    for log in again:
+      log.close()
+    assert [(r["step"], r["train/loss"]) for r in w0.rows] == [(s, float(s)) for s in range(start + 3, start + 16, 3)]
+
+
+def test_a_damaged_row_of_another_process_is_skipped_not_fatal(tmp_path, caplog):
+  w0 = _Recorder()
+  p0 = process_metrics.ProcessLog(str(tmp_path), w0, 2, process_index=0, process_count=2)
+  p1 = process_metrics.ProcessLog(str(tmp_path), _Recorder(), 2, process_index=1, process_count=2)
+  with open(p1.path(1), "a") as f:  # written by something else than process 1's log
+    f.write('42\n{"step": "abc"}\nnot json\n')
+  p1.write_train(3, {"train/loss": 2.0})
+  with caplog.at_level("WARNING"):
+    p0.write_train(3, {"train/loss": 4.0})
+  assert [(r["step"], r["train/loss"]) for r in w0.rows] == [(3, 3.0)]
+  assert caplog.text.count("skipped a damaged row") == 3
+  p0.close(), p1.close()
+
+
 def test_merge_weights_processes_by_their_replica_counts():
   rows = [{"step": 1, "train/loss": 1.0, "replicas/local": 1, "time": 0.0},
           {"step": 1, "train/loss": 4.0, "replicas/local": 3, "time": 0.0}]
@@ -208,8 +248,7 @@ def _run_two(workdir, log_barrier: bool, delay_s: float):
            "--config.outer.inner_steps=6", "--config.log_every=2", "--config.eval_every=0",
            f"--config.log_barrier={log_barrier}"]
   job = launch_local.Job(2, 4, flags, log_dir=str(workdir) + "_logs", cwd=REPO,
-                         env={"NOLOCO_FAULTS": f"delay:process=1,seconds={delay_s}",
-                              "NOLOCO_HEARTBEAT_TIMEOUT_S": "20"})
+                         env=mp_env.env(NOLOCO_FAULTS=f"delay:process=1,seconds={delay_s}"))
   codes = job.wait(timeout_s=300, grace_s=20)
   logs = "".join(open(p).read()[-3000:] for p in job.log_paths)
   assert codes == [0, 0], logs
@@ -244,7 +283,7 @@ def test_a_process_killed_at_step_8_ends_the_job_and_the_survivors_resume(tmp_pa
   flags = ["--config=configs/default.py:smoke", f"--workdir={workdir}", "--config.checkpoint_every=3",
            "--config.checkpoint.async_save=False"]
   job = launch_local.Job(2, 4, flags, log_dir=str(tmp_path / "logs"), cwd=REPO,
-                         env={"NOLOCO_FAULTS": "kill:process=1,step=8", "NOLOCO_HEARTBEAT_TIMEOUT_S": "10"})
+                         env=mp_env.env(NOLOCO_FAULTS="kill:process=1,step=8"))
   codes = job.wait(timeout_s=300, grace_s=60)
   logs = "".join(open(p).read()[-3000:] for p in job.log_paths)
   assert codes[1] == -9 and codes[0] != 0, (codes, logs)  # killed by the fault; process 0 then fails

@@ -262,13 +262,14 @@ def test_two_processes_with_the_threaded_send_match_one_process(tmp_path):
   process, whose send is dispatched in order."""
   from noloco_jax.io import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.runtime import launch_local  # pylint: disable=g-import-not-at-top
+  import mp_env  # pylint: disable=g-import-not-at-top
 
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   overrides = {"num_replicas": 2, "checkpoint_every": 4, "outer.overlap_steps": 2}
   workdir = tmp_path / "two"
   job = launch_local.Job(2, 1, ["--config=configs/default.py:smoke", f"--workdir={workdir}"]
                          + [f"--config.{k}={v}" for k, v in overrides.items()],
-                         log_dir=str(tmp_path / "logs"), cwd=repo, env={"NOLOCO_HEARTBEAT_TIMEOUT_S": "30"})
+                         log_dir=str(tmp_path / "logs"), cwd=repo, env=mp_env.env())
   codes = job.wait(timeout_s=480, grace_s=30)
   assert codes == [0, 0], "".join(open(p).read()[-3000:] for p in job.log_paths)
   assert "the exchange is called on a second thread" in open(job.log_paths[0]).read()

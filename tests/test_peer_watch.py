@@ -22,7 +22,7 @@ def test_a_killed_process_ends_the_other_with_one_line(tmp_path):
   victim = 1
   workdir = tmp_path / "run"
   # Killed as soon as both processes watch each other (start-up, before or during compilation).
-  job = _start(workdir, tmp_path / "logs", heartbeat_s=10, num_steps=100_000, checkpoint_every=3)
+  job = _start(workdir, tmp_path / "logs", num_steps=100_000, checkpoint_every=3)
   survivor = job.procs[1 - victim]
   try:
     deadline = time.time() + 300
@@ -41,5 +41,6 @@ def test_a_killed_process_ends_the_other_with_one_line(tmp_path):
   assert code == 1, _logs(job)
   assert f"Process {1 - victim} of 2 failed: its connection to process {victim} closed" in log, _logs(job)
   assert "Fatal Python error" not in log and "Terminating process" not in log, _logs(job)
-  # Measured 0.5 s on the loaded 2-core machine; the runtime's heartbeat (10 s here) is not needed.
-  assert elapsed < 5, f"the survivor took {elapsed:.1f} s to exit\n" + _logs(job)
+  # Measured 0.5 s on the loaded 2-core machine. What this tells apart is the watch (about a second) from
+  # the runtime's heartbeat (mp_env.py: minutes): 30 s leaves a starved machine room and still does.
+  assert elapsed < 30, f"the survivor took {elapsed:.1f} s to exit\n" + _logs(job)

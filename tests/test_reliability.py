@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import orbax.checkpoint as ocp
 import pytest
@@ -264,10 +265,10 @@ def test_rewrite_for_resume_keeps_each_row_up_to_the_step_once(tmp_path):
   with open(path, "w") as f:
     f.write('{"step": 0, "a": 1}\n{"step": 3, "a": 2}\n{"step": 3, "b": 5}\n{"step": 0, "a": 1}\n'
             '{"step": 6, "a": 3}\n{"step": 9, "a"')
-  assert logs.rewrite_for_resume(path, 3) == (2, 1)  # steps 6 and the cut line; step 0 twice
+  assert logs.rewrite_for_resume(path, 3) == logs.Rewrite(late=1, repeats=1, cut=True)  # step 6; step 0 twice
   with open(path) as f:
     assert [json.loads(line) for line in f] == [{"step": 0, "a": 1}, {"step": 3, "a": 2}, {"step": 3, "b": 5}]
-  assert logs.rewrite_for_resume(path, 3) == (0, 0)
+  assert logs.rewrite_for_resume(path, 3) == logs.Rewrite()
   assert logs.start_afresh(path) == 3 and os.path.getsize(path) == 0
 
 
@@ -302,3 +303,199 @@ def test_asyncio_records_about_orbax_tasks_lose_their_traceback():
   assert record.exc_info is None and record.getMessage() == "Task exception was never retrieved"
   other = py_logging.LogRecord("asyncio", py_logging.ERROR, "x.py", 1, "unrelated\nsecond line", None, None)
   assert failures.QuietOrbaxLog().filter(other) and other.getMessage() == "unrelated\nsecond line"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 25 item 5: a damaged log never blocks a resume; rows missing before the step are reported.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_damaged_lines_are_named_by_line_and_dropped(tmp_path):
+  """`42` and `{"step": "abc"}` blocked every resume with a traceback naming neither file nor line; a
+  garbage line in the middle was counted as "written after step N"."""
+  path = str(tmp_path / "metrics.jsonl")
+  with open(path, "w") as f:
+    f.write('{"step": 0, "a": 1}\n42\n{"step": "abc"}\nxx garbage\n[1, 2]\n{"step": 3, "a": 2}\n{"step": 6, "a": 3}\n'
+            '{"step": true}\n{"step": 9, "a"')
+  done = logs.rewrite_for_resume(path, 3)
+  assert done == logs.Rewrite(late=1, cut=True, damaged=[(2, "42"), (3, '{"step": "abc"}'), (4, "xx garbage"),
+                                                        (5, "[1, 2]"), (8, '{"step": true}')])
+  with open(path) as f:
+    assert [json.loads(line) for line in f] == [{"step": 0, "a": 1}, {"step": 3, "a": 2}]
+  logs.replace_row(path, {"step": 3, "b": 1})  # (resize.py's events) a damaged line there is no error either
+  with open(path, "a") as f:
+    f.write("42\n")
+  logs.replace_row(path, {"step": 3, "b": 2})
+  with open(path) as f:
+    assert [json.loads(line) for line in f] == [{"step": 0, "a": 1}, {"step": 3, "a": 2}, {"step": 3, "b": 2}]
+
+
+def test_a_resume_repairs_its_logs_and_names_what_it_cannot(tmp_path, caplog):
+  """Before the restored step: eval rows come back from the checkpoint's history, pairing rows from the
+  schedule, training rows from the per-process files where every process logged them; the rest are named."""
+  from noloco_jax.io.checkpoint import log_repair
+  from noloco_jax.io.checkpoint import records
+  from noloco_jax.outer import pairing
+
+  schedule = pairing.PairingSchedule(seed=0, num_replicas=4, group_size=2, mode="round_robin")
+  train = lambda s: {"step": s, "train/loss": 1.0 / s, "outer/round": s // 2}
+  evals = [{"step": 0, "eval/loss": 5.0}, {"step": 4, "eval/loss": float("nan")}, {"step": 8, "eval/loss": 3.0}]
+  full_metrics = [{"step": 0, "eval/loss": 5.0}, train(2), train(4), {"step": 4, "eval/loss": "nan"}, train(6),
+                  train(8), {"step": 8, "eval/loss": 3.0}]
+  full_pairings = [records.pairing_row(schedule, r, 2 * (r + 1)) for r in range(4)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full_metrics[:2]))
+  (tmp_path / "pairings.jsonl").write_text(json.dumps(full_pairings[0]) + "\nnot json\n")
+  os.makedirs(tmp_path / "metrics")
+  for p in (0, 1):  # step 6 logged by both processes, step 8 by process 0 only
+    rows = [{**train(6), "replicas/local": 2, "time": 1.0}] + ([{**train(8), "replicas/local": 2}] if p == 0 else [])
+    (tmp_path / "metrics" / f"process_{p}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  expected = log_repair.Expected(step=8, evals=evals, log_every=2, num_replicas=4, rounds=4, inner_steps=2,
+                                 pairing_row=lambda r, s: records.pairing_row(schedule, r, s))
+  with caplog.at_level("WARNING"):
+    logs.truncate_logs(str(tmp_path), 8)
+    log_repair.repair(str(tmp_path), expected)
+  assert metrics_rows(tmp_path / "metrics.jsonl") == [r for r in full_metrics if not ("train/loss" in r and r["step"] in (4, 8))]
+  assert metrics_rows(tmp_path / "pairings.jsonl") == full_pairings
+  assert "pairings.jsonl line 2 is damaged" in caplog.text
+  assert "lacked the evaluation row(s) of step(s) 4, 8" in caplog.text
+  assert "lacked the training row(s) of step(s) 6; merged them again" in caplog.text
+  assert "lacks 2 training row(s) before the restored step 8 (step(s) 4, 8" in caplog.text
+  assert "lacked the row(s) of round(s) 1, 2, 3 before the restored step 8; rebuilt them" in caplog.text
+
+  # Rows kept that the schedule would not give: nothing rebuilt, and said so.
+  (tmp_path / "pairings.jsonl").write_text(json.dumps({**full_pairings[0], "groups": [[0, 3], [1, 2]]}) + "\n")
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    log_repair.repair(str(tmp_path), expected)
+  assert "lacks the row(s) of round(s) 1, 2, 3" in caplog.text and "differ from the schedule's" in caplog.text
+
+
+def metrics_rows(path) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 25 item 4: Ctrl-C during a checkpoint save stops the run, every time, with one line.
+# ---------------------------------------------------------------------------------------------------
+
+# main.py started as from a terminal (SIGINT not ignored, whatever the test runner does with it), with
+# every checkpoint's data item slowed by 3 s and a marker file written as each save's write begins.
+_SLOW_SAVES = textwrap.dedent("""
+    import asyncio, os, signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from absl import app
+    from noloco_jax import main
+    from noloco_jax.io.checkpoint import data_item
+    slow_save = data_item.PerProcessJsonHandler._save_fn
+    async def _save_fn(self, x, directory):
+      open(os.environ["SAVING_MARKER"] + "." + os.path.basename(os.path.dirname(str(directory))).split(".")[0], "w").close()
+      await asyncio.sleep(3)
+      return await slow_save(self, x, directory)
+    data_item.PerProcessJsonHandler._save_fn = _save_fn
+    app.run(main.main, flags_parser=main.cli.parse_flags)
+""")
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync_save", "async_save"])
+def test_ctrl_c_during_a_save_stops_the_run_with_one_line(cache, tmp_path, async_save):
+  """Before: SIGINT inside orbax's save ended in an 85-line traceback, no `noloco_jax: error:` line and a
+  leftover temporary checkpoint (2 of 4 tries); or, raised inside XLA's gc callback, it was swallowed and
+  the run trained to the end, exit 0."""
+  workdir, log = str(tmp_path / "run"), str(tmp_path / "run.log")
+  marker = str(tmp_path / "saving")
+  with open(log, "w") as out:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SAVES, "--config=configs/default.py:smoke", f"--workdir={workdir}", *FLAGS,
+         "--config.checkpoint_every=4", "--config.num_steps=400", f"--config.checkpoint.async_save={async_save}"],
+        cwd=REPO, env={**cache, "SAVING_MARKER": marker}, stdout=out, stderr=subprocess.STDOUT)
+  try:
+    deadline = time.time() + START_TIMEOUT_S
+    while not os.path.exists(marker + ".4"):  # the write of step 4 has begun and takes 3 s
+      assert proc.poll() is None and time.time() < deadline, "\n".join(stderr_of(log)[-30:])
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  lines = stderr_of(log)
+  assert proc.returncode == 130, lines[-30:]
+  assert lines[-1] == (f"noloco_jax: error: interrupted (SIGINT, e.g. Ctrl-C). To go on, run the same command to "
+                       f"resume from the last checkpoint (step 4 in {workdir})."), lines[-1]
+  assert not [l for l in lines if "Traceback" in l or "KeyboardInterrupt" in l], "\n".join(lines[-40:])
+  assert checkpoint_steps(workdir) == [4]  # completed, not left as a temporary directory
+  assert not [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if "tmp" in n]
+
+
+def test_an_interrupt_swallowed_where_it_was_raised_is_raised_again(monkeypatch):
+  """XLA's gc callback swallowed the KeyboardInterrupt ('Exception ignored in _xla_gc_callback') and the run
+  trained on. The handler counts every SIGINT; the loop's per-step check raises a swallowed one again."""
+  from noloco_jax.runtime import preemption
+  monkeypatch.setattr(preemption._Interrupts, "count", 0)  # pylint: disable=protected-access
+  monkeypatch.setattr(preemption._Interrupts, "deferred", 0)  # pylint: disable=protected-access
+  saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+  saved_hook = sys.unraisablehook
+  try:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    preemption.install_preemption_handler()
+    try:  # where the interrupt lands: a callback that cannot let it through
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.5)
+    except KeyboardInterrupt:
+      pass
+    assert preemption.interrupted() == 1
+    with pytest.raises(KeyboardInterrupt):
+      preemption.stop_requested(7, 1)
+    monkeypatch.setattr(preemption._Interrupts, "count", 0)  # pylint: disable=protected-access
+    reached_the_end = False
+    with pytest.raises(KeyboardInterrupt):
+      with preemption.deferred_interrupts():  # a save: the interrupt is raised once it is done
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        reached_the_end = True
+    assert reached_the_end
+  finally:
+    for s, handler in saved.items():
+      signal.signal(s, handler)
+    sys.unraisablehook = saved_hook
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 25 item 6: the last line says what to do, and only what can be done.
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_the_last_line_advises_a_resume_only_where_a_checkpoint_exists(tmp_path):
+  from noloco_jax.runtime import failures
+  workdir = str(tmp_path / "run")
+  message, status, traceback_helps = failures.report(RuntimeError("boom"), workdir)
+  assert (status, traceback_helps) == (1, True)
+  assert message.endswith(f"Fix the cause and run the same command to start again ({workdir} holds no checkpoint yet).")
+  os.makedirs(os.path.join(workdir, "checkpoints", "8"))
+  os.makedirs(os.path.join(workdir, "checkpoints", "12.orbax-checkpoint-tmp-3"))  # incomplete: not a checkpoint
+  assert failures.report(RuntimeError("boom"), workdir)[0].endswith(
+      f"run the same command to resume from the last checkpoint (step 8 in {workdir}).")
+  assert failures.report(KeyboardInterrupt(), workdir) == (
+      f"interrupted (SIGINT, e.g. Ctrl-C). To go on, run the same command to resume from the last checkpoint "
+      f"(step 8 in {workdir}).", 130, False)
+  read_only = OSError(30, "Read-only file system", os.path.join(workdir, "run.lock"))
+  assert failures.report(read_only, workdir) == (
+      f"cannot write to the workdir {workdir}: OSError: [Errno 30] Read-only file system: '{workdir}/run.lock'. "
+      "Give --workdir a directory this user can create and write to (not on a read-only filesystem).", 1, False)
+  elsewhere = OSError(30, "Read-only file system", "/usr/lib/x")  # not the workdir: a traceback helps
+  assert failures.report(elsewhere, workdir)[2]
+
+
+def test_a_workdir_that_cannot_be_created_is_one_line(tmp_path):
+  """A new workdir that cannot be created (here: a file is in the way; a read-only filesystem alike) ended in
+  a traceback and advice to 'resume from the last checkpoint', of which there was none."""
+  (tmp_path / "file").write_text("")
+  workdir = str(tmp_path / "file" / "run")
+  proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", "--config=configs/default.py:smoke",
+                         f"--workdir={workdir}"], cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+  assert lines[-1] == (f"noloco_jax: error: cannot write to the workdir {workdir}: NotADirectoryError: [Errno 20] Not "
+                       f"a directory: '{workdir}'. Give --workdir a directory this user can create and write to (not "
+                       "on a read-only filesystem)."), lines[-1]

@@ -7,16 +7,21 @@ wrong type as a flag error with usage hints; both become e.g.
     noloco_jax: config.outer.momentun is not a field; did you mean config.outer.outer_momentum?
     noloco_jax: config.num_steps='abc' is not valid: an integer.
 
+A config file that cannot be loaded (a syntax error, an exception in `get_config`) is one line naming
+the file and line, e.g. `noloco_jax: flag --config=my.py: SyntaxError: invalid syntax (my.py, line 1)`.
 A ConfigError raised later (config.validate, the data checks) goes through `exit_usage` in main.py.
 """
 
 import dataclasses
+import os
 import re
 import sys
+import traceback
 from typing import NoReturn, Sequence
 
 from absl import flags
 import ml_collections
+from ml_collections import config_flags
 
 from noloco_jax.config.fields import TYPE_WORDS, Section, not_a_field
 from noloco_jax.config.run import Config
@@ -38,6 +43,13 @@ def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
     rest = flag_values(argv)
   except (flags.Error, AttributeError, KeyError) as e:
     exit_usage(explain(argv, e, flag_values, config_flag))
+  except Exception as e:  # pylint: disable=broad-except
+    # A config file with a syntax error, or one that raised something absl does not wrap (ZeroDivisionError,
+    # ImportError, ...): one line naming the file and line, as for every other config error.
+    message = config_file_error(argv, e, config_flag)
+    if message is None:
+      raise
+    exit_usage(message)
   try:
     # A config file that cannot be loaded leaves a stand-in that raises when it is first read.
     getattr(flag_values[config_flag].value, "keys", None)
@@ -45,6 +57,23 @@ def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
     last = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
     exit_usage(f"--{config_flag}={flag_values[config_flag].config_filename}: cannot load it: {last}")
   return rest
+
+
+def config_file_error(argv: Sequence[str], error: Exception, config_flag: str) -> str | None:
+  """One line for an exception raised while the --config file was loaded, or None if it came from elsewhere."""
+  arg = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith((f"--{config_flag}=", f"-{config_flag}="))), None)
+  if arg is None:
+    return None
+  path = os.path.abspath(arg.split(":", 1)[0])
+  if isinstance(error, SyntaxError) and error.filename and os.path.abspath(error.filename) == path:
+    line = error.lineno
+  else:
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == path]
+    if not frames:
+      return None
+    line = frames[-1].lineno
+  text = (error.msg if isinstance(error, SyntaxError) else str(error)).strip().split("\n", 1)[0]
+  return f"flag --{config_flag}={arg}: {type(error).__name__}: {text} ({arg.split(':', 1)[0]}, line {line})"
 
 
 def explain(argv: Sequence[str], error: Exception, flag_values: flags.FlagValues, config_flag: str) -> str:
@@ -111,3 +140,49 @@ def _value_at(config: ml_collections.ConfigDict, path: str):
   for name in path.split("."):
     node = node[name]
   return node
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cluster scripts: how many replicas a job of D devices runs (scripts/slurm_gpu.sbatch).
+# ---------------------------------------------------------------------------------------------------
+
+
+def replicas_for_devices(num_replicas: int, num_stages: int, fsdp: int, devices: int) -> int | None:
+  """The num_replicas to run on `devices` devices (one per process, e.g. one GPU per SLURM task).
+
+  None when the config's own layout (num_replicas × num_stages × fsdp) uses exactly those devices:
+  the config decides, e.g. a paper-grid row. Otherwise one replica per group of num_stages × fsdp
+  devices, the config's devices per replica kept (the default job: one replica per GPU). ValueError
+  when that group does not divide the devices.
+  """
+  per_replica = num_stages * fsdp
+  if num_replicas * per_replica == devices:
+    return None
+  if devices % per_replica:
+    raise ValueError(f"the config gives each replica num_stages × fsdp = {num_stages} × {fsdp} = {per_replica} "
+                     f"devices, which does not divide this job's {devices} devices: set NUM_REPLICAS, or ask "
+                     f"for a multiple of {per_replica} GPUs.")
+  return devices // per_replica
+
+
+def _layout_main(argv: Sequence[str]) -> int:
+  """`python -m noloco_jax.config.cli DEVICES --config=FILE[:ARGS] [--config.FIELD=VALUE ...] [other flags]`:
+  prints the num_replicas to pass for a job of DEVICES devices, or nothing to keep the config's (other
+  flags, e.g. --heartbeat_timeout_s, are ignored). A config error is one line on stderr and exit 2."""
+  devices, rest = int(argv[1]), [a for a in argv[2:] if a.startswith(("--config=", "--config."))]
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "config file", flag_values=flag_values)
+  parse_flags([argv[0], *rest], flag_values)  # a usage error: one line, exit 2
+  config = flag_values.config
+  try:
+    replicas = replicas_for_devices(config.num_replicas, config.num_stages, config.fsdp, devices)
+  except ValueError as e:
+    exit_usage(str(e))
+  if replicas is not None:
+    print(replicas)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(_layout_main(sys.argv))
+

@@ -7,7 +7,11 @@ its partner. Here instead (config `log_barrier=False`, the default):
 
   * `local_fetch` reads only the shards this process's devices hold (no collective);
   * `ProcessLog.write_train` appends this process's row to workdir/metrics/process_<i>.jsonl
-    (process_<i>.resumed_at_<step>.jsonl after a resume from `step`);
+    (process_<i>.resumed_at_<step>.jsonl after a resume from `step`). Each attempt empties its own
+    file first: a run killed before its first checkpoint, or a second resume from the same step,
+    left rows there that the new attempt writes again (merging both lost every row after the dead
+    run's last one). All processes then pass one barrier, so that process 0 never reads a file
+    before its writer has emptied it;
   * process 0, at its own log steps, merges the rows that have arrived from every process into
     metrics.jsonl (and TensorBoard), oldest step first, a step only once every process has it.
     It never waits: a slow process's rows are merged at a later log step. After a barrier (an
@@ -28,8 +32,10 @@ import os
 import time
 from typing import Any
 
+from absl import logging
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 MEAN_KEYS = ("train/loss", "train/grad_norm", "outer/pseudo_grad_norm")
 LOCAL_COUNT = "replicas/local"  # the number of replicas a per-process row averages
@@ -76,7 +82,11 @@ def merge_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class ProcessLog:
-  """This process's training rows, and (process 0) the merge of every process's rows into `writer`."""
+  """This process's training rows, and (process 0) the merge of every process's rows into `writer`.
+
+  In a multi-process job every process must construct it at the same point (its constructor holds a
+  barrier: see the module docstring).
+  """
 
   def __init__(self, workdir: str, writer, num_local: int, process_index: int | None = None,
                process_count: int | None = None, start_step: int = 0):
@@ -90,8 +100,12 @@ class ProcessLog:
     self._file = None
     if self._count > 1:
       os.makedirs(self._dir, exist_ok=True)
+      # Emptied: rows an earlier attempt left in this attempt's file are written again by this one.
+      open(self.path(self._index), "w").close()
       # Line-buffered: a row is in the file (visible to process 0) as soon as it is written.
       self._file = open(self.path(self._index), "a", buffering=1)
+      if jax.process_count() > 1:  # no process reads another's file before its writer has emptied it
+        multihost_utils.sync_global_devices("noloco_jax.io.process_metrics.start")
     self._offsets = [0] * self._count  # bytes of each process's file already read (process 0)
     self._arrived: dict[int, dict[int, dict]] = {}  # step -> {process: row}
 
@@ -143,9 +157,61 @@ class ProcessLog:
       text = f.read()
     complete = text[:text.rfind("\n") + 1]  # a row still being written is read next time
     self._offsets[p] += len(complete.encode())
-    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+    rows = []
+    for line in complete.splitlines():
+      try:
+        row = json.loads(line) if line.strip() else None
+      except json.JSONDecodeError:
+        row = line
+      if isinstance(row, dict) and isinstance(row.get("step"), int):
+        rows.append(row)
+      elif row is not None:  # only another writer could have put it there: never a reason to stop training
+        logging.warning("metrics: skipped a damaged row of %s: %r", path, line[:200])
+    return rows
 
 
 def _json_float(value) -> float | str:
   value = float(np.asarray(value))
   return value if math.isfinite(value) else str(value)
+
+
+def _file_attempt(name: str) -> tuple[int, int] | None:
+  """(process, the step its attempt resumed at; 0 for the first) of a per-process file name."""
+  stem = name[len("process_"):-len(".jsonl")] if name.startswith("process_") and name.endswith(".jsonl") else ""
+  process, _, resumed = stem.partition(".resumed_at_")
+  if not process.isdigit() or (resumed and not resumed.isdigit()):
+    return None
+  return int(process), int(resumed or 0)
+
+
+def recover_rows(workdir: str, steps: list[int], num_replicas: int) -> dict[int, dict[str, Any]]:
+  """{step: its merged metrics.jsonl row} for those of `steps` that every process logged in workdir/metrics.
+
+  For a resume (io/checkpoint/log_repair.py): process 0 merges a step only once every process's row
+  has arrived, so a job stopped right after a checkpoint may leave steps before it in the per-process
+  files only. Rows of attempts that resumed at or after a step cannot hold it and are not read. A
+  step is merged when the rows found for it cover `num_replicas` replicas (one row per process: the
+  latest attempt's), as the run would have merged it; its values are then the same.
+  """
+  wanted, found = set(steps), {}
+  directory = os.path.join(workdir, "metrics")
+  names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+  for name in sorted(names, key=lambda n: (_file_attempt(n) or (0, 0))[1]):  # later attempts last: they win
+    attempt = _file_attempt(name)
+    if attempt is None or attempt[1] >= max(wanted, default=0):
+      continue
+    with open(os.path.join(directory, name), errors="replace") as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+        except ValueError:
+          continue
+        if isinstance(row, dict) and row.get("step") in wanted and isinstance(row.get(LOCAL_COUNT), int):
+          found.setdefault(row["step"], {})[attempt[0]] = row
+  out = {}
+  for step, by_process in found.items():
+    rows = [by_process[p] for p in sorted(by_process)]
+    if sum(row[LOCAL_COUNT] for row in rows) == num_replicas:
+      merged = merge_rows(rows)
+      out[step] = {"step": step, **{k: _json_float(v) for k, v in merged.items() if k != "step"}}
+  return out

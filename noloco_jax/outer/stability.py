@@ -111,6 +111,9 @@ def instability(alpha: float, gamma: float, group_size: int, num_replicas: int) 
           f"the paper's interval {low:.3f} < γ < {high:.3f}, which γ is {inside}, does not apply here)")
 
 
+_WARNED: set[str] = set()  # the allow_unstable warnings already given by this process
+
+
 def check_config(config) -> None:
   """Refuses a NoLoCo config whose spread is unstable (ConfigError, one line) unless outer.allow_unstable.
 
@@ -124,5 +127,6 @@ def check_config(config) -> None:
   if problem and not o.allow_unstable:
     raise ConfigError(f"config.outer.consensus_weight={o.consensus_weight!r} is not valid: {problem}. Lower γ "
                       "or α, or set outer.allow_unstable=True to run it anyway.")
-  if problem:
+  if problem and problem not in _WARNED:  # once per process: main.py and training/build.py both check
+    _WARNED.add(problem)
     logging.warning("outer.allow_unstable=True: %s.", problem)

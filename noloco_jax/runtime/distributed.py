@@ -30,15 +30,18 @@ import hashlib
 import json
 import logging
 import os
-import sys
+import socket
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from noloco_jax.config import cli
 from noloco_jax.runtime import job_checks
-from noloco_jax.runtime.failures import EXIT_FAILED
+from noloco_jax.runtime import peer_watch
+from noloco_jax.runtime import failures
 from noloco_jax.parallel import mesh as mesh_lib
 
 ENV = {
@@ -51,9 +54,10 @@ ENV = {
     "shutdown_timeout_s": "NOLOCO_SHUTDOWN_TIMEOUT_S",
 }
 MODES = ("auto", "on", "off")
+PEER_WATCH_GRACE_S = 5.0  # after a failed collective, how long the peer watch may take to name a dead peer
 
 
-class ConsistencyError(RuntimeError):
+class ConsistencyError(failures.ReportedError, RuntimeError):
   """The processes of one job disagree (config, seed, layout), or replicas start from different states."""
 
 
@@ -106,8 +110,12 @@ def resolve_options(environ=None, **given) -> Options:
 
 
 def options_from_flags(flag_values) -> Options:
-  return resolve_options(**{f.name: getattr(flag_values, "distributed" if f.name == "mode" else f.name)
-                            for f in dataclasses.fields(Options)})
+  """main.py's options; an invalid value (e.g. NOLOCO_NUM_PROCESSES=two) is one line and exit status 2."""
+  try:
+    return resolve_options(**{f.name: getattr(flag_values, "distributed" if f.name == "mode" else f.name)
+                              for f in dataclasses.fields(Options)})
+  except ValueError as e:
+    cli.exit_usage(str(e))
 
 
 def detect_cluster() -> tuple[str, int] | None:
@@ -155,14 +163,20 @@ def initialize(options: Options) -> bool:
     logging.info("jax.distributed is already initialised (process %d of %d); not initialising again.",
                  jax.process_index(), jax.process_count())
     return True
-  start, why = plan(options)
+  try:
+    start, why = plan(options)
+  except ValueError as e:
+    cli.exit_usage(str(e))
   if not start:
     logging.info("Single-process job (%s).", why)
     return False
   address, count, pid = options.coordinator_address, options.num_processes, options.process_id
   if count is not None and (address is None or pid is None) and detect_cluster() is None:
-    raise ValueError(f"num_processes={count} also needs --coordinator_address ({ENV['coordinator_address']}) "
-                     f"and --process_id ({ENV['process_id']}) outside a cluster JAX can detect (SLURM, Open MPI, TPU).")
+    cli.exit_usage(f"num_processes={count} also needs --coordinator_address ({ENV['coordinator_address']}) and "
+                   f"--process_id ({ENV['process_id']}) outside a cluster JAX can detect (SLURM, Open MPI, TPU).")
+  if address is not None and pid not in (None, 0):
+    # Else the runtime aborts the process with a C++ stack dump when the coordinator never answers.
+    wait_for_coordinator(address, options.initialization_timeout_s)
   # CPU collectives between processes need an implementation: gloo (TCP) ships with jaxlib. It only
   # concerns the CPU backend, so it is also harmless for GPU and TPU jobs. Must precede backend start.
   if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
@@ -178,6 +192,22 @@ def initialize(options: Options) -> bool:
                jax.process_count(), jax.local_device_count(), [d.id for d in jax.local_devices()],
                jax.device_count())
   return True
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+  """Waits until process 0's coordinator accepts a TCP connection; after `timeout_s`, exits with one line."""
+  host, _, port = address.rpartition(":")
+  deadline, error = time.monotonic() + timeout_s, None
+  while time.monotonic() < deadline:
+    try:
+      socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout_s)).close()
+      return
+    except (OSError, ValueError) as e:
+      error = e
+      time.sleep(0.5)
+  raise SystemExit(f"noloco_jax: error: the coordinator {address} (process 0) did not answer within {timeout_s} s "
+                   f"({failures.first_line(error) if error else 'no attempt'}): start process 0, or check the "
+                   f"address ({ENV['coordinator_address']}) and that its port is reachable from this host.")
 
 
 @contextlib.contextmanager
@@ -197,13 +227,18 @@ def fail_fast():
       raise
     hint = ""
     if isinstance(e, jax.errors.JaxRuntimeError):
+      # A dead peer breaks the collective and the peer watch's connection at once; the watch's line
+      # names the dead process, so it is given the moment its thread needs (on a loaded machine, seconds).
+      if peer_watch.peer_lost(PEER_WATCH_GRACE_S):
+        time.sleep(PEER_WATCH_GRACE_S)  # the watch thread ends the process meanwhile
       hint = (" A collective failed: another process of the job has most likely died or been killed; "
               "its log shows why.")
-    logging.exception("Process %d of %d failed: %s: %s.%s Exiting with status %d.", jax.process_index(),
-                      jax.process_count(), type(e).__name__, str(e)[:2000].rstrip("."), hint, EXIT_FAILED)
-    for stream in (sys.stdout, sys.stderr):
-      stream.flush()
-    os._exit(EXIT_FAILED)  # pylint: disable=protected-access
+    _, status, helps = failures.report(e, failures.run_workdir())
+    # The traceback only where it helps (not for an error that names its cause, nor for Ctrl-C).
+    (logging.exception if helps else logging.error)(
+        "Process %d of %d failed: %s: %s.%s Exiting with status %d.", jax.process_index(), jax.process_count(),
+        type(e).__name__, str(e)[:2000].rstrip("."), hint, status)
+    failures.exit_now(e, traceback_printed=True)  # the same last line as a single-process run, then os._exit
 
 
 # ---------------------------------------------------------------------------------------------------

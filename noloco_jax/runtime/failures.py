@@ -13,13 +13,15 @@ A user reads the first and the last lines of a failed run. Three things used to 
   error and leaves with os._exit once the run has settled its checkpoint, so no finaliser runs.
 
 Errors of the `ReportedError` kind already say what happened and what to do: they are printed as one
-line, without a traceback. Any other exception is a bug or an unforeseen failure: its traceback is
-printed, then the same kind of last line.
+line, without a traceback; so are an interrupt (SIGINT: exit status 130) and a workdir that cannot be
+written. Any other exception is a bug or an unforeseen failure: its traceback is printed, then the
+same kind of last line. The last line advises a resume only where a checkpoint exists to resume from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging as py_logging
 import os
 import sys
@@ -27,6 +29,7 @@ import traceback
 from collections.abc import Iterator
 
 EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 
 class ReportedError(Exception):
@@ -93,22 +96,79 @@ def first_line(error: BaseException, limit: int = 400) -> str:
   return f"{type(error).__name__}: {text}"
 
 
+def last_checkpoint(workdir: str | None) -> int | None:
+  """The latest complete checkpoint step in `workdir` (orbax renames a step's directory to its number
+  only when it is complete), or None."""
+  try:
+    steps = [int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit()]
+  except (OSError, TypeError):
+    return None
+  return max(steps) if steps else None
+
+
+def _advice(workdir: str | None) -> str:
+  """What to run next: resume where a checkpoint exists, else start again (never "resume" from nothing)."""
+  if workdir is None:
+    return "run the same command again"
+  step = last_checkpoint(workdir)
+  if step is None:
+    return f"run the same command to start again ({workdir} holds no checkpoint yet)"
+  return f"run the same command to resume from the last checkpoint (step {step} in {workdir})"
+
+
+_UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
+
+
+def _cannot_write_workdir(error: BaseException, workdir: str | None) -> bool:
+  """An OSError of a path in (or above) the workdir that says it cannot be written."""
+  if not (isinstance(error, OSError) and error.errno in _UNWRITABLE and error.filename and workdir):
+    return False
+  path, root = os.path.abspath(str(error.filename)), os.path.abspath(workdir)
+  return path == root or path.startswith(root + os.sep) or root.startswith(path + os.sep)
+
+
+def report(error: BaseException, workdir: str | None) -> tuple[str, int, bool]:
+  """(the run's last line after `noloco_jax: error: `, exit status, whether the traceback helps)."""
+  if isinstance(error, KeyboardInterrupt):
+    return f"interrupted (SIGINT, e.g. Ctrl-C). To go on, {_advice(workdir)}.", EXIT_INTERRUPTED, False
+  if isinstance(error, ReportedError):
+    return str(error), EXIT_FAILED, False
+  if _cannot_write_workdir(error, workdir):
+    return (f"cannot write to the workdir {workdir}: {first_line(error)}. Give --workdir a directory this user "
+            "can create and write to (not on a read-only filesystem)."), EXIT_FAILED, False
+  return (f"the run failed with {first_line(error)} (traceback above). Fix the cause and {_advice(workdir)}.",
+          EXIT_FAILED, True)
+
+
+class _Run:
+  workdir: str | None = None  # the workdir of the run inside exit_on_failure (for distributed.fail_fast)
+
+
+def run_workdir() -> str | None:
+  """The workdir of the run main.py is running (inside `exit_on_failure`), else None."""
+  return _Run.workdir
+
+
+def exit_now(error: BaseException, traceback_printed: bool = False) -> None:
+  """Prints the run's cause (its traceback where that helps) and last line, then exits at once."""
+  message, status, helps = report(error, _Run.workdir)
+  if helps and not traceback_printed:
+    traceback.print_exception(error)
+  print(f"noloco_jax: error: {message}", file=sys.stderr)
+  for stream in (sys.stdout, sys.stderr):
+    stream.flush()
+  # The run has settled its checkpoint (loop.py); skip the interpreter's finalisers (see above).
+  os._exit(status)  # pylint: disable=protected-access
+
+
 @contextlib.contextmanager
-def exit_on_failure(workdir: str) -> Iterator[None]:
-  """main.py: a failed run prints its cause and a last line, then exits with status 1 at once."""
+def exit_on_failure(workdir: str | None) -> Iterator[None]:
+  """main.py: a failed or interrupted run prints its cause and one last line, then exits at once
+  (status 1; 130 after SIGINT, as a shell reports a command stopped by Ctrl-C)."""
+  _Run.workdir = workdir
   try:
     yield
-  except KeyboardInterrupt:
-    raise
-  except Exception as e:  # pylint: disable=broad-except
-    if isinstance(e, ReportedError):
-      message = str(e)
-    else:
-      traceback.print_exc()
-      message = (f"the run failed with {first_line(e)} (traceback above). Fix the cause and run the same "
-                 f"command to resume from the last checkpoint in {workdir}.")
-    print(f"noloco_jax: error: {message}", file=sys.stderr)
-    for stream in (sys.stdout, sys.stderr):
-      stream.flush()
-    # The run has settled its checkpoint (loop.py); skip the interpreter's finalisers (see above).
-    os._exit(EXIT_FAILED)  # pylint: disable=protected-access
+  except (Exception, KeyboardInterrupt) as e:  # pylint: disable=broad-except
+    exit_now(e)
+  finally:
+    _Run.workdir = None

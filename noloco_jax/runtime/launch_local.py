@@ -11,7 +11,8 @@ NOLOCO_PROCESS_ID=i, JAX_NUM_CPU_DEVICES=devices_per_process and JAX_PLATFORMS=c
 prefixed with `[i]`, or written to LOG_DIR/process_i.log with --log_dir.
 
 If one process fails, the launcher gives the others --grace_s seconds to exit on their own (they should:
-see distributed.py) and then kills them; its exit status is the first non-zero status of a process.
+see distributed.py) and then kills them; its exit status is the first non-zero status of a process, a
+process killed by signal N counting as 128 + N (137 for SIGKILL), as a shell reports it.
 
 SIGTERM, SIGINT (Ctrl-C) and SIGHUP sent to the launcher are passed on to every process, and the launcher
 waits for them to exit before it does: on SIGTERM each saves a checkpoint and exits 0, so stopping the
@@ -125,6 +126,25 @@ class Job:
         p.kill()
 
 
+def exit_status(code: int) -> int:
+  """A Popen return code as a shell reports it: 128 + N for a process killed by signal N (Popen says -N)."""
+  return 128 - code if code < 0 else code
+
+
+def describe(codes: Sequence[int]) -> str:
+  """`[0, -9]` -> "exit statuses [0, 137]: process 1 was killed by signal 9 (SIGKILL)"."""
+  text = f"exit statuses {[exit_status(c) for c in codes]}"
+  killed = [f"process {i} was killed by signal {-c} ({_signal_name(-c)})" for i, c in enumerate(codes) if c < 0]
+  return text + (": " + "; ".join(killed) if killed else "")
+
+
+def _signal_name(signum: int) -> str:
+  try:
+    return signal.Signals(signum).name
+  except ValueError:
+    return "unknown signal"
+
+
 def _relay(stream, prefix: str) -> None:
   for line in stream:
     sys.stdout.write(prefix + line)
@@ -168,8 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(f"launch_local: {opts.num_processes} processes × {opts.devices_per_process} CPU devices, coordinator "
         f"127.0.0.1:{job.port}, pids {[p.pid for p in job.procs]}", flush=True)
   codes = job.wait(opts.timeout_s, opts.grace_s)
-  print(f"launch_local: exit statuses {codes}", flush=True)
-  return next((c for c in codes if c != 0), 0)
+  print(f"launch_local: {describe(codes)}", flush=True)
+  return next((exit_status(c) for c in codes if c != 0), 0)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from noloco_jax.runtime import job_checks
 from noloco_jax.runtime.failures import EXIT_FAILED
 
 _BYE = b"bye\n"
+_LOST = threading.Event()  # set when a watch reads EOF from a peer that did not say goodbye
 _ID_BYTES = 8  # a connecting process first sends its index, zero-padded to this many digits
 
 
@@ -72,12 +73,20 @@ class PeerWatch:
       pass
     if self._leaving.is_set():
       return
+    _LOST.set()
     logging.error("Process %d of %d failed: its connection to process %d closed without a goodbye: another "
                   "process of the job has most likely died or been killed; its log shows why. Exiting with "
                   "status %d.", self.index, self.count, peer, EXIT_FAILED)
     for stream in (sys.stdout, sys.stderr):
       stream.flush()
     os._exit(EXIT_FAILED)  # pylint: disable=protected-access  (the main thread may be stuck in a collective)
+
+
+def peer_lost(timeout_s: float) -> bool:
+  """Waits up to `timeout_s` for a watch to see a peer die; True if one did (its thread then ends this
+  process with its own line). distributed.fail_fast asks, after a collective failed: the same dead peer
+  breaks both, and the watch's line names it."""
+  return _LOST.wait(timeout_s)
 
 
 def start(host: str | None = None, timeout_s: float = 60.0) -> PeerWatch | None:

@@ -13,7 +13,10 @@ How a lock is judged (only process 0 of a job takes it):
   when it names this host and its pid is no longer running (or now belongs to another process):
   it is taken over with a warning naming the dead run.
 - A lock naming another host cannot be judged from here (its pid means nothing on this machine):
-  the run refuses and says which file to delete if that run is known to be dead.
+  the run refuses and says which file to delete if that run is known to be dead. Except under SLURM,
+  where a resubmitted job usually lands on other nodes (scripts/slurm_gpu.sbatch resumes in the same
+  workdir): a lock taken by a SLURM job is stale when it names an earlier run of this same job (a
+  requeue: another SLURM_RESTART_COUNT) or a job that `squeue` no longer lists as running.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import datetime
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -49,9 +53,12 @@ class Holder:
   start: str | None  # the process's start time in clock ticks after boot (Linux), None elsewhere
   since: str = ""
   command: str = ""
+  slurm_job: str | None = None  # SLURM_JOB_ID of the run, when it ran under SLURM
+  slurm_restart: str | None = None  # its SLURM_RESTART_COUNT (a requeued job keeps its id)
 
   def describe(self) -> str:
-    return f"host {self.host}, pid {self.pid}" + (f", since {self.since}" if self.since else "")
+    return (f"host {self.host}, pid {self.pid}" + (f", SLURM job {self.slurm_job}" if self.slurm_job else "")
+            + (f", since {self.since}" if self.since else ""))
 
 
 def _start_time(pid: int) -> str | None:
@@ -68,13 +75,38 @@ def this_process() -> Holder:
   pid = os.getpid()
   return Holder(host=socket.gethostname(), pid=pid, start=_start_time(pid),
                 since=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-                command=" ".join(sys.argv)[:500])
+                command=" ".join(sys.argv)[:500], slurm_job=os.environ.get("SLURM_JOB_ID"),
+                slurm_restart=os.environ.get("SLURM_RESTART_COUNT", "0") if "SLURM_JOB_ID" in os.environ else None)
+
+
+# squeue states of a job whose processes may still be running (anything else, or no entry: they are not).
+_SLURM_LIVE_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING",
+                      "STAGE_OUT"}
+
+
+def _slurm_job_running(job_id: str) -> bool | None:
+  """Whether squeue lists the job as (possibly) running; None when squeue cannot tell."""
+  try:
+    out = subprocess.run(["squeue", "--noheader", "--jobs", job_id, "--format=%T"], capture_output=True,
+                         text=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  states = {line.strip() for line in out.stdout.splitlines() if line.strip()}
+  if out.returncode != 0 and not states:
+    # Finished jobs drop out of squeue; some versions then say "Invalid job id specified" and exit 1.
+    return False if "invalid job id" in out.stderr.lower() else None
+  return bool(states & _SLURM_LIVE_STATES)
 
 
 def is_alive(holder: Holder) -> bool:
-  """Whether the run named by `holder` may still be running (always True for another host)."""
+  """Whether the run named by `holder` may still be running (True for another host, unless SLURM says not)."""
   if holder.host != socket.gethostname():
-    return True
+    if not holder.slurm_job:
+      return True
+    me = this_process()
+    if holder.slurm_job == me.slurm_job:  # this very job: alive only if it is this run of it (not a requeue)
+      return holder.slurm_restart == me.slurm_restart
+    return _slurm_job_running(holder.slurm_job) is not False
   try:
     os.kill(holder.pid, 0)
   except ProcessLookupError:
@@ -89,7 +121,7 @@ def _read(path: str) -> Holder | None:
   try:
     with open(path) as f:
       fields = json.load(f)
-    return Holder(**{k: fields.get(k) for k in ("host", "pid", "start", "since", "command")})
+    return Holder(**{f.name: fields.get(f.name) for f in dataclasses.fields(Holder)})
   except (OSError, ValueError, TypeError):
     return None  # vanished, or a writer died between creating and filling it
 
@@ -127,8 +159,10 @@ def acquire(workdir: str) -> WorkdirLock:
         logging.warning("workdir lock: %s is empty or unreadable (left by a run that died while taking "
                         "it); taking the lock over.", path)
       elif is_alive(holder):
-        where = ("this run cannot tell whether it is still running; if it is not, delete the lock file"
-                 if holder.host != me.host else "wait for it to end, or stop it")
+        where = ("wait for it to end, or stop it" if holder.host == me.host else
+                 f"squeue lists its SLURM job {holder.slurm_job} as running (or cannot say); wait for it to end, "
+                 "or delete the lock file if it is known to be dead" if holder.slurm_job else
+                 "this run cannot tell whether it is still running; if it is not, delete the lock file")
         raise WorkdirLockedError(
             f"workdir {workdir} is in use by another run ({holder.describe()}; lock file {path}): {where}. "
             "Two runs on one workdir would overwrite each other's logs and checkpoints; give this run "

@@ -6,7 +6,8 @@ One module per job:
   records.py     what the meta item holds (loop state, pairing, shapes, config) and its JSON forms
   data_item.py   the per-process data item (stream positions of each process's replicas)
   logs.py        metrics.jsonl / pairings.jsonl / elastic.jsonl: durable rows, each once after a resume
-  checksum.py    a checksum of every replica's state, stored at save and verified on restore
+  log_repair.py  on resume: rows missing before the restored step, named, and rebuilt where known
+  checksum.py    checksums of what a resume reads (each replica's state; digests of the JSON items)
   quarantine.py  unreadable steps moved to workdir/checkpoints_corrupt/
   guard.py       no NaN is saved; nan_policy "error" and "skip_round" (RoundGuard)
   resize.py      elastic resume: another replica set (checkpoint.elastic drop | recreate | grow)
@@ -25,12 +26,14 @@ Orbax writes a step into a temporary directory and renames it only when every it
 steps beyond `config.checkpoint.keep` are deleted only after a newer step is complete. An unreadable
 step is quarantined and the previous one taken; when no step is readable the run stops with an
 error rather than silently training from scratch; a step whose state does not match its stored
-checksums counts as unreadable. A checkpoint saved with another replica count, model, optimizer,
+checksums, whose metadata or data positions do not match their digests, or whose pairing record
+contradicts its own config counts as unreadable. A checkpoint saved with another replica count, model, optimizer,
 outer method (`outer.kind`) or pairing schedule is an error naming the config fields that differ,
 not a fallback; another replica count is resumed only by request (`config.checkpoint.elastic`,
 resize.py, docs/elastic.md). Another device count or process count is fine: arrays are resharded on restore.
 A failed save (disk full) is one error naming the step, the cause and the intact previous step; a
-save in flight when the loop raises is completed first (`Checkpointer.settle_after_error`).
+save in flight when the loop raises is completed first (`Checkpointer.settle_after_error`); a SIGINT
+during a save is raised once the save is usable (runtime/preemption.py).
 """
 
 from noloco_jax.io.checkpoint.guard import NonFiniteLossError

@@ -1,6 +1,6 @@
 """The run's JSON-lines logs (metrics.jsonl, pairings.jsonl, elastic.jsonl): durable rows, each exactly once after a resume.
 
-Two promises, kept together with the checkpointer:
+Three promises, kept together with the checkpointer:
 
 - Every row is on disk no later than the checkpoint that covers it. Rows are written line-buffered
   (each reaches the operating system as it is written, so a kill -9 loses none), and the loop calls
@@ -10,6 +10,11 @@ Two promises, kept together with the checkpointer:
   (the resumed run writes the later ones again, identically) and drops repeats of a row already
   kept, a leftover of runs that lacked these guarantees. `start_afresh` empties the logs of a run
   that is starting from scratch although rows exist (killed before its first checkpoint completed).
+- A damaged log never stops a run. A line that is not a row (not JSON, not a JSON object, or no
+  integer "step": `42`, `{"step": "abc"}`, bytes of another file) is reported with its file and line
+  number and left out of the rewritten file; the last line of a writer killed mid-row is reported as
+  such. Rows missing from before the restored step are reported, and rebuilt where the checkpoint or
+  the pairing schedule says exactly what they held (log_repair.py).
 
 Rows are keyed by their "step"; two rows are the same row when they have the same step and the
 same fields (a train row and an eval row of one step are two rows). Rewrites are atomic (a
@@ -18,6 +23,7 @@ temporary file renamed over the old one), so a crash mid-rewrite leaves the old 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Mapping
@@ -48,8 +54,46 @@ class JsonlLog:
       self._file.close()
 
 
+def parse_row(line: str) -> dict | None:
+  """The row a line holds, or None when the line is not a row (not JSON, not an object, no integer "step")."""
+  try:
+    row = json.loads(line)
+  except ValueError:  # JSONDecodeError, and bytes that are not UTF-8
+    return None
+  if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+    return None
+  return row
+
+
+@dataclasses.dataclass
+class LogFile:
+  """One log as read for a resume: its rows, and the lines that are not rows."""
+  path: str
+  rows: list[tuple[dict, str]]  # (row, its line, newline-terminated), in file order
+  damaged: list[tuple[int, str]]  # (line number from 1, the line) of lines that are not rows
+  cut: str | None  # an unterminated last line that is not a row: its writer was killed while writing it
+
+  @classmethod
+  def read(cls, path: str) -> LogFile:
+    rows, damaged, cut = [], [], None
+    if os.path.exists(path):
+      with open(path, errors="replace") as f:
+        lines = f.readlines()
+      for number, line in enumerate(lines, 1):
+        if not line.strip():
+          continue
+        row = parse_row(line)
+        if row is not None:
+          rows.append((row, line if line.endswith("\n") else line + "\n"))
+        elif number == len(lines) and not line.endswith("\n"):
+          cut = line
+        else:
+          damaged.append((number, line.rstrip("\n")))
+    return cls(path, rows, damaged, cut)
+
+
 def _row_key(row: dict) -> tuple:
-  return int(row.get("step", 0)), tuple(sorted(row))
+  return row["step"], tuple(sorted(row))
 
 
 def _rewrite(path: str, keep: list[str]) -> None:
@@ -61,56 +105,56 @@ def _rewrite(path: str, keep: list[str]) -> None:
   os.replace(tmp, path)  # atomic: a crash here leaves either the old or the new file
 
 
-def rewrite_for_resume(path: str, step: int) -> tuple[int, int]:
-  """Keeps each row with "step" ≤ `step` once; returns (rows dropped as later, repeats dropped).
+@dataclasses.dataclass
+class Rewrite:
+  """What `rewrite_for_resume` did to one log."""
+  late: int = 0  # rows after the restored step, dropped (the resumed run writes them again)
+  repeats: int = 0  # rows kept once that were there twice
+  damaged: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (line number, line), dropped
+  cut: bool = False  # an incomplete last line, dropped
 
-  A line that does not parse (the last line of a killed writer) counts as a later row.
-  """
-  if not os.path.exists(path):
-    return 0, 0
-  with open(path) as f:
-    lines = [line for line in f if line.strip()]
-  keep, seen, late, repeats = [], set(), 0, 0
-  for line in lines:
-    try:
-      row = json.loads(line)
-    except json.JSONDecodeError:
-      late += 1
-      continue
-    if int(row.get("step", 0)) > step:
-      late += 1
+
+def rewrite_for_resume(path: str, step: int) -> Rewrite:
+  """Keeps each row with "step" ≤ `step` once, and nothing else; says what it dropped."""
+  log = LogFile.read(path)
+  keep, seen, done = [], set(), Rewrite(damaged=log.damaged, cut=log.cut is not None)
+  for row, line in log.rows:
+    if row["step"] > step:
+      done.late += 1
     elif _row_key(row) in seen:
-      repeats += 1
+      done.repeats += 1
     else:
       seen.add(_row_key(row))
-      keep.append(line if line.endswith("\n") else line + "\n")
-  if late or repeats:
+      keep.append(line)
+  if done.late or done.repeats or done.damaged or done.cut:
     _rewrite(path, keep)
-  return late, repeats
+  return done
+
+
+def add_rows(path: str, rows: list[dict]) -> None:
+  """Inserts `rows` among the file's rows in step order (after the rows of the same step), atomically."""
+  kept = LogFile.read(path).rows
+  lines, steps = [line for _, line in kept], [row["step"] for row, _ in kept]
+  for row in sorted(rows, key=lambda r: r["step"]):
+    at = next((i for i, s in enumerate(steps) if s > row["step"]), len(steps))
+    lines.insert(at, json.dumps(row) + "\n")
+    steps.insert(at, row["step"])
+  _rewrite(path, lines)
 
 
 def replace_row(path: str, row: Mapping[str, Any]) -> None:
   """Appends `row` after removing any row with its step and fields: a one-off row (io/checkpoint/
   resize.py's events) is there once however often its resume is repeated, the latest attempt's."""
-  key, keep, lines = _row_key(dict(row)), [], []
-  if os.path.exists(path):
-    with open(path) as f:
-      lines = [line for line in f if line.strip()]
-  for line in lines:
-    try:
-      same = _row_key(json.loads(line)) == key
-    except json.JSONDecodeError:
-      same = False
-    if not same:
-      keep.append(line if line.endswith("\n") else line + "\n")
+  key = _row_key(dict(row))
+  keep = [line for r, line in LogFile.read(path).rows if _row_key(r) != key]
   _rewrite(path, keep + [json.dumps(dict(row)) + "\n"])
 
 
 def start_afresh(path: str) -> int:
-  """Empties the log at `path`; returns how many rows it held."""
+  """Empties the log at `path`; returns how many rows (lines) it held."""
   if not os.path.exists(path):
     return 0
-  with open(path) as f:
+  with open(path, errors="replace") as f:
     count = sum(1 for line in f if line.strip())
   if count:
     _rewrite(path, [])
@@ -122,16 +166,28 @@ def _paths(workdir: str) -> list[str]:
   return [os.path.join(workdir, name) for name in LOG_FILES] if jax.process_index() == 0 else []
 
 
+def _shown(line: str, limit: int = 80) -> str:
+  return repr(line if len(line) <= limit else line[:limit] + "...")
+
+
 def truncate_logs(workdir: str, step: int) -> None:
-  """On resume: each log's rows up to `step`, once; warns for what was dropped."""
+  """On resume: each log's rows up to `step`, once; warns for what was dropped (then log_repair.py)."""
   for path in _paths(workdir):
-    late, repeats = rewrite_for_resume(path, step)
-    if late:
-      logging.warning("resume: dropped %d row(s) of %s written after step %d by the interrupted run; "
-                      "they are written again from here.", late, path, step)
-    if repeats:
+    done = rewrite_for_resume(path, step)
+    if done.late:
+      logging.warning("resume: dropped %d row(s) of %s written after step %d by the earlier run; they are "
+                      "written again from here.", done.late, path, step)
+    if done.repeats:
       logging.warning("resume: dropped %d repeated row(s) of %s (steps logged twice by an earlier run).",
-                      repeats, path)
+                      done.repeats, path)
+    if done.cut:
+      logging.warning("resume: dropped the incomplete last line of %s (its writer was stopped while writing it).",
+                      path)
+    for number, line in done.damaged[:5]:
+      logging.warning("resume: %s line %d is damaged (not a JSON object with an integer \"step\"): %s; dropped.",
+                      path, number, _shown(line))
+    if len(done.damaged) > 5:
+      logging.warning("resume: %s had %d more damaged line(s), also dropped.", path, len(done.damaged) - 5)
 
 
 def start_logs_afresh(workdir: str) -> None:

@@ -9,6 +9,7 @@ the package docstring (io/checkpoint/__init__.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging as py_logging
 import os
 import threading
@@ -23,8 +24,10 @@ from jax.experimental import multihost_utils
 
 from noloco_jax.inner.state import TrainState
 from noloco_jax.runtime import failures
+from noloco_jax.runtime import preemption
 from noloco_jax.io.checkpoint import checksum
 from noloco_jax.io.checkpoint import guard
+from noloco_jax.io.checkpoint import log_repair
 from noloco_jax.io.checkpoint import logs
 from noloco_jax.io.checkpoint import quarantine
 from noloco_jax.io.checkpoint import records
@@ -90,7 +93,14 @@ class Checkpointer:
     `loop_state` is the loop's record (training/loop_state.py): its `to_record()` is saved whole, in
     the meta item. With nan_policy="error", the losses it holds that were not yet logged are checked
     first: a state whose losses were not checked is never saved.
+
+    A SIGINT (Ctrl-C) that arrives meanwhile is raised once the save has started (or, synchronous,
+    completed), never inside orbax's code (runtime/preemption.py); the loop then settles it.
     """
+    with preemption.deferred_interrupts():
+      self._save(step, state, loop_state, data_iter)
+
+  def _save(self, step: int, state: TrainState, loop_state, data_iter) -> None:
     record = loop_state.to_record()
     if record["step"] != step:
       raise ValueError(f"checkpoint: saving step {step} with a loop state at step {record['step']}.")
@@ -102,7 +112,7 @@ class Checkpointer:
       raise guard.NonFiniteStateError(
           f"the state after step {step} holds NaN or Inf on replica(s) {bad}; it was not saved. The last "
           f"good checkpoint is step {self.latest_step()} in {self.directory}.")
-    meta = {
+    meta = checksum.with_digest({  # the digest covers every field: an edit sets the step aside (checksum.py)
         "format": records.FORMAT, **record,
         "num_replicas": self._config.num_replicas, "process_count": jax.process_count(),
         "pairing": records.schedule_record(self._setup.schedule, record["round"]),
@@ -110,9 +120,9 @@ class Checkpointer:
         "method": self._setup.method.kind,
         # Verified on restore: a data file changed after the save is caught, not trained on.
         "state_checksums": checksum.state_checksums(state, self._setup.mesh),
-    }
-    data = {"process_index": jax.process_index(), "process_count": jax.process_count(),
-            "iterator": data_iter.get_state()}
+    })
+    data = checksum.with_digest({"step": int(step), "process_index": jax.process_index(),
+                                 "process_count": jax.process_count(), "iterator": data_iter.get_state()})
     start = time.time()
     # The previous (asynchronous) save is waited for here, not inside orbax's save: an error is then
     # blamed on the save that made it. orbax's save would wait too and raise either save's error alike.
@@ -158,11 +168,13 @@ class Checkpointer:
     self._in_flight = None
 
   def close(self) -> None:
-    """Waits for the last asynchronous save to be complete (a second call does nothing)."""
+    """Waits for the last asynchronous save to be complete (a SIGINT meanwhile is raised after it); a
+    second call does nothing."""
     if self._closed:
       return
-    self.wait_until_finished()
-    self._manager.close()
+    with preemption.deferred_interrupts():
+      self.wait_until_finished()
+      self._manager.close()
     self._closed = True
 
   def settle_after_error(self, timeout_s: float | None = None) -> None:
@@ -187,10 +199,21 @@ class Checkpointer:
         errors.append(e)
 
     waiter = threading.Thread(target=wait, name="noloco-checkpoint-settle", daemon=True)
-    waiter.start()
-    waiter.join(timeout_s)
+    # Ctrl-C while waiting is counted, not raised (runtime/preemption.py): the first one may be why the
+    # run is failing; one more abandons the wait.
+    interrupts, again = preemption.interrupted(), False
+    with preemption.deferred_interrupts():
+      waiter.start()
+      end = None if timeout_s is None else time.monotonic() + timeout_s
+      while waiter.is_alive() and (end is None or time.monotonic() < end):
+        waiter.join(0.1)
+        if preemption.interrupted() > interrupts:
+          again = True
+          break
     if waiter.is_alive() or errors:
-      why = f"did not complete within {timeout_s} s" if waiter.is_alive() else f"failed ({failures.first_line(errors[0])})"
+      why = (f"failed ({failures.first_line(errors[0])})" if errors else
+             "was interrupted again (Ctrl-C); the next run removes its temporary directory" if again else
+             f"did not complete within {timeout_s} s")
       logging.warning("checkpoint: the save of step %d, in flight when the run failed, %s and is abandoned. "
                       "%s.", step, why, self._intact(step))
       return
@@ -236,6 +259,7 @@ class Checkpointer:
       if plan is None or plan.keeps_data:
         data_iter.set_state(merge_data_states(data))
       logs.truncate_logs(self._workdir, step)
+      log_repair.repair(self._workdir, self._expected_logs(meta, step, plan))  # rows missing before the step
       if plan is not None:
         self._log_resize(plan, step, meta["round"])
       logging.info("checkpoint: resumed from step %d (round %d) in %s.", step, meta["round"], self.directory)
@@ -254,14 +278,22 @@ class Checkpointer:
     the step is unreadable. With a plan, the state is the checkpoint's, in host memory (resize.py)."""
     try:
       meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-      if meta.get("format") != records.FORMAT or meta.get("step") != step:
-        raise ValueError(f"meta item: format {meta.get('format')!r}, step {meta.get('step')!r}")
       data = self._manager.restore(step, args=ocp.args.Composite(data=PerProcessJsonRestore()))["data"]
+      # Everything the resume reads is what was saved: the meta record and each process's data file
+      # (their digests, checksum.py); the state is checked against the meta's checksums below.
+      old_format = isinstance(meta, dict) and meta.get("format") == records.FORMAT_WITHOUT_DIGESTS
+      checksum.verify_items(meta, data, step, digests_required=not old_format)
+      if meta.get("format") not in (records.FORMAT, records.FORMAT_WITHOUT_DIGESTS) or meta.get("step") != step:
+        raise ValueError(f"meta item: format {meta.get('format')!r}, step {meta.get('step')!r}")
     except Exception as e:  # pylint: disable=broad-except
       return None, None, None, None, e
-    # Outside the try: a different setup, or an elastic setting that does not fit, is an error.
-    plan = self._elastic_plan(meta, data, step)
-    self._check_compatible(meta, abstract, step, plan)
+    # Outside the try: a different setup, or an elastic setting that does not fit, is an error; a meta
+    # record that contradicts itself (ItemChecksumError) is a damaged step, set aside like the others.
+    try:
+      plan = self._elastic_plan(meta, data, step)
+      self._check_compatible(meta, abstract, step, plan)
+    except checksum.ItemChecksumError as e:
+      return None, None, None, None, e
     try:
       if plan is None:
         state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
@@ -271,6 +303,17 @@ class Checkpointer:
       return meta, plan, state, data, None
     except Exception as e:  # pylint: disable=broad-except
       return meta, plan, None, None, e
+
+  def _expected_logs(self, meta: dict, step: int, plan) -> log_repair.Expected:
+    """What the logs hold up to `step`, from the checkpoint (its config: how the run logged then)."""
+    saved = meta.get("config") or {}
+    schedule = self._setup.schedule if plan is None else None  # a resize changes the schedule
+    return log_repair.Expected(
+        step=step, evals=list(meta["history"].get("eval", [])),
+        log_every=int(saved.get("log_every", self._config.log_every)), num_replicas=int(meta["num_replicas"]),
+        rounds=int(meta["round"]) if self._setup.schedule is not None else 0,
+        inner_steps=int((saved.get("outer") or {}).get("inner_steps", self._config.outer.inner_steps)),
+        pairing_row=None if schedule is None else functools.partial(records.pairing_row, schedule))
 
   def _elastic_plan(self, meta: dict, data: dict, step: int):
     """The resize.Plan for resuming this checkpoint, None for a plain resume (config.checkpoint.elastic)."""
@@ -330,9 +373,17 @@ class Checkpointer:
           f"changed); {fields}; state leaves: {diff[:3]}{' ...' if len(diff) > 3 else ''}. {remedy}")
     expected = records.schedule_record(self._setup.schedule, meta["round"])
     if meta["pairing"] != expected:
+      # Another schedule only if the config says so; else the record is damaged (not a reason to refuse).
+      differs = records.schedule_differences(meta["pairing"], expected)
+      if records.same_schedule_parameters(meta["pairing"], expected):
+        # The same schedule (seed, mode, group size, replicas: the schedule's own record) cannot give
+        # another grouping: the record is damaged, not another setup.
+        raise checksum.ItemChecksumError(
+            f"meta/metadata: its pairing record disagrees with the schedule of its own config "
+            f"({differs}): the record is damaged")
       raise IncompatibleCheckpointError(
-          f"{where} was saved under another pairing schedule; {fields}. Resume with the same seed and "
-          "outer.pairing / group_size.")
+          f"{where} was saved under another pairing schedule ({differs}); {fields}. Resume with the "
+          "checkpoint's config (WORKDIR/config.json), or use a new workdir.")
     if changed:
       logging.warning("resume: the config differs from the checkpoint's in %s; the resumed run is exact "
                       "only for changes of layout (num_devices) or checkpointing.", changed)

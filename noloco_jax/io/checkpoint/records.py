@@ -4,7 +4,8 @@ The `meta/` item (written by process 0) is one JSON object:
 
     format, step, round, comm_bytes, bytes_sent, bytes_received, history, pending
                                                         (the loop state, `LoopState.to_record()`)
-    num_replicas, process_count, pairing, state_shapes, config
+    num_replicas, process_count, pairing, state_shapes, config, method, state_checksums
+    digest                                              (checksum.py: SHA-256 of all of the above)
 
 `pairing` is the pairing schedule's parameters (mode, seed, group size, replicas) and the grouping
 of the next round; `pending` the host values of training metrics fetched but not yet logged (so a
@@ -22,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-FORMAT = "noloco_jax.io.checkpoint/1"
+FORMAT = "noloco_jax.io.checkpoint/2"  # /2: the meta and data items carry their own digest (checksum.py)
+FORMAT_WITHOUT_DIGESTS = "noloco_jax.io.checkpoint/1"  # still read; its JSON items are not verified
 
 
 def host(x) -> np.ndarray:
@@ -72,6 +74,30 @@ def schedule_record(schedule, round_: int) -> dict | None:
   if schedule is None:
     return None
   return {**schedule.record(), "round": int(round_), "groups": [list(g) for g in schedule.groups(round_)]}
+
+
+def same_schedule_parameters(saved: dict | None, now: dict | None) -> bool:
+  """Whether two schedule records (`schedule_record`) have the same parameters (the schedule's own
+  `record()`: mode, seed, group size or fan-out, replicas), whatever their round and grouping."""
+  keep = lambda p: {k: v for k, v in (p or {}).items() if k not in ("round", "groups")}
+  return keep(saved) == keep(now)
+
+
+def pairing_row(schedule, round_: int, step: int) -> dict:
+  """Round `round_`'s row of pairings.jsonl (written by the loop at `step`, the round's last step)."""
+  row = {"round": int(round_), "step": int(step), "groups": [list(g) for g in schedule.groups(round_)]}
+  if schedule.mode == "round_robin":
+    row["matching"] = schedule.index(round_)
+  return row
+
+
+def schedule_differences(saved: dict | None, now: dict | None) -> str:
+  """What differs between two `schedule_record`s, in words (e.g. "mode 'fresh' -> 'round_robin'")."""
+  if saved is None or now is None:
+    return f"saved {'no' if saved is None else 'a'} schedule, now {'none' if now is None else 'one'}"
+  keys = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+  return ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" if k != "groups" else "groups of round "
+                   f"{now.get('round')}" for k in keys)
 
 
 def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:

@@ -26,11 +26,7 @@ class PairingLog(Plugin):
   def after_step(self, run, step: int, metrics: dict) -> None:
     if run.loop.round_started_at != step:
       return
-    round_ = run.loop.round - 1  # the round that started at this step
-    row = {"round": round_, "step": step, "groups": [list(g) for g in self._schedule.groups(round_)]}
-    if self._schedule.mode == "round_robin":
-      row["matching"] = self._schedule.index(round_)
-    self._log.append(row)
+    self._log.append(checkpoint_lib.records.pairing_row(self._schedule, run.loop.round - 1, step))  # the round started here
 
   def flush(self, run) -> None:
     if self._log is not None:

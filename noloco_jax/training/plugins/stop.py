@@ -22,7 +22,9 @@ class StopAgreement(Plugin):
     self._single = jax.process_count() == 1
 
   def after_step(self, run, step: int, metrics: dict) -> None:
-    if self._single:
+    if self._single or step % self._every:
+      # One process: its own flag. Several, between agreements: no collective, but a Ctrl-C that XLA's
+      # callbacks swallowed is raised again here (runtime/preemption.py).
       run.stop = preemption.stop_requested(step, self._every)
 
   def barrier_due(self, run, step: int) -> bool:
