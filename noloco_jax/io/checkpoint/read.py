@@ -144,11 +144,12 @@ def _read_state(path: str, slow: bool):
   checkpointer = ocp.PyTreeCheckpointer()
   tree = checkpointer.metadata(path).item_metadata.tree  # {step, params, opt_state, outer}: shapes, dtypes
   item = {"params": tree["params"]}
-  has_slow = isinstance(tree.get("outer"), dict) and "slow" in tree["outer"]
+  key = consensus_lib.SLOW_KEY  # where the outer method keeps φ (outer/methods.py), if it keeps one
+  has_slow = isinstance(tree.get("outer"), dict) and key in tree["outer"]
   if slow and has_slow:
-    item["outer"] = {"slow": tree["outer"]["slow"]}
+    item["outer"] = {key: tree["outer"][key]}
   # restore_type=np.ndarray: whole arrays in host memory, no devices, no shardings.
   restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
   out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
                                                                 partial_restore=True))
-  return out["params"], (out["outer"]["slow"] if "outer" in item else None)
+  return out["params"], (out["outer"][key] if "outer" in item else None)
