@@ -12,11 +12,11 @@ computation and the step is built with vmap, so that its program stays exactly w
 this choice existed.
 
 Why `auto` loops on CPU (measured; experiments/RESULTS.md, "Replicas that vmap well"): on XLA:CPU the
-vmapped step of 8 tiny-Llama replicas on one device costs about twice the per-operation time of 8
-separate single-replica steps, spread over every operation of the model (MLP matmuls, elementwise
-work, the softmax's reductions, the scan's slicing of the stacked layers), not in one kernel: the
-single operations measured alone vmap well, the whole program does not. The loop runs the
-one-replica body k times and costs what the k separate programs cost, minus their dispatch.
+vmapped step of 8 tiny-Llama replicas on one device runs at 0.55-0.66 of the throughput of 8
+separate single-replica steps (issue 26 traced most of the loss to attention under vmap). The loop
+needs no operation to vmap well: its body is the one-replica program, and it runs at about the
+throughput of the k separate calls (0.86-1.06 wall-clock, 0.95-1.03 in CPU time, on a loaded 2-core
+machine), 1.4-1.5x vmap's.
 
 Why `auto` batches elsewhere (expected, NOT measured: no GPU was available): an accelerator is fed by
 few large kernels, and a small replica's kernels leave most of it idle; vmap gives each kernel k times
