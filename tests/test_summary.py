@@ -67,8 +67,9 @@ def test_it_names_the_workdir_and_how_the_run_started(tmp_path):
     ({"kind": "diloco"}, "outer diloco: α=0.3 (paper), β=0.7 (paper), heavy-ball (paper), H=3, all-reduce priced as ring",
      ("γ=", "n=")),
     ({"kind": "diloco", "outer_momentum": 0.5, "nesterov": True}, "outer diloco: α=0.5, β=0.7 (paper), Nesterov, H=3", ()),
-    ({"kind": "gossip"}, "outer gossip: α=0 (fixed by gossip), β=1 (fixed by gossip), γ=1 (fixed by gossip), n=2 (paper), H=3",
-     ()),
+    ({"kind": "gossip"}, "outer gossip: α=0 (fixed by gossip), β=1 (fixed by gossip), γ=1 (fixed by gossip), "
+     "n=2 (default for gossip; not in the paper), H=3", ("(paper)",)),
+    ({"kind": "epidemic"}, "outer epidemic: s=1 (default for epidemic; not in the paper), H=3", ("(paper)",)),
     ({"kind": "epidemic", "fanout": 2}, "outer epidemic: s=2, H=3, graph EL-Oracle (topology=oracle), pairing fresh, "
      "messages float32", ("α=", "n=")),
     ({"kind": "ddp"}, "outer ddp: all-reduce priced as ring", ("H=", "α=", "β=")),

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from noloco_jax.config.outer import FIXED_BY_KIND, GROUPED_KINDS, PAPER_OUTER, OuterConfig
+from noloco_jax.config.outer import FIXED_BY_KIND, GROUPED_KINDS, PAPER_KINDS, PAPER_OUTER, OuterConfig
 from noloco_jax.training.loop_state import LoopState
 
 # How the summary writes each outer hyperparameter (config/outer.py: IN_FORCE).
@@ -90,7 +90,7 @@ def _outer_line(config, in_force: dict[str, Any]) -> str:
     if name in fixed:
       text += f" (fixed by {kind})"
     elif paper.get(name) == value:
-      text += " (paper)"
+      text += " (paper)" if kind in PAPER_KINDS else f" (default for {kind}; not in the paper)"
     cells.append(text)
   exchange = exchange_in_force(config)
   if "topology" in exchange:
