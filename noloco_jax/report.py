@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from noloco_jax.outer import wire  # pure Python: the report stays free of JAX
+
 BYTES_SENT = ("comm/bytes_sent_per_replica",)
 BYTES_RECEIVED = ("comm/bytes_received_per_replica",)
 # Logs written before the wire was counted have only this name, and it held the collectives' operands
@@ -117,7 +119,6 @@ class Run:
     steps, values, key = self.series(OLD_OPERANDS)
     if key is None:
       return steps, values, None
-    from noloco_jax.outer import wire  # pylint: disable=g-import-not-at-top  (pure Python, no JAX)
     n = int(self._get("", "num_replicas", 1))
     if self.kind in ALLREDUCE_KINDS:
       factor = wire.allreduce(1.0, n, "ring").sent
