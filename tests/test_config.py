@@ -437,6 +437,22 @@ def test_a_config_file_that_cannot_load_is_one_line_and_exits_2(tmp_path, source
   assert proc.stderr.splitlines() == [f"noloco_jax: flag --config={path}: " + error.format(path=path)], proc.stderr
 
 
+def test_a_config_file_whose_get_config_returns_none_is_named(tmp_path):
+  """The last line named the value, not the file: 'flag --config=None: Flag --config must have a value other
+  than None.' (ml_collections' own warning above it says what happened; the last line now does too)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "my_config.py"
+  path.write_text("def get_config():\n  config = {'num_steps': 3}\n")
+  proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path / 'run'}", f"--config={path}"],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.splitlines()[-1] == (
+      f"noloco_jax: flag --config={path}: get_config() returned None; it must return the config (an "
+      "ml_collections.ConfigDict): is its return statement missing?"), proc.stderr
+  assert not (tmp_path / "run").exists()
+
+
 def test_a_config_error_found_after_start_up_is_one_line_and_exits_2(tmp_path):
   """The checks that need the file system (data paths, tokenizer files) run in train.build."""
   import subprocess  # pylint: disable=g-import-not-at-top
