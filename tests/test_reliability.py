@@ -252,6 +252,7 @@ def test_a_nan_loss_ends_in_one_line_naming_step_replica_and_what_to_change(cach
   assert not [l for l in lines if "Traceback" in l], "\n".join(lines[-40:])
   assert lines[-1].startswith("noloco_jax: error: non-finite training loss nan at step 5 on replica 3"), lines[-1]
   assert "a lower inner.lr" in lines[-1] and "nan_policy='skip_round'" in lines[-1]
+  assert lines[-1].endswith(f"Then run the same command to resume from the last checkpoint (step 4 in {workdir})."), lines[-1]
   assert checkpoint_steps(workdir)[-1] == 4  # checkpoint_every=2: the step-6 save never happened
 
 
@@ -485,6 +486,22 @@ def test_the_last_line_advises_a_resume_only_where_a_checkpoint_exists(tmp_path)
       "Give --workdir a directory this user can create and write to (not on a read-only filesystem).", 1, False)
   elsewhere = OSError(30, "Read-only file system", "/usr/lib/x")  # not the workdir: a traceback helps
   assert failures.report(elsewhere, workdir)[2]
+
+
+@pytest.mark.parametrize("error", [checkpoint.NonFiniteLossError, checkpoint.NonFiniteStateError,
+                                   checkpoint.TooManySkippedRoundsError])
+def test_a_diverged_run_is_told_to_resume_only_where_a_checkpoint_exists(tmp_path, error):
+  """A NaN before the first checkpoint ended in '... then run the command to resume' (and NonFiniteStateError
+  in 'The last good checkpoint is step None'): there was nothing to resume from."""
+  from noloco_jax.runtime import failures
+  workdir = str(tmp_path / "run")
+  message, status, traceback_helps = failures.report(error("it diverged."), workdir)
+  assert (message, status, traceback_helps) == (
+      f"it diverged. Then run the same command to start again ({workdir} holds no checkpoint yet).", 1, False)
+  os.makedirs(os.path.join(workdir, "checkpoints", "6"))
+  assert failures.report(error("it diverged."), workdir)[0] == (
+      f"it diverged. Then run the same command to resume from the last checkpoint (step 6 in {workdir}).")
+  assert failures.report(checkpoint.CheckpointSaveError("disk full."), workdir)[0] == "disk full."  # says it itself
 
 
 def test_a_workdir_that_cannot_be_created_is_one_line(tmp_path):

@@ -110,8 +110,8 @@ class Checkpointer:
     if bad:
       self.wait_until_finished()
       raise guard.NonFiniteStateError(
-          f"the state after step {step} holds NaN or Inf on replica(s) {bad}; it was not saved. The last "
-          f"good checkpoint is step {self.latest_step()} in {self.directory}.")
+          f"the state after step {step} holds NaN or Inf on replica(s) {bad}; it was not saved. First change "
+          "what diverged (e.g. a lower inner.lr or outer.lr).")
     meta = checksum.with_digest({  # the digest covers every field: an edit sets the step aside (checksum.py)
         "format": records.FORMAT, **record,
         "num_replicas": self._config.num_replicas, "process_count": jax.process_count(),
