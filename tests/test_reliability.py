@@ -416,7 +416,7 @@ def test_ctrl_c_during_a_save_stops_the_run_with_one_line(cache, tmp_path, async
       assert proc.poll() is None and time.time() < deadline, "\n".join(stderr_of(log)[-30:])
       time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=120)
+    proc.wait(timeout=START_TIMEOUT_S)
   finally:
     if proc.poll() is None:
       proc.kill()
