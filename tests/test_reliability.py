@@ -122,6 +122,23 @@ def test_workdir_lock_judges_holders(tmp_path):
     workdir_lock.acquire(workdir)
 
 
+def test_a_lock_file_left_unfilled_is_taken_over_once_old_enough(tmp_path, monkeypatch, caplog):
+  """A run killed between creating its lock file and filling it leaves an unreadable file. Rerun at once,
+  the next run gave up after five 0.2-s retries, long before the file was old enough to be judged stale,
+  and refused: 'could not take the lock (other runs keep taking it)'. It now waits for that age."""
+  monkeypatch.setattr(workdir_lock, "UNREADABLE_GRACE_S", 3.0)  # 10 s in a run; above the 1 s of retries
+  path = os.path.join(str(tmp_path), workdir_lock.LOCK_NAME)
+  with open(path, "w") as f:
+    f.write("\x00garbage")
+  start = time.monotonic()
+  with caplog.at_level("WARNING"):
+    lock = workdir_lock.acquire(str(tmp_path))
+  assert time.monotonic() - start >= 2.5  # it waited for the file to be filled by a run starting now
+  assert "is empty or unreadable (left by a run that died while taking it); taking the lock over" in caplog.text
+  assert lock.holder.pid == os.getpid()
+  lock.release()
+
+
 # ---------------------------------------------------------------------------------------------------
 # 10: nan_policy="skip_round" on a run whose every round diverges.
 # ---------------------------------------------------------------------------------------------------
