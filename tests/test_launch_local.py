@@ -42,6 +42,7 @@ def test_a_signal_to_the_launcher_reaches_its_processes_before_it_exits(tmp_path
       signals = tmp_path / f"child_{i}.signals"
       assert signals.exists() and signals.read_text().split() == [sig.name], output
     assert launcher.returncode == 0, output  # the children saved and exited 0
+    assert output.splitlines()[-1] == f"launch_local: stopped by {sig.name} (passed on to every process); exit statuses [0, 0]", output
   finally:
     if launcher.poll() is None:
       launcher.kill()

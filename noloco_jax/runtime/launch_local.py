@@ -15,7 +15,8 @@ see distributed.py) and then kills them; its exit status is that of the process 
 peers then fail because of it), a process killed by signal N counting as 128 + N (137 for SIGKILL), as a
 shell reports it: a job whose process 1 was SIGKILLed (the OOM killer) exits 137, not process 0's 1.
 
-SIGTERM, SIGINT (Ctrl-C) and SIGHUP sent to the launcher are passed on to every process, and the launcher
+SIGTERM, SIGINT (Ctrl-C) and SIGHUP sent to the launcher are passed on to every process (its last line then
+names the signal), and the launcher
 waits for them to exit before it does: on SIGTERM each saves a checkpoint and exits 0, so stopping the
 launcher stops the job as stopping one training process would. The processes run in their own process
 group, so a Ctrl-C in the terminal reaches them once, through the launcher, not twice.
@@ -181,10 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   # Installed before the processes start, so no signal can end the launcher and leave them running;
   # one that arrives while they are being started is passed on once they all exist.
   pending: list[int] = []
+  received: list[int] = []  # the signals passed on, named in the last line (a Ctrl-C ends the job: say so)
   job: Job | None = None
 
   def on_signal(signum, frame):
     del frame
+    received.append(signum)
     print(f"launch_local: {signal.Signals(signum).name} received; passing it on to the processes and waiting "
           "for them to exit.", flush=True)
     if job is None:
@@ -201,7 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(f"launch_local: {opts.num_processes} processes × {opts.devices_per_process} CPU devices, coordinator "
         f"127.0.0.1:{job.port}, pids {[p.pid for p in job.procs]}", flush=True)
   codes = job.wait(opts.timeout_s, opts.grace_s)
-  print(f"launch_local: {describe(codes, job.first_failure)}", flush=True)
+  names = ", ".join(dict.fromkeys(signal.Signals(n).name for n in received))
+  why = f"stopped by {names} (passed on to every process); " if received else ""
+  print(f"launch_local: {why}{describe(codes, job.first_failure)}", flush=True)
   if job.first_failure is not None:
     return exit_status(codes[job.first_failure])
   return next((exit_status(c) for c in codes if c != 0), 0)  # stopped at --timeout_s
