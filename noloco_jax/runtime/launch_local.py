@@ -15,11 +15,11 @@ see distributed.py) and then kills them; its exit status is that of the process 
 peers then fail because of it), a process killed by signal N counting as 128 + N (137 for SIGKILL), as a
 shell reports it: a job whose process 1 was SIGKILLed (the OOM killer) exits 137, not process 0's 1.
 
-SIGTERM, SIGINT (Ctrl-C) and SIGHUP sent to the launcher are passed on to every process (its last line then
-names the signal), and the launcher
-waits for them to exit before it does: on SIGTERM each saves a checkpoint and exits 0, so stopping the
-launcher stops the job as stopping one training process would. The processes run in their own process
-group, so a Ctrl-C in the terminal reaches them once, through the launcher, not twice.
+SIGTERM, SIGINT (Ctrl-C) and SIGHUP sent to the launcher are passed on to every process, and the launcher
+waits for them to exit before it does (its last line then names the signal): on SIGTERM each saves a
+checkpoint and exits 0, so stopping the launcher stops the job as stopping one training process would.
+The processes run in their own process group, so a Ctrl-C in the terminal reaches them once, through the
+launcher, not twice.
 """
 
 from __future__ import annotations
