@@ -390,6 +390,9 @@ def test_round_robin_needs_pairs():
 
 # (command-line flags after --workdir, the last line the user must see on stderr). Each exits 2, before training.
 SMOKE = "--config=configs/default.py:smoke"
+# A bound on a hung process only: these runs stop at their config error, in seconds when the machine is
+# quiet, but Python and JAX start slowly on a loaded one (tests/mp_env.py).
+START_TIMEOUT_S = 300
 CLI_ERRORS = [
     ([SMOKE, "--config.outer.momentun=0.9"],
      "noloco_jax: config.outer.momentun is not a field; did you mean config.outer.outer_momentum?"),
@@ -416,7 +419,7 @@ def test_a_bad_command_line_prints_one_line_and_exits_2(tmp_path, flags, last_li
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path}", *flags], cwd=REPO,
-                        capture_output=True, text=True, timeout=120)
+                        capture_output=True, text=True, timeout=START_TIMEOUT_S)
   lines = [line for line in proc.stderr.splitlines() if line.strip()]
   assert proc.returncode == 2, proc.stderr
   assert re.fullmatch(last_line, lines[-1]) if isinstance(last_line, re.Pattern) else lines[-1] == last_line, (
@@ -438,9 +441,25 @@ def test_a_config_file_that_cannot_load_is_one_line_and_exits_2(tmp_path, source
   path = tmp_path / "my_config.py"
   path.write_text(source)
   proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path / 'run'}", f"--config={path}"],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)
+                        cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
   assert proc.stderr.splitlines() == [f"noloco_jax: flag --config={path}: " + error.format(path=path)], proc.stderr
+
+
+def test_a_config_file_whose_get_config_returns_none_is_named(tmp_path):
+  """The last line named the value, not the file: 'flag --config=None: Flag --config must have a value other
+  than None.' (ml_collections' own warning above it says what happened; the last line now does too)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "my_config.py"
+  path.write_text("def get_config():\n  config = {'num_steps': 3}\n")
+  proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path / 'run'}", f"--config={path}"],
+                        cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.splitlines()[-1] == (
+      f"noloco_jax: flag --config={path}: get_config() returned None; it must return the config (an "
+      "ml_collections.ConfigDict): is its return statement missing?"), proc.stderr
+  assert not (tmp_path / "run").exists()
 
 
 def test_a_config_error_found_after_start_up_is_one_line_and_exits_2(tmp_path):
@@ -449,7 +468,7 @@ def test_a_config_error_found_after_start_up_is_one_line_and_exits_2(tmp_path):
   import sys  # pylint: disable=g-import-not-at-top
   proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path / 'run'}", SMOKE,
                          "--config.data.source=text", "--config.data.train_files=/nonexistent/*.txt"],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)
+                        cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
   assert proc.stderr.splitlines()[-1] == ("noloco_jax: config.data.train_files='/nonexistent/*.txt': pattern "
                                           "'/nonexistent/*.txt' matches no file."), proc.stderr
