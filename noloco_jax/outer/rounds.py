@@ -130,8 +130,8 @@ class LockstepPrograms:
 
     message_local = mesh_lib.replica_map(message, mesh, in_specs=(P(REPLICA),),
                                          out_specs=(P(REPLICA), P(REPLICA), P(REPLICA)))
-    _, own, payload, _ = jax.eval_shape(mesh_lib.replica_map(parts.message, mesh, in_specs=(P(REPLICA),),
-                                                             out_specs=(P(REPLICA),) * 4), abstract_state)
+    full_message = mesh_lib.replica_map(parts.message, mesh, in_specs=(P(REPLICA),), out_specs=(P(REPLICA),) * 4)
+    _, own, payload, _ = jax.eval_shape(_outer_on_device(full_message, state_shardings), abstract_state)
     payload_sh = _payload_shardings(payload, own, params_sh, replicas)
     self.payload = _with_shardings(payload, payload_sh)
     self.received = tuple(self.payload for _ in range(group_size - 1))
@@ -295,7 +295,7 @@ class SplitPrograms:
     shardings: the exchange programs' arguments. The own float32 term lives where θ does (split over fsdp
     like θ); so does a payload of θ's shapes (the plain codec's cast), while a compressed payload (chunks
     of flattened leaves) is split over `replica` only."""
-    _, own, payload, _ = jax.eval_shape(self._message_local, abstract_state)
+    _, own, payload, _ = jax.eval_shape(self._message_sharded, abstract_state)
     params_sh = (self._state_sh.params if self._state_sh is not None else
                  jax.tree.map(lambda _: self._replicas, abstract_state.params))
     payload_sh = _payload_shardings(payload, own, params_sh, self._replicas)
