@@ -207,7 +207,9 @@ PAPER = {"noloco": dict(outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.7, 
 
 
 @pytest.mark.parametrize("kind", sorted(PAPER))
-def test_choosing_a_kind_gives_its_paper_values_and_says_so(caplog, kind):
+def test_choosing_a_kind_gives_its_paper_values_and_says_so(caplog, monkeypatch, kind):
+  from noloco_jax.config import outer as outer_schema  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(outer_schema, "_logged", set())  # logged once per process: forget earlier tests' lines
   config = default.get_config()
   config.outer.kind = kind  # what --config.outer.kind=KIND does
   with caplog.at_level(logging.INFO):
@@ -215,12 +217,16 @@ def test_choosing_a_kind_gives_its_paper_values_and_says_so(caplog, kind):
   assert {k: outer[k] for k in PAPER[kind]} == PAPER[kind]
   from noloco_jax.outer.paper import PAPER_OUTER  # pylint: disable=g-import-not-at-top
   assert PAPER_OUTER[kind] == PAPER[kind]  # the one table configs/paper.py and the notebooks use
-  logged = [r.getMessage() for r in caplog.records if "paper's defaults" in r.getMessage()]
-  assert len(logged) <= 1  # once per process and message (an earlier test may have logged it)
-  if kind == "diloco" and logged:
+  logged = [r.getMessage() for r in caplog.records if "(noloco_jax/outer/paper.py)" in r.getMessage()]
+  assert len(logged) == 1, logged
+  if kind == "diloco":
     assert logged[0] == ("config.outer.kind='diloco': outer_momentum=0.3, outer_lr=0.7, nesterov=False, "
                          "inner_steps=100 from the paper's defaults for diloco (noloco_jax/outer/paper.py); set a "
                          "field to override it.")
+  # Only NoLoCo and DiLoCo are run in the paper: the other kinds' values are not called the paper's.
+  assert ("from the paper's defaults" in logged[0]) == (kind in ("noloco", "diloco")), logged[0]
+  if kind not in ("noloco", "diloco"):
+    assert f"defaults for {kind}, which the paper does not run" in logged[0], logged[0]
 
 
 def test_a_field_set_to_another_kinds_default_is_kept():
