@@ -64,6 +64,7 @@ BAD_VALUES = [
     ("inner.grad_clip", -1.0, "≥ 0"),
     ("inner.microbatches", 0, "≥ 1"),
     ("inner.microbatches", 3, "dividing data.batch_size=2"),
+    ("inner.replica_map", "pmap", "sequential"),
     # Outer step.
     ("outer.kind", "fedavg", "noloco"),
     ("outer.inner_steps", 0, "≥ 1"),  # H < 1
@@ -291,6 +292,14 @@ def test_implementations_accept_exactly_the_schema_s_values():
   assert tuple(methods.MESSAGE_DTYPES) == outer_schema.MESSAGE_DTYPES
   assert tuple(llama.DTYPES) == model_schema.DTYPES
   assert set(outer_schema.STATE_DTYPES) == {""} | set(llama.DTYPES)
+
+
+def test_a_replica_loop_with_pipeline_stages_is_an_error():
+  config = smoke()  # the pipeline maps its replicas itself: a loop there would be silently ignored
+  config.num_stages, config.model.num_layers, config.inner.replica_map = 2, 2, "sequential"
+  message = build_error(config)
+  assert message.startswith("config.inner.replica_map='sequential' is not valid: ") and "num_stages" in message
+  assert "\n" not in message, message
 
 
 def test_more_devices_than_exist_is_an_error():

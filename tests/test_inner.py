@@ -51,10 +51,14 @@ def test_replicas_start_identical():
   assert float(setup.weight_std(state.params)) == 0.0
 
 
-@pytest.mark.parametrize("num_devices", [8, 1])
-def test_mapped_step_equals_each_replica_stepped_alone(num_devices):
+# (num_devices, inner.replica_map): one replica per device; 8 on one device batched; 8 on one device in a loop
+# (what `auto` picks on CPU).
+@pytest.mark.parametrize("num_devices,replica_map", [(8, "auto"), (1, "vmap"), (1, "sequential")])
+def test_mapped_step_equals_each_replica_stepped_alone(num_devices, replica_map):
   cfg = _config(num_devices=num_devices)
+  cfg.inner.replica_map = replica_map
   setup = build_lib.build(cfg, vocab_size=257)
+  assert setup.replica_map == ("vmap" if replica_map == "auto" else replica_map)  # k = 1: always vmap
   state = setup.init_state()
   batches = _batches(cfg, seed=1)
   one = jax.tree.map(lambda x: np.asarray(x)[0], state)
@@ -68,15 +72,53 @@ def test_mapped_step_equals_each_replica_stepped_alone(num_devices):
   mapped = state
   for step in range(2):
     mapped, metrics = setup.inner_step(mapped, sharding_lib.global_array(setup.mesh, batches, N))
+  eval_k = np.asarray(setup.eval_step(mapped.params, batches[0]))
+  single_eval = jax.jit(lambda p, b: inner.loss_fn(p, b, setup.model.loss))
   for r in range(N):
     s = one
     for step in range(2):
       s, loss = single_step(s, batches[r])
+    got = jax.tree.map(lambda x: np.asarray(x)[r], mapped)
+    if replica_map == "sequential":
+      # The loop's body is the single-replica step itself: equal to float32 rounding (measured: the
+      # losses and θ bit for bit, Adam's moments within one ulp), θ and both moments alike.
+      np.testing.assert_allclose(np.asarray(metrics["loss"])[r], loss, rtol=1e-6)
+      jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-9), got, s)
+      np.testing.assert_allclose(eval_k[r], single_eval(s.params, batches[0]), rtol=1e-6)
+      continue
     np.testing.assert_allclose(np.asarray(metrics["loss"])[r], loss, rtol=1e-5)
     # Adam divides by sqrt(v): float rounding of near-zero gradients differs between the two compiled
     # programs and is amplified, hence an absolute tolerance well below one update (lr ~ 1e-3).
-    jax.tree.map(functools.partial(np.testing.assert_allclose, atol=2e-5, rtol=1e-4),
-                 jax.tree.map(lambda x: np.asarray(x)[r], mapped.params), s.params)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, atol=2e-5, rtol=1e-4), got.params, s.params)
+    np.testing.assert_allclose(eval_k[r], single_eval(s.params, batches[0]), rtol=1e-5)
+
+
+def test_auto_builds_the_loop_for_cpu_and_vmap_for_an_accelerator():
+  """`auto` resolves from the devices' platform; the dry run passes the accelerator it stands in for."""
+  cfg = _config(num_devices=1)  # 8 replicas on one device
+  assert build_lib.build(cfg, vocab_size=257).replica_map == "sequential"  # these are CPU devices
+  assert build_lib.build(cfg, vocab_size=257, platform="gpu").replica_map == "vmap"
+  cfg.inner.replica_map = "sequential"  # an explicit choice is kept on any platform
+  assert build_lib.build(cfg, vocab_size=257, platform="gpu").replica_map == "sequential"
+
+
+def test_the_replica_loop_with_fsdp_microbatches_and_ddp_equals_vmap():
+  """The loop inside the shard_map with `fsdp` automatic (2 devices per replica), gradient accumulation,
+  and ddp's gradient all-reduce between the two halves of the step: the same training as vmap."""
+  results = {}
+  for how in ("vmap", "sequential"):
+    cfg = _config(kind="ddp", num_replicas=4, num_devices=2, fsdp=2)
+    cfg.data.batch_size, cfg.inner.microbatches, cfg.inner.replica_map = 4, 2, how
+    setup = build_lib.build(cfg, vocab_size=257)
+    assert setup.replica_map == how
+    state = setup.init_state()
+    for seed in range(2):
+      state, metrics = setup.inner_step(state, sharding_lib.global_array(setup.mesh, _batches(cfg, seed), 4))
+    results[how] = (np.asarray(metrics["loss"]), jax.tree.map(np.asarray, state))
+  np.testing.assert_allclose(results["sequential"][0], results["vmap"][0], rtol=1e-5)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=0, atol=1e-5), results["sequential"][1],
+               results["vmap"][1])
+  assert float(np.std(results["sequential"][1].params["head"]["kernel"], axis=0).max()) < 1e-7  # ddp: identical
 
 
 def test_learning_rate_schedule_matches_numpy():

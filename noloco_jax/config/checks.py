@@ -24,6 +24,9 @@ def check_across_sections(config: Config) -> None:
   if c.inner.microbatches > 1 and c.num_stages > 1:
     fail("inner.microbatches", c.inner.microbatches,
          "1 with num_stages > 1 (the pipeline cuts the batch itself: pipeline.microbatches)")
+  if c.inner.replica_map == "sequential" and c.num_stages > 1:
+    fail("inner.replica_map", c.inner.replica_map,
+         "'auto' or 'vmap' with num_stages > 1 (the pipeline maps its replicas itself, with vmap)")
   if c.model.max_seq_len and c.model.max_seq_len < c.data.seq_len:
     fail("data.seq_len", c.data.seq_len, f"at most model.max_seq_len={c.model.max_seq_len}")
   if c.nan_policy == "skip_round" and c.checkpoint_every % c.outer.inner_steps:

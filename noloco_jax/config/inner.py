@@ -5,6 +5,8 @@ import dataclasses
 from noloco_jax.config.fields import Section, at_least, fail, one_of
 
 OPTIMIZERS = ("adam", "adamw")
+# How a device runs its replicas (noloco_jax/inner/replicas.py).
+REPLICA_MAPS = ("auto", "vmap", "sequential")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +26,12 @@ class InnerConfig(Section):
   # this many equal slices, one after another, and their gradients averaged: the same update, with
   # the activation memory of one slice. batch_size must be a multiple of microbatches × fsdp.
   microbatches: int = 1
+  # How a device holding several replicas (num_replicas > num_devices) runs their inner steps and
+  # evaluations: "vmap" (batched: one program over the stacked replicas), "sequential" (a loop in the
+  # same program, one replica at a time, each computed exactly as alone; activation memory of one
+  # replica) or "auto" (sequential on CPU, where it was measured faster; vmap on GPU and TPU). Without
+  # pipeline stages (the pipeline maps its replicas itself). noloco_jax/inner/replicas.py says why.
+  replica_map: str = "auto"
 
   def check(self) -> None:
     one_of("inner.optimizer", self.optimizer, OPTIMIZERS)
@@ -42,3 +50,4 @@ class InnerConfig(Section):
     if self.grad_clip < 0:
       fail("inner.grad_clip", self.grad_clip, "a number ≥ 0 (0 disables clipping)")
     at_least("inner.microbatches", self.microbatches, 1)
+    one_of("inner.replica_map", self.replica_map, REPLICA_MAPS)

@@ -1,9 +1,9 @@
 """The inner step: plain local training of one replica, no collectives.
 
-`compute_grads` and `apply_grads` are written for ONE replica. `make_inner_step` stacks them over the
-k replicas a device holds (vmap) and leaves one hook between the two, `reduce_grads`, through which the
-data-parallel baseline averages gradients across replicas; every other method passes None and the
-step stays free of communication.
+`compute_grads` and `apply_grads` are written for ONE replica. `make_inner_step` maps them over the
+k replicas a device holds (vmapped or in a loop: inner/replicas.py) and leaves one hook between the
+two, `reduce_grads`, through which the data-parallel baseline averages gradients across replicas;
+every other method passes None and the step stays free of communication.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from noloco_jax.inner import replicas
 from noloco_jax.inner.state import TrainState
 
 
@@ -99,28 +100,42 @@ def apply_grads(state: TrainState, grads, optimizer: optax.GradientTransformatio
 
 
 def make_inner_step(loss_of, optimizer: optax.GradientTransformation,
-                    reduce_grads: Callable | None = None, microbatches: int = 1):
+                    reduce_grads: Callable | None = None, microbatches: int = 1, replica_map: str = "vmap"):
   """Returns step(states_k, batches_k) -> (states_k, metrics) over the k replicas of one device.
 
   `microbatches` > 1 accumulates each replica's gradient over that many slices of its batch.
+  `replica_map` is a resolved mode of inner/replicas.py (`vmap` or `sequential`). A `sequential` step
+  without `reduce_grads` loops over each replica's whole step (gradient and update in one body: the
+  single-replica step itself); otherwise gradients and updates are mapped apart, and `reduce_grads`
+  sees every local replica's gradients in between.
   """
 
+  def one_replica(state, batch):
+    loss, grads = accumulate_grads(state.params, batch, loss_of, microbatches)
+    return apply_grads(state, grads, optimizer), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+  grads_k = replicas.over_replicas(lambda params, batch: accumulate_grads(params, batch, loss_of, microbatches),
+                                   replica_map)
+  apply_k = replicas.over_replicas(lambda state, grads: apply_grads(state, grads, optimizer), replica_map)
+
   def step(states: TrainState, batches_kxBxL1):
-    loss_k, grads = jax.vmap(accumulate_grads, in_axes=(0, 0, None, None))(
-        states.params, batches_kxBxL1, loss_of, microbatches)
+    if replica_map == "sequential" and reduce_grads is None:
+      return replicas.over_replicas(one_replica, replica_map)(states, batches_kxBxL1)
+    loss_k, grads = grads_k(states.params, batches_kxBxL1)
     grad_norm_k = jax.vmap(optax.tree.norm)(grads)
     if reduce_grads is not None:
       grads = reduce_grads(grads)
-    states = jax.vmap(apply_grads, in_axes=(0, 0, None))(states, grads, optimizer)
+    states = apply_k(states, grads)
     return states, {"loss": loss_k, "grad_norm": grad_norm_k}
 
   return step
 
 
-def make_eval_step(loss_of, microbatches: int = 1):
+def make_eval_step(loss_of, microbatches: int = 1, replica_map: str = "vmap"):
   """Returns eval(params_k, batch_BxL1) -> loss_k: every local replica evaluates its own weights.
 
   With `microbatches` > 1 the batch is scored that many equal slices at a time (same mean loss).
+  `replica_map`: as for make_inner_step.
   """
 
   def one_replica(params, batch_BxL1):
@@ -129,10 +144,7 @@ def make_eval_step(loss_of, microbatches: int = 1):
     losses = jax.lax.map(lambda b: loss_fn(params, b, loss_of), microbatch_slices(batch_BxL1, microbatches))
     return jnp.mean(losses.astype(jnp.float32))
 
-  def evaluate(params, batch_BxL1):
-    return jax.vmap(one_replica, in_axes=(0, None))(params, batch_BxL1)
-
-  return evaluate
+  return replicas.over_replicas(one_replica, replica_map, in_axes=(0, None))
 
 
 def cast_floats(tree, dtype):

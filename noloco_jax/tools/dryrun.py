@@ -110,8 +110,12 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
   fsdp = config.fsdp
   mesh = mesh_lib.make_mesh(config.num_replicas, config.num_devices, devices=devices, fsdp=fsdp,
                             stages=config.num_stages)
+  # Fake CPU devices stand in for accelerators: a device's replicas are built as an accelerator run
+  # builds them (inner.replica_map=auto is vmap there, a loop on CPU), so that the memory figures are
+  # the run's (a loop holds one replica's activations at a time, vmap all of them).
+  target = "gpu" if devices[0].platform == "cpu" else None
   setup = build_lib.build(config, mesh=mesh, vocab_size=vocab_size or config.model.vocab_size or None,
-                      check_data=False)
+                      check_data=False, platform=target)
   config = setup.config  # validated: every field resolved (the per-kind outer fields included)
   n, b, l1 = config.num_replicas, config.data.batch_size, config.data.seq_len + 1
 
@@ -122,6 +126,7 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
 
   result: dict[str, Any] = {
       "mesh": dict(mesh.shape), "devices_used": int(mesh.devices.size), "platform": devices[0].platform,
+      "replica_map": setup.replica_map,  # how each device runs its replicas (inner/replicas.py)
       # The compiler that produced the figures: XLA for this backend (cpu = an estimate for accelerators).
       "backend": f"{devices[0].platform} ({devices[0].device_kind})",
       "num_params": setup.model.num_params(), "num_params_counted": counted_params,

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from noloco_jax import config as config_lib
 from noloco_jax import models
+from noloco_jax.inner import replicas as replicas_lib
 from noloco_jax.inner import step as inner
 from noloco_jax.inner.state import TrainState
 from noloco_jax.io import data as data_lib
@@ -58,6 +59,7 @@ class Setup:
   # Per-leaf NamedShardings of the state where it lives between steps (replica, fsdp; φ and δ in host
   # memory with outer.offload).
   state_shardings: Any = None
+  replica_map: str = "vmap"  # how each device runs its replicas: vmap or sequential (inner/replicas.py)
 
   def outer_round(self, round_: int) -> tuple[Callable, np.ndarray]:
     """(jitted round function, route) for round `round_`, compiled on first use (the loop compiles ahead)."""
@@ -69,11 +71,13 @@ class Setup:
 
 
 def build(config, mesh=None, vocab_size: int | None = None,
-          check_data: bool = True) -> Setup:
+          check_data: bool = True, platform: str | None = None) -> Setup:
   """Validates the config and builds the model, the mesh and the jitted, sharded step functions.
 
   `check_data=False` (the dry run) skips checking data paths, and opening the tokenizer when the
-  vocabulary is given (`vocab_size` or config.model.vocab_size).
+  vocabulary is given (`vocab_size` or config.model.vocab_size). `platform`: the backend the run is
+  for, which decides what inner.replica_map=auto builds (default: the mesh's devices'; the dry run
+  compiles on fake CPU devices for accelerators).
   """
   config = load_config(config)
   if vocab_size is None:
@@ -106,6 +110,7 @@ def build(config, mesh=None, vocab_size: int | None = None,
                      outer=method.init(params))
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + x.shape), one)
 
+  how = "vmap"
   if pipelined:  # the micro-batched GPipe schedule, manual over `replica` and `stage`
     layout = lambda abstract, mesh_: pipeline.state_shardings(abstract, mesh_, model)
     step_local = pipeline.make_inner_step(config, model, mesh, optimizer, method.reduce_grads)
@@ -113,10 +118,13 @@ def build(config, mesh=None, vocab_size: int | None = None,
     eval_fn = pipeline.make_eval_step(config, model, mesh)
   else:
     layout = sharding_lib.state_shardings
+    # A device's k replicas: batched or one after another (inner/replicas.py: `auto` loops on CPU).
+    how = replicas_lib.resolve(config.inner.replica_map, mesh_lib.replicas_per_device(mesh, num_replicas),
+                               platform or mesh.devices.flat[0].platform)
     step_local = mesh_lib.replica_map(
-        inner.make_inner_step(model.loss, optimizer, method.reduce_grads, config.inner.microbatches), mesh,
+        inner.make_inner_step(model.loss, optimizer, method.reduce_grads, config.inner.microbatches, how), mesh,
         in_specs=(P(REPLICA), P(REPLICA)), out_specs=(P(REPLICA), P(REPLICA)))
-    eval_fn = _replica_eval(model, mesh, config.inner.microbatches)
+    eval_fn = _replica_eval(model, mesh, config.inner.microbatches, how)
 
   # Each leaf's home: replica axis over `replica`, one dimension over `fsdp` (sharding.py), and with
   # outer.offload φ and δ in pinned host memory. Computed from shapes only: nothing is allocated.
@@ -137,12 +145,13 @@ def build(config, mesh=None, vocab_size: int | None = None,
   return Setup(config=config, mesh=mesh, model=model, method=method, schedule=schedule,
                init_state=jax.jit(init_all, out_shardings=state_sh), inner_step=inner_step,
                eval_step=jax.jit(eval_fn), weight_std=jax.jit(metrics_lib.weight_std),
-               rounds=rounds_lib.Rounds(method, mesh, schedule, state_sh), state_shardings=state_sh)
+               rounds=rounds_lib.Rounds(method, mesh, schedule, state_sh), state_shardings=state_sh,
+               replica_map=how)
 
 
-def _replica_eval(model: models.base.Model, mesh, microbatches: int) -> Callable:
+def _replica_eval(model: models.base.Model, mesh, microbatches: int, replica_map: str) -> Callable:
   """eval(params [N, ...], batch [B, L+1]) -> loss [N] without pipeline stages."""
-  evaluate_local = inner.make_eval_step(model.loss, microbatches)
+  evaluate_local = inner.make_eval_step(model.loss, microbatches, replica_map)
 
   def eval_fn(params, batch_BxL1):
     # Every replica scores the same validation batch; inside a replica group its sequences are split

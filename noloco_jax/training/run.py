@@ -113,9 +113,9 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
   # seeds (e.g. compare_methods.py) are scored on the same sequences.
   eval_batches = jax.device_put(data_lib.make_eval_batches(config.data, seed=0, vocab_size=setup.model.vocab_size),
                                 mesh_lib.replicated(mesh))
-  logging.info("Global batch: %d replicas × %d sequences × %d tokens; %d devices (%d replicas each); "
+  logging.info("Global batch: %d replicas × %d sequences × %d tokens; %d devices (%d replicas each, %s); "
                "process %d of %d holds replicas %s.", n, config.data.batch_size, config.data.seq_len,
-               mesh.devices.size, mesh_lib.replicas_per_device(mesh, n), jax.process_index(),
+               mesh.devices.size, mesh_lib.replicas_per_device(mesh, n), setup.replica_map, jax.process_index(),
                jax.process_count(), local_ids)
 
   state = setup.init_state()
