@@ -32,6 +32,7 @@ binding its own, unused, in-process service to a spare port; process 0 can then 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -148,13 +149,16 @@ def live_nodes(process_ids) -> dict[int, int]:
   return {int(k): int(v) for k, v in global_state.client.get_live_nodes(list(process_ids)).items()}
 
 
-def incarnation() -> int:
+def incarnation(client=None, slot: int | None = None) -> int:
   """This process's incarnation id as the coordination service knows it (new on every (re)start).
 
-  `live_nodes` over this process alone returns at once (over several processes it is a barrier).
+  `get_live_nodes` over this process alone returns at once (over several processes it is a barrier).
+  Without arguments: the client and process id of `jax.distributed` (`initialize`).
   """
-  me = jax.process_index()
-  return live_nodes([me])[me]
+  if client is None:
+    me = jax.process_index()
+    return live_nodes([me])[me]
+  return int(client.get_live_nodes([slot])[slot])
 
 
 # ---- In one process (simulations, thread-level tests) ----
@@ -248,6 +252,49 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                              heartbeat_timeout_seconds=heartbeat_timeout_s,
                              shutdown_timeout_seconds=shutdown_timeout_s, coordinator_bind_address=bind)
   return JaxKV()
+
+
+@dataclasses.dataclass
+class Connection:
+  """This process's place in the control plane (`connect`): its slot, its store, the service it may host."""
+  kv: JaxKV
+  slot: int
+  num_slots: int
+  incarnation: int
+  client: object  # JAX's DistributedRuntimeClient (kept alive: its heartbeats are our membership in the service)
+  service: object | None  # the coordination service, when this process hosts it (slot 0, not standalone)
+
+  @property
+  def hosts_service(self) -> bool:
+    return self.service is not None
+
+
+def connect(coordinator_address: str, num_slots: int, slot: int, *, heartbeat_timeout_s: int = 30,
+            initialization_timeout_s: int = 300, standalone_service: bool = False) -> Connection:
+  """Joins the control plane of an asynchronous job WITHOUT making JAX's compute runtime multi-process.
+
+  The same service and client as `jax.distributed.initialize` (JAX's own classes, the service
+  recoverable), but the client is not handed to JAX's backends: this process's JAX sees only its own
+  devices (jax.process_count() == 1). So no program, collective or barrier of the trainer (an
+  evaluation, orbax's saves, the start-up checks) can ever involve another process: the schedule's
+  only links between processes are the store and the transfer servers (docs/async.md §1). Slot 0
+  starts the service in-process unless it runs in a process of its own (`standalone_service`, `main`).
+
+  Like `jax.distributed`, the service takes `num_slots` clients and waits at start-up until all have
+  connected (`initialization_timeout_s`); a client that restarts reconnects with its slot and gets a
+  new incarnation (measured: accepted before or after the service noticed the old one's death).
+  """
+  from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top  (private: here only)
+  if not 0 <= slot < num_slots:
+    raise ValueError(f"process id {slot} is not valid: an integer in [0, {num_slots - 1}] (num_processes={num_slots}).")
+  service = None
+  if slot == 0 and not standalone_service:
+    port = int(coordinator_address.rsplit(":", 1)[1])
+    service = serve(port, num_slots, heartbeat_timeout_s=heartbeat_timeout_s)
+  client = _jax.get_distributed_runtime_client(coordinator_address, slot, init_timeout=initialization_timeout_s,
+                                               heartbeat_timeout=heartbeat_timeout_s, use_compression=True)
+  client.connect()
+  return Connection(JaxKV(client), slot, num_slots, incarnation(client, slot), client, service)
 
 
 def serve(port: int, num_processes: int, *, heartbeat_timeout_s: int = 30, shutdown_timeout_s: int = 30,

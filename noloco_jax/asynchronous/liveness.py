@@ -108,7 +108,7 @@ class Liveness:
     self.beat_s, self.lease_s, self._clock = beat_s, lease_s, clock
     self.table = LeaseTable(slot, lease_s)
     self.events: list[dict] = []
-    self._on_event = on_event
+    self.on_event = on_event  # may be set later (the session's membership log)
     self._counter = 0
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
@@ -168,6 +168,6 @@ class Liveness:
       for e in events:
         self.events.append(e)
         logging.info("Membership: slot %d (incarnation %d) %s.", e["slot"], e["incarnation"], e["event"])
-        if self._on_event is not None:
-          self._on_event(e)
+        if self.on_event is not None:
+          self.on_event(e)
       return self.table.alive()

@@ -75,13 +75,18 @@ class RoundResult:
 
 class Session:
 
-  def __init__(self, kv: control.KV, slot: int, incarnation: int, options: Options, *, log_dir: str | None = None):
+  def __init__(self, kv: control.KV, slot: int, incarnation: int, options: Options, *, log_dir: str | None = None,
+               heartbeat: liveness.Liveness | None = None):
+    """`heartbeat`: this process's lease, already beating (started at connect time, so that a process still
+    starting up is not taken for dead: asynchronous/job.py); else one is started here."""
     options.check()
     self.kv, self.slot, self.incarnation, self.options = kv, slot, incarnation, options
     self._events = churn.EventLog(log_dir, slot) if log_dir else None
     self._pairings = open(os.path.join(log_dir, f"pairings_{slot}.jsonl"), "a", buffering=1) if log_dir else None
-    self.liveness = liveness.Liveness(kv, slot, incarnation, beat_s=options.beat_s, lease_s=options.lease_s,
-                                      on_event=self._events).start()
+    if heartbeat is None:
+      heartbeat = liveness.Liveness(kv, slot, incarnation, beat_s=options.beat_s, lease_s=options.lease_s).start()
+    heartbeat.on_event = self._events
+    self.liveness = heartbeat
     self.matchmaker = matchmaking.Matchmaker(
         kv, slot, incarnation, seed=options.seed, window_s=options.window_s, max_wait_s=options.max_wait_s,
         live=self.liveness.poll, odd=options.odd, close_grace_s=options.close_grace_s)
@@ -94,6 +99,13 @@ class Session:
     """For this process of a running jax.distributed job (control.initialize first)."""
     import jax  # pylint: disable=g-import-not-at-top
     return cls(control.JaxKV(), jax.process_index(), control.incarnation(), options, log_dir=log_dir)
+
+  @classmethod
+  def from_connection(cls, connection, options: Options, *, log_dir: str | None = None) -> "Session":
+    """For a process of the trainer's asynchronous schedule (asynchronous/job.Process: its store, slot,
+    incarnation and the heartbeat it started when it connected)."""
+    return cls(connection.kv, connection.slot, connection.incarnation, options, log_dir=log_dir,
+               heartbeat=connection.heartbeat)
 
   def round(self, message, progress: int) -> RoundResult:
     """Finds this round's group and exchanges `message` (a pytree of arrays) with it; see the module docstring."""

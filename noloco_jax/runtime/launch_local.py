@@ -11,7 +11,8 @@ NOLOCO_PROCESS_ID=i, JAX_NUM_CPU_DEVICES=devices_per_process and JAX_PLATFORMS=c
 prefixed with `[i]`, or written to LOG_DIR/process_i.log with --log_dir.
 
 If one process fails, the launcher gives the others --grace_s seconds to exit on their own (they should:
-see distributed.py) and then kills them; its exit status is the first non-zero status of a process, a
+see distributed.py) and then kills them (with --keep_going it lets them run: the asynchronous
+schedule's processes train on without the failed one, docs/async.md); its exit status is the first non-zero status of a process, a
 process killed by signal N counting as 128 + N (137 for SIGKILL), as a shell reports it.
 
 SIGTERM, SIGINT (Ctrl-C) and SIGHUP sent to the launcher are passed on to every process, and the launcher
@@ -98,11 +99,12 @@ class Job:
       if p.poll() is None:
         p.send_signal(signum)
 
-  def wait(self, timeout_s: float | None = None, grace_s: float = 60.0) -> list[int]:
-    """Waits for all processes; after the first failure, or past `timeout_s`, the rest get `grace_s`."""
+  def wait(self, timeout_s: float | None = None, grace_s: float = 60.0, keep_going: bool = False) -> list[int]:
+    """Waits for all processes; after the first failure (unless `keep_going`), or past `timeout_s`, the
+    rest get `grace_s`."""
     deadline = None if timeout_s is None else time.time() + timeout_s
     while any(p.poll() is None for p in self.procs):
-      failed = any(p.poll() not in (None, 0) for p in self.procs)
+      failed = not keep_going and any(p.poll() not in (None, 0) for p in self.procs)
       if failed or (deadline is not None and time.time() > deadline):
         self._stop_rest(grace_s)
         break
@@ -164,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--timeout_s", type=float, default=None, help="kill the job after this long")
   parser.add_argument("--grace_s", type=float, default=60.0,
                       help="after a process fails, how long the others may take to exit before being killed")
+  parser.add_argument("--keep_going", action="store_true",
+                      help="a failed process does not stop the others (outer.schedule=async: they train on)")
   opts = parser.parse_args(own)
   # Installed before the processes start, so no signal can end the launcher and leave them running;
   # one that arrives while they are being started is passed on once they all exist.
@@ -187,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     job.forward(signum)
   print(f"launch_local: {opts.num_processes} processes × {opts.devices_per_process} CPU devices, coordinator "
         f"127.0.0.1:{job.port}, pids {[p.pid for p in job.procs]}", flush=True)
-  codes = job.wait(opts.timeout_s, opts.grace_s)
+  codes = job.wait(opts.timeout_s, opts.grace_s, keep_going=opts.keep_going)
   print(f"launch_local: {describe(codes)}", flush=True)
   return next((exit_status(c) for c in codes if c != 0), 0)
 

@@ -44,8 +44,11 @@ class StepRate:
     self._time, self._step = now, step
     return {"perf/steps_per_s": steps_per_s, "perf/tokens_per_s": steps_per_s * self._tokens_per_step}
 
-  def restart(self) -> None:
+  def restart(self, step: int | None = None) -> None:
+    """From now (after an evaluation), or from `step` now (the loop jumped there: an asynchronous join)."""
     self._time = time.time()
+    if step is not None:
+      self._step = step
 
 
 @dataclasses.dataclass
@@ -106,7 +109,10 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
   config, mesh, n = setup.config, setup.mesh, setup.config.num_replicas
   close = lambda closer: on_exit(cleanup, closer)
   local_ids = mesh_lib.local_replica_ids(mesh, n)  # each process reads only the replicas its devices hold
-  data = data_lib.make_train_iterator(config.data, seed=config.seed, replica_ids=local_ids, num_replicas=n,
+  data_ids, data_n = local_ids, n
+  if setup.process is not None:  # a process of an asynchronous job: its replica's shard of the job's data
+    data_ids, data_n = list(setup.process.replica_ids), setup.process.num_replicas
+  data = data_lib.make_train_iterator(config.data, seed=config.seed, replica_ids=data_ids, num_replicas=data_n,
                                       vocab_size=setup.model.vocab_size)
   close(lambda failed: data.close())
   # The validation sample is drawn with a fixed seed, not config.seed, so that runs with different
@@ -116,7 +122,7 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
   logging.info("Global batch: %d replicas × %d sequences × %d tokens; %d devices (%d replicas each); "
                "process %d of %d holds replicas %s.", n, config.data.batch_size, config.data.seq_len,
                mesh.devices.size, mesh_lib.replicas_per_device(mesh, n), jax.process_index(),
-               jax.process_count(), local_ids)
+               jax.process_count(), data_ids)
 
   state = setup.init_state()
   # All processes agree on config/seed/layout, share the workdir, and every replica starts bit-identical
@@ -142,6 +148,6 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
   run = Run(setup=setup, workdir=workdir, state=state, loop=loop, data=data, eval_batches=eval_batches,
             writer=writer, checkpointer=checkpointer, on_exit=close,
             start_step=loop.step, traffic_per_round=per_round, traffic_per_step=per_step,
-            faults=faults.from_env(),
+            faults=faults.from_env(None if setup.process is None else setup.process.slot),
             rate=StepRate(loop.step, n * config.data.batch_size * config.data.seq_len))
   return run
