@@ -9,7 +9,7 @@ launch, and a way to watch the schedule work:
     python -m noloco_jax.runtime.launch_local --num_processes=4 --devices_per_process=1 \\
         --module=experiments.async_demo -- --rounds=30 --log_dir=runs/async_demo
 
-NOLOCO_FAULTS (training/faults.py) applies after every inner step (e.g. `kill:process=2,step=40`).
+NOLOCO_FAULTS (runtime/faults.py) applies after every inner step (e.g. `kill:process=2,step=40`).
 `--join` makes a (re)started process take its state from a live peer before training (churn.py).
 At the end each process writes LOG_DIR/result_<slot>.json; process 0, which hosts the coordination
 service unless `--standalone_service`, waits (up to --linger_s) for the others to finish first.
@@ -32,7 +32,7 @@ import optax
 
 from noloco_jax.asynchronous import churn, control, session as session_lib
 from noloco_jax.outer import async_rules, rules
-from noloco_jax.training import faults
+from noloco_jax.runtime import faults
 
 
 def _digest(tree) -> str:
@@ -61,12 +61,13 @@ def main(argv=None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
   slot = int(os.environ["NOLOCO_PROCESS_ID"])
-  kv = control.initialize(os.environ["NOLOCO_COORDINATOR_ADDRESS"], int(os.environ["NOLOCO_NUM_PROCESSES"]), slot,
-                          heartbeat_timeout_s=30, standalone_service=opts.standalone_service)
+  # The control plane only (as the trainer's asynchronous schedule): this process's JAX sees its own devices.
+  connection = control.connect(os.environ["NOLOCO_COORDINATOR_ADDRESS"], int(os.environ["NOLOCO_NUM_PROCESSES"]),
+                               slot, heartbeat_timeout_s=30, standalone_service=opts.standalone_service)
   options = session_lib.Options(seed=opts.seed, window_s=opts.window_s, max_wait_s=opts.max_wait_s,
                                 exchange_timeout_s=opts.exchange_timeout_s, lease_s=opts.lease_s,
                                 beat_s=min(0.5, opts.lease_s / 4), odd=opts.odd, join_timeout_s=30.0)
-  session = session_lib.Session(kv, slot, control.incarnation(), options, log_dir=opts.log_dir)
+  session = session_lib.Session(connection.kv, slot, connection.incarnation, options, log_dir=opts.log_dir)
   injector = faults.from_env(slot)
   alpha, beta, gamma, lr = 0.5, 0.7, 0.9, 0.1
 
@@ -97,7 +98,8 @@ def main(argv=None) -> int:
       theta, inner = inner_step(theta, inner)
       step += 1
       time.sleep(opts.step_s)
-      injector.after_step(step, theta)
+      if injector is not None:  # None without NOLOCO_FAULTS
+        injector.after_step(step, theta)
     message = rules.noloco_message(theta, phi, beta=beta, gamma=gamma)
     outcome = session.round(message, progress=step)
     if outcome.exchanged:

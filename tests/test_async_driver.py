@@ -225,5 +225,10 @@ def test_a_killed_process_is_left_behind_and_rejoins_from_a_live_peer(tmp_path):
   joined = [json.loads(line) for line in open(os.path.join(workdir, "process_2", "membership_2.jsonl"))
             if '"joined_from"' in line]
   assert joined and joined[-1]["donor"] in (0, 1)
+  # What it received is bit for bit what the donor served it (θ, φ, δ, the inner optimiser state and step).
+  served = [e for e in _jsonl(os.path.join(workdir, f"process_{joined[-1]['donor']}",
+                                           f"membership_{joined[-1]['donor']}.jsonl"))
+            if e.get("event") == "served_join" and str(e["incarnation"]) == new]
+  assert [e["digest"] for e in served] == [joined[-1]["digest"]]
   rows = [r for r in _jsonl(os.path.join(workdir, "process_2", "metrics.jsonl")) if "train/loss" in r]
   assert rows[0]["step"] > 9 and len(rows) >= 2, rows  # its first row after the donor's step, then on

@@ -25,6 +25,8 @@ import logging
 import os
 import time
 
+import jax
+
 from noloco_jax.asynchronous import churn, control, law, liveness, matchmaking
 from noloco_jax.asynchronous import transport as transport_lib
 
@@ -151,7 +153,7 @@ class Session:
                                         seed=self.options.seed, timeout_s=self.options.join_timeout_s)
     if self._events is not None:
       self._events({"time": time.time(), "slot": self.slot, "incarnation": self.incarnation, "event": "joined_from",
-                    "donor": donor, "donor_progress": progress})
+                    "donor": donor, "donor_progress": progress, "digest": churn.digest(jax.tree.leaves(state))})
     return state, donor, progress
 
   def others_alive(self) -> list[int]:
