@@ -124,7 +124,8 @@ def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit():
 
 def _job_logs(root):
   d = os.path.join(root, "logs")
-  return "\n".join(f"--- {n}\n" + open(os.path.join(d, n)).read()[-4000:] for n in sorted(os.listdir(d)))
+  return "\n".join(f"--- {n}\n" + open(os.path.join(d, n)).read()[-4000:] for n in sorted(os.listdir(d))
+                   if os.path.isfile(os.path.join(d, n)))
 
 
 def _jsonl(path):

@@ -36,6 +36,7 @@ from noloco_jax.asynchronous import session as session_lib
 from noloco_jax.runtime import failures
 
 CONFIG_KEY = "config/"  # config/<slot>: the config each process started with (compared at start-up)
+DONE = "done/"  # done/<slot> = incarnation: that process is exiting (Process.finish)
 
 
 class ConfigMismatch(failures.ReportedError, RuntimeError):
@@ -70,30 +71,43 @@ class Process:
   def workdir(self, job_workdir: str) -> str:
     return os.path.join(job_workdir, f"process_{self.slot}")
 
-  def finish(self, *, lease_s: float, poll_s: float = 0.5) -> None:
-    """At the end of this process's run. The process hosting the coordination service first waits until
-    every other slot has left or lost its lease: when it exits, the service goes and every other process
-    aborts (a limit of JAX's runtime, docs/async.md)."""
+  def finish(self, *, lease_s: float, poll_s: float = 0.5, grace_s: float = 1.0) -> None:
+    """At the very end of this process (main.py exits right after). It says so (`done/<slot>`). The
+    process hosting the coordination service first waits until every other process has said so or has
+    died (its heartbeat still for `lease_s`): when it exits, the service goes, and every process still
+    connected aborts (a limit of JAX's runtime, docs/async.md). A process that left the rounds keeps
+    beating while it saves (liveness.Liveness.leave(keep_beating=True)), so it is waited for."""
     kv = self.connection.kv
     try:
-      self.heartbeat.leave()  # (the round driver's session has usually done it already)
+      kv.set(f"{DONE}{self.slot}", str(self.incarnation))
     except Exception as e:  # pylint: disable=broad-except  (the service is gone: nobody is left to tell)
-      logging.warning("Process %d could not mark itself gone: %s", self.slot, str(e).splitlines()[0])
+      logging.warning("Process %d could not say it is done: %s", self.slot, str(e).splitlines()[0])
       return
     if not self.connection.hosts_service:
       return
-    table = liveness.LeaseTable(self.slot, lease_s)
+    self.heartbeat.leave(keep_beating=True)
+    last: dict[int, tuple[str, float]] = {}  # slot -> (lease value, when it last changed, by our clock)
     waiting_for = None
     while True:
-      raw = kv.dir(liveness.PREFIX)
-      table.observe({int(k[len(liveness.PREFIX):]): v for k, v in raw.items()}, time.monotonic())
-      others = sorted(s for s in table.alive() if s != self.slot)
-      if not others:
+      now, done = time.monotonic(), kv.dir(DONE)
+      running = []
+      for key, value in sorted(kv.dir(liveness.PREFIX).items()):
+        slot = int(key[len(liveness.PREFIX):])
+        if slot == self.slot:
+          continue
+        inc, _, tail = value.partition(":")
+        if last.get(slot, ("", 0.0))[0] != value:
+          last[slot] = (value, now)
+        dead = tail == liveness.LEFT or now - last[slot][1] > lease_s  # ("left" without beating: a reserved slot)
+        if not dead and done.get(f"{DONE}{slot}") != inc:
+          running.append(slot)
+      if not running:
+        time.sleep(grace_s)  # the last ones to say "done" are exiting now
         return
-      if others != waiting_for:
-        waiting_for = others
+      if running != waiting_for:
+        waiting_for = running
         logging.info("Process %d hosts the coordination service: it waits for processes %s to finish (its exit "
-                     "would end them).", self.slot, others)
+                     "would end them).", self.slot, running)
       time.sleep(poll_s)
 
 

@@ -67,14 +67,14 @@ class LeaseTable:
         if seen is not None and seen.state == "alive":
           # Restarted before its old lease ran out: the old incarnation died without leaving.
           events.append(_event(slot, seen.incarnation, "lost"))
-        state = LEFT if tail == LEFT else "alive"
+        state = LEFT if is_left(tail) else "alive"
         self._seen[slot] = _Seen(inc, value, now, state)
         if state == "alive":
           events.append(_event(slot, inc, "joined"))
         continue
       if value != seen.value:
         seen.value, seen.changed_at = value, now
-        if tail == LEFT:
+        if is_left(tail):
           if seen.state != LEFT:
             seen.state = LEFT
             events.append(_event(slot, inc, "left"))
@@ -90,6 +90,12 @@ class LeaseTable:
   def alive(self) -> dict[int, int]:
     """{slot: incarnation} of the members currently held alive (this process always is)."""
     return {s: v.incarnation for s, v in self._seen.items() if v.state == "alive" or s == self.me}
+
+
+def is_left(tail: str) -> bool:
+  """Whether a lease value's part after the incarnation says "left" ("left", or "left:<counter>" from a
+  process that left the schedule but keeps beating until it exits: Liveness.leave(keep_beating=True))."""
+  return tail == LEFT or tail.startswith(LEFT + ":")
 
 
 def _event(slot: int, incarnation: int, kind: str) -> dict:
@@ -110,6 +116,7 @@ class Liveness:
     self.events: list[dict] = []
     self.on_event = on_event  # may be set later (the session's membership log)
     self._counter = 0
+    self._left = False  # left the schedule, still beating (leave(keep_beating=True))
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._lock = threading.Lock()
@@ -117,7 +124,8 @@ class Liveness:
   def beat(self) -> None:
     """Renews this process's lease once."""
     self._counter += 1
-    self.kv.set(f"{PREFIX}{self.slot}", f"{self.incarnation}:{self._counter}")
+    tail = f"{LEFT}:{self._counter}" if self._left else str(self._counter)
+    self.kv.set(f"{PREFIX}{self.slot}", f"{self.incarnation}:{tail}")
 
   def start(self) -> "Liveness":
     self.beat()
@@ -133,8 +141,17 @@ class Liveness:
         logging.warning("Heartbeat of slot %d stopped: %s", self.slot, str(e).splitlines()[0])
         return
 
-  def leave(self) -> None:
-    """This process stops normally: the others see it gone at their next poll, not after a lease."""
+  def leave(self, keep_beating: bool = False) -> None:
+    """This process stops normally: the others see it gone at their next poll, not after a lease.
+
+    `keep_beating`: it leaves the schedule (never grouped again) but goes on beating as "left:<counter>"
+    until it exits, so that an observer can still tell a process finishing its run (saving, logging)
+    from a dead one (the process hosting the service waits for the first, not the second: job.py).
+    """
+    if keep_beating:
+      self._left = True
+      self.beat()
+      return
     self._stop.set()
     if self._thread is not None:
       self._thread.join(timeout=5 * self.beat_s)
@@ -154,7 +171,7 @@ class Liveness:
     for key, value in after.items():
       slot = int(key[len(PREFIX):])
       inc, _, tail = value.partition(":")
-      if slot != self.slot and tail != LEFT and before.get(key) != value:
+      if slot != self.slot and not is_left(tail) and before.get(key) != value:
         moved[slot] = int(inc)
     self.poll()
     return moved

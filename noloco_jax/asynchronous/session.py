@@ -164,10 +164,11 @@ class Session:
             "transport": self.transport.stats.as_dict(), "failed_exchanges": self.failed,
             "membership": list(self.liveness.events)}
 
-  def close(self, linger_s: float = 0.0) -> None:
+  def close(self, linger_s: float = 0.0, keep_beating: bool = False) -> None:
     """Leaves (the others see it at once). `linger_s`: first wait up to this long for the others to be gone
-    (what the process hosting the coordination service must do, or its exit ends them)."""
-    self.liveness.leave()
+    (what the process hosting the coordination service must do, or its exit ends them). `keep_beating`: the
+    heartbeat goes on ("left", liveness.Liveness.leave) until the process exits (asynchronous/job.py)."""
+    self.liveness.leave(keep_beating=keep_beating)
     end = time.monotonic() + linger_s
     while linger_s > 0 and time.monotonic() < end and self.others_alive():
       time.sleep(min(self.options.beat_s, 0.5))

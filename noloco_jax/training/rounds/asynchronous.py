@@ -173,5 +173,6 @@ class AsyncRounds(RoundDriver):
   def close(self, failed: bool) -> None:
     """Leaves the job: the others see it gone at their next poll (never paired with it again)."""
     if self.session is not None:
-      self.session.close(linger_s=0.0)
+      # Still beating until the process exits (asynchronous/job.Process.finish): it saves and logs meanwhile.
+      self.session.close(linger_s=0.0, keep_beating=True)
       self.session = None
