@@ -282,7 +282,7 @@ def _async_val(run: dict, durations: dict, tokens: int) -> dict:
 
 
 def run_async(args, p: int, seed: int, faults: str, root: str, budget_s: float | None, label: str, *,
-              kill: str = "") -> dict:
+              kill: str = "") -> tuple[dict, dict]:
   """One asynchronous job (experiments/lib/async_runs.py), its summary and its model columns."""
   workdir = os.path.join(root, f"async{'_killed' if kill else ''}_p{p}_s{seed}")
   steps_cap = int(args.steps * max(args.straggler_factor, 1.0) * 4)  # never reached within the budget
@@ -313,6 +313,29 @@ def _step_times(args, p: int, steps: int) -> np.ndarray:
   return latency.straggler_step_times(p, steps, args.step_s, args.straggler_factor)
 
 
+def val_table(results: dict) -> str:
+  """Tokens/s, the fast processes' idle fraction and validation losses, per job (experiments/RESULTS.md):
+  each lock-step job at its end, the asynchronous job at the same wall time and at equal tokens."""
+  lines = ["| setting | P | seed | method | tokens/s | idle, fast processes (mean) | training s | val loss at its end | "
+           "async val loss at that time | async val loss at equal tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
+  fmt = lambda x: "–" if x is None else f"{x:.4f}"
+  for run in results["runs"]:
+    fast = run["idle_fraction"][1:] if "straggler" in run.get("label", "") else run["idle_fraction"]
+    same = [r for r in results["runs"] if r["method"] == "async" and (r["processes_count"], r.get("seed"), r.get("label"))
+            == (run["processes_count"], run.get("seed"), run.get("label"))]
+    async_at = same[0]["val_loss_at"].get(run["method"]) if same and run["method"] != "async" else None
+    tokens = same[0].get("val_loss_at_equal_tokens") if same and run["method"] != "async" else None
+    lines.append(f"| {run.get('label', '')} | {run['processes_count']} | {run.get('seed', 0)} | {run['method']} | "
+                 f"{run['tokens_per_s']:,.0f} | {np.mean(fast):.3f} | {run.get('duration_s', float('nan')):.1f} | "
+                 f"{fmt(run['val_loss_at'].get('noloco') if run['method'] == 'async' else run.get('val_loss'))} | "
+                 f"{fmt(async_at)} | {fmt(tokens)} |")
+  for k in results.get("kills", []):
+    lines.append(f"\nKilled process {k['killed']} of {k['processes_count']} at mid-run (seed {k['seed']}): survivors' val "
+                 f"loss {fmt(k['val_loss_survivors'])} after {k['duration_s']:.1f} s, the unkilled job's (same "
+                 f"processes) {fmt(k['val_loss_unkilled_same_processes'])}: {100 * (k['relative_difference'] or 0):+.2f}%.")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
   bench = harness.Bench(__doc__, quick=dict(processes=[2], steps=6, inner_steps=2, methods=["noloco", "diloco"]),
                         quick_help="P=2, 6 steps, H=2, noloco and diloco", out=True)
@@ -339,7 +362,7 @@ def main(argv=None) -> dict:
   bench.add_argument("--plot_from", nargs="*", default=[], help="only plot (or --table) these saved JSON results")
   bench.add_argument("--table", action="store_true", help="print the results as a Markdown table")
   args = bench.parse(argv)
-  text = table if args.table else None
+  text = (lambda r: table(r) + "\n\n" + val_table(r)) if args.table else None
   if args.plot_from:
     merged = {"runs": []}
     for path in args.plot_from:
