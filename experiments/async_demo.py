@@ -9,7 +9,7 @@ launch, and a way to watch the schedule work:
     python -m noloco_jax.runtime.launch_local --num_processes=4 --devices_per_process=1 \\
         --module=experiments.async_demo -- --rounds=30 --log_dir=runs/async_demo
 
-NOLOCO_FAULTS (runtime/faults.py) applies after every inner step (e.g. `kill:process=2,step=40`).
+NOLOCO_FAULTS (noloco_jax/runtime/faults.py) applies after every inner step (e.g. `kill:process=2,step=40`).
 `--join` makes a (re)started process take its state from a live peer before training (churn.py).
 At the end each process writes LOG_DIR/result_<slot>.json; process 0, which hosts the coordination
 service unless `--standalone_service`, waits (up to --linger_s) for the others to finish first.
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
       theta, inner = inner_step(theta, inner)
       step += 1
       time.sleep(opts.step_s)
-      if injector is not None:  # None without NOLOCO_FAULTS
+      if injector is not None:  # None without NOLOCO_FAULTS (a restarted process runs without it)
         injector.after_step(step, theta)
     message = rules.noloco_message(theta, phi, beta=beta, gamma=gamma)
     outcome = session.round(message, progress=step)

@@ -216,10 +216,20 @@ def _git_rev() -> str | None:
     return None
 
 
-def main(argv=None) -> dict:
+def _bench() -> harness.Bench:
   # Fake CPU devices, one per replica (at least 8), before JAX starts.
   bench = harness.Bench(__doc__, cpu_devices=lambda args: max(8, args.replicas))
   add_flags(bench)
+  return bench
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  """The command line's flags (what `main` reads), without running anything."""
+  return _bench().parse(argv)
+
+
+def main(argv=None) -> dict:
+  bench = _bench()
   args = bench.parse(argv)
   args.workdir = workdir_of(args)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

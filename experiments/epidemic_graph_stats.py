@@ -1,5 +1,5 @@
 """Epidemic Learning's graphs (noloco_jax/outer/epidemic.py): the cost of EL-Oracle's exact draw, and the
-in-degrees of both topologies. Prints one JSON object per (N, s).
+in-degrees of both topologies. Prints one JSON line per (N, s) as it goes, then the whole result.
 
 EL-Oracle redraws the configuration model until the graph is simple; its acceptance rate decides what
 `config/outer.py`'s ORACLE_MAX_DEGREE allows. Per (N, s): the measured acceptance of 20,000 tries of
@@ -13,12 +13,12 @@ Binomial(N − 1, s/(N − 1))'s (1 − s/(N − 1))^(N − 1).
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import numpy as np
 
+from experiments.lib import harness
 from noloco_jax.outer import epidemic
 
 
@@ -41,16 +41,19 @@ def stats(num: int, fanout: int, draws: int) -> dict:
   return out
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sizes", default="7:3,8:1,8:2,8:3,8:7,16:3,64:3,256:3",
+def main(argv=None) -> dict:
+  bench = harness.Bench(__doc__)
+  bench.add_argument("--sizes", default="7:3,8:1,8:2,8:3,8:7,16:3,64:3,256:3",
                       help="comma-separated N:s pairs (EL-Oracle needs min(s, N − 1 − s) ≤ 3)")
-  parser.add_argument("--draws", type=int, default=200, help="graphs drawn per topology and (N, s)")
-  args = parser.parse_args(argv)
+  bench.add_argument("--draws", type=int, default=200, help="graphs drawn per topology and (N, s)")
+  args = bench.parse(argv)
+  rows = []
   for item in args.sizes.split(","):
     num, fanout = (int(x) for x in item.split(":"))
-    print(json.dumps(stats(num, fanout, args.draws)), flush=True)
+    rows.append(stats(num, fanout, args.draws))
+    bench.note(json.dumps(rows[-1]))
+  return bench.finish({"graphs": rows})
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

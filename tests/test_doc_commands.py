@@ -13,8 +13,10 @@ python, bash, source, sbatch, pip, pytest or jupyter. For each one:
 - `--config=FILE[:ARG]` names a config file that loads with that argument, every `--config.X=V` is a
   field of the config it builds (for noloco_jax.main, after launch_local's `--` too), and the config with
   all its overrides passes the schema's validation;
-- a benchmark's `--set FIELD=VALUE` (bench_ab's `--a` / `--b` too) names a field of the schema and a
-  value of its type;
+- a script on the benchmark harness (experiments/lib/harness.py) takes `--config.X=V` only when it
+  declares config overrides (`Bench(config=True)`; the config file defaults to the harness's
+  configs/default.py) and `--G.X=V` for each override group G it declares (bench_ab's `--a.` / `--b.`);
+  each names a field of the schema and a value of its type (the harness's own parser decides);
 - `pip install ".[extra]"` names extras that setup.py declares.
 
 A `--config.X=V` anywhere else in a code span (a flag quoted in prose) must name a field of the schema,
@@ -166,6 +168,22 @@ def _repo_imports(tree: ast.AST) -> list[str]:
 
 _FLAG_CACHE: dict[str, set[str]] = {}
 _CONFIG_DEFAULT: dict[str, str] = {}  # program file -> its --config flag's default config file
+_OVERRIDE_GROUPS: dict[str, tuple[str, ...]] = {}  # harness script -> its override groups ("config", "a", ...)
+
+
+def _harness_declaration(path: str, tree: ast.AST) -> None:
+  """Records what a script's `harness.Bench(...)` declares: config overrides and their default file,
+  and extra override groups."""
+  for node in ast.walk(tree):
+    if not (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "Bench"):
+      continue
+    kw = {k.arg: k.value for k in node.keywords}
+    config = isinstance(kw.get("config"), ast.Constant) and kw["config"].value is True
+    groups = [e.value for e in getattr(kw.get("groups"), "elts", []) if isinstance(e, ast.Constant)]
+    _OVERRIDE_GROUPS[path] = (("config",) if config else ()) + tuple(groups)
+    if config:
+      from experiments.lib import harness  # pylint: disable=g-import-not-at-top
+      _CONFIG_DEFAULT[path] = harness.DEFAULT_CONFIG
 
 
 def defined_flags(path: str) -> set[str]:
@@ -180,6 +198,8 @@ def defined_flags(path: str) -> set[str]:
     seen.add(file)
     with open(file, encoding="utf-8") as f:
       tree = ast.parse(f.read())
+    if file == path:
+      _harness_declaration(path, tree)
     for node in ast.walk(tree):
       if not isinstance(node, ast.Call):
         continue
@@ -222,12 +242,10 @@ def has_field(config, dotted: str) -> bool:
 
 
 def set_field(config, dotted: str, value: str) -> None:
-  *path, leaf = dotted.split(".")
-  node = config
-  for part in path:
-    node = node[part]
-  kind = type(node[leaf])
-  node[leaf] = value == "True" if kind is bool else kind(value)
+  """config.dotted = value, typed as the command line types it (the harness's parser, which reads the
+  field's declared type: a field whose default is None still has one); ConfigError when it can't be."""
+  from experiments.lib import harness  # pylint: disable=g-import-not-at-top
+  harness.apply_overrides(config, [f"{dotted}={value}"])
 
 
 # ---- Checking one command ----
@@ -287,8 +305,10 @@ def check_command(tokens: list[str]) -> list[str]:
   if "--" in rest:  # launch_local: what follows goes to noloco_jax.main
     main_args, tail = rest[:rest.index("--")], rest[rest.index("--") + 1:]
   problems = check_flags(file, main_args)
-  if tail:
-    problems += check_flags(module_file("noloco_jax.main"), tail)
+  if tail:  # to noloco_jax.main, or to launch_local's --module=M
+    target = next((a.split("=", 1)[1] for a in main_args if a.startswith("--module=")), "noloco_jax.main")
+    target_file = module_file(target)
+    problems += check_flags(target_file, tail) if target_file else [f"--module={target}: no such module"]
   return problems
 
 
@@ -299,15 +319,26 @@ def check_pytest(args: list[str]) -> list[str]:
 
 def check_flags(file: str, args: list[str]) -> list[str]:
   defined = defined_flags(file) | ABSL_FLAGS
+  groups = _OVERRIDE_GROUPS.get(file)  # None: not on the harness (noloco_jax.main: absl's config flags)
   problems = []
   for a in args:
     m = re.fullmatch(r"--([\w-]+)(?:[=.].*)?", a)
-    if not m or a.startswith("--config.") or is_template(m.group(1)):
+    if not m or is_template(m.group(1)):
+      continue
+    group = a[2:].split(".")[0] if re.match(r"--\w+\.", a) else None
+    if group is not None and groups is not None:
+      if group not in groups:
+        problems.append(f"{os.path.relpath(file, REPO)} takes no --{group}.FIELD overrides"
+                        + (f" (it takes {', '.join(f'--{g}.' for g in groups)})" if groups else ""))
+      elif group != "config":
+        problems += check_group_override(a)
+      continue
+    if a.startswith("--config."):
       continue
     if m.group(1) not in defined:
       problems.append(f"{os.path.relpath(file, REPO)} defines no flag --{m.group(1)}")
-  problems += check_set_overrides(args)
-  if "config" in defined and not any(a in ("...", "…") for a in args):  # "...": the rest left out
+  uses_config = "config" in groups if groups is not None else "config" in defined
+  if uses_config and not any(a in ("...", "…") for a in args):  # "...": the rest left out
     problems += check_main_args(args, default=_CONFIG_DEFAULT.get(file))
   return problems
 
@@ -337,7 +368,7 @@ def check_main_args(args: list[str], implicit_config: bool = False, default: str
     elif len(o) == 2 and not is_template(o[1]) and not o[1].startswith("$"):
       try:
         set_field(config, o[0], o[1])
-      except (TypeError, ValueError) as e:
+      except (TypeError, ValueError, config_lib.ConfigError) as e:
         problems.append(f"--config.{o[0]}={o[1]}: {e}")
   concrete = all(len(o) == 2 and not is_template(o[1]) and not o[1].startswith("$") for o in overrides)
   if not problems and concrete and not implicit_config:
@@ -348,26 +379,22 @@ def check_main_args(args: list[str], implicit_config: bool = False, default: str
   return problems
 
 
-def check_set_overrides(args: list[str]) -> list[str]:
-  """The benchmarks' `--set FIELD=VALUE` (and bench_ab's `--a` / `--b`): FIELD is a field of the schema
-  and VALUE has its type."""
+def check_group_override(flag: str) -> list[str]:
+  """An override of another group (bench_ab's `--a.FIELD=VALUE`): FIELD is a field of the schema and
+  VALUE has its type."""
   from noloco_jax import config as config_lib
-  config, problems = config_lib.default_config_dict(), []
-  for flag, value in zip(args, args[1:] + [""]):
-    if flag.split("=")[0] not in ("--set", "--a", "--b"):
-      continue
-    item = flag.split("=", 1)[1] if "=" in flag else value
-    field, _, v = item.partition("=")
-    if is_template(item):
-      continue
-    if not has_field(config, field):
-      problems.append(f"{flag.split('=')[0]} {item}: {field} is not a field of the schema")
-      continue
-    try:
-      set_field(config, field, v)
-    except (TypeError, ValueError) as e:
-      problems.append(f"{flag.split('=')[0]} {item}: {e}")
-  return problems
+  item = flag[2:].split(".", 1)[1]
+  field, _, value = item.partition("=")
+  if is_template(item):
+    return []
+  config = config_lib.default_config_dict()
+  if not has_field(config, field):
+    return [f"{flag}: {field} is not a field of the schema"]
+  try:
+    set_field(config, field, value)
+  except (TypeError, ValueError, config_lib.ConfigError) as e:
+    return [f"{flag}: {e}"]
+  return []
 
 
 def check_config_mention(text: str) -> list[str]:
@@ -452,9 +479,15 @@ def test_the_checks_catch_what_they_should():
       "python -m noloco_jax.runtime.launch_local --num_processes=2 -- --config=configs/default.py:smoke "
       "--config.outer.nope=1": "not a field",
       "python -m noloco_jax.main --config=configs/nope.py": "does not exist",
+      "python -m noloco_jax.runtime.launch_local --num_processes=2 --module=experiments.async_demo -- --nope=1":
+          "async_demo.py defines no flag --nope",
       "bash scripts/nope.sh": "does not exist",
       "pip install -e .[plotz]": "no extra",
-      "python experiments/bench_pairing.py --rounds=6 --set outer.pairing_pool=4": "not a field of the schema",
+      "python experiments/bench_pairing.py --rounds=6 --config.outer.pairing_pool=4": "not a field of the config",
+      "python experiments/bench_ab.py --a.outer.pairing_pool=4": "not a field of the schema",
+      "python experiments/bench_ab.py --a.outer.inner_steps=often": "outer.inner_steps",
+      "python experiments/bench_ab.py --c.outer.inner_steps=5": "takes no --c.FIELD overrides",
+      "python experiments/bench_checksum.py --config.outer.inner_steps=5": "takes no --config.FIELD overrides",
       "python experiments/ablations/execute_cells.py experiments/ablations/04_compression.ipynb 'No such heading'":
           "no markdown heading",
   }
@@ -464,6 +497,8 @@ def test_the_checks_catch_what_they_should():
     assert any(expected in i for i in issues), (text, issues)
   good = ["python -m noloco_jax.main --config=configs/default.py:smoke --workdir=runs/x --config.outer.kind=diloco",
           "NOLOCO_SMOKE=1 python experiments/bench_compression.py --hlo",
+          "python experiments/bench_ab.py --a.model.attention=einsum --b.model.attention=auto --json",
+          "python experiments/bench_inner.py --json --config.num_devices=2",
           "python -m noloco_jax.main --config=configs/default.py --workdir=runs/demo [--config.FIELD=VALUE ...]"]
   for text in good:
     (tokens,) = commands(Snippet("here", text))

@@ -102,7 +102,9 @@ def test_the_rule_defined_here_trains_resumes_and_grows(tmp_path, compile_cache)
   first = training.train_and_evaluate(config, workdir)
   assert first["eval/loss"] < first["eval/loss_first"]
   params = jax.tree.map(lambda x: x[0], first["state"].params)
-  assert first["comm/bytes_per_replica"] == 4 * methods.tree_bytes(params)  # 12 steps / H = 3: 4 rounds, n = 2
+  # 12 steps / H = 3: 4 rounds, n = 2: one copy out and one in per round, on the wire and in the ppermutes.
+  for figure in ("bytes_sent", "bytes_received", "collective_operand_bytes"):
+    assert first[f"comm/{figure}_per_replica"] == 4 * methods.tree_bytes(params), figure
   with open(os.path.join(workdir, "pairings.jsonl")) as f:
     assert [json.loads(line)["round"] for line in f] == [0, 1, 2, 3]
   # Exact resume from step 6 (the step-12 checkpoint removed).

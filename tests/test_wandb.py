@@ -108,7 +108,7 @@ def test_a_smoke_run_logs_its_config_every_scalar_and_the_summary_offline(tmp_pa
   # The summary: the scalars of summary.json.
   assert np.isclose(summary["eval/loss"], result["eval/loss"], rtol=1e-6)
   assert summary["model/num_params"] == result["model/num_params"]
-  assert np.isclose(summary["comm/bytes_per_replica"], result["comm/bytes_per_replica"])
+  assert np.isclose(summary["comm/bytes_sent_per_replica"], result["comm/bytes_sent_per_replica"])
 
 
 def test_the_writer_is_made_only_when_a_project_is_set(tmp_path):

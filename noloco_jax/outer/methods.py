@@ -335,15 +335,16 @@ def with_state_dtype(method: OuterMethod, dtype: str) -> OuterMethod:
       return like(new, states), metrics
     return round_fn
 
-  parts = method.parts
-  if parts is not None:
+  plain = method.parts  # the method's own parts: the wrappers below call these, never themselves
+  parts = None
+  if plain is not None:
     def message(states):
-      new, own, payload, metrics = parts.message(states)
+      new, own, payload, metrics = plain.message(states)
       return like(new, states), own, payload, metrics
 
     def merge(states, mean_c, mix):
-      return like(parts.merge(states, mean_c, mix), states)
-    parts = dataclasses.replace(parts, message=message, merge=merge)
+      return like(plain.merge(states, mean_c, mix), states)
+    parts = dataclasses.replace(plain, message=message, merge=merge)
 
   cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 

@@ -68,24 +68,40 @@ def _json_value(value):
   return value if math.isfinite(value) else str(value)
 
 
-def _eval_row(entry: dict) -> dict:
-  """The metrics.jsonl form of a history["eval"] entry (io/writers.py JsonlWriter)."""
-  return {"step": int(entry["step"]), **{k: _json_value(v) for k, v in entry.items() if k != "step"}}
+# A history["eval"] entry holds the scalars of two rows, written at the same barrier by two plug-ins
+# (training/plugins/): the evaluation's (eval/loss, eval/ppl, replicas/weight_std), then the consensus
+# model's (eval/consensus_*). Within a step the rows come in that order, after the training row.
+CONSENSUS = "eval/consensus_"
+TRAIN, EVAL, CONSENSUS_EVAL = 0, 1, 2
+
+
+def _row_kind(row: dict) -> int:
+  return CONSENSUS_EVAL if any(k.startswith(CONSENSUS) for k in row) else EVAL if "eval/loss" in row else TRAIN
+
+
+def _eval_rows(entry: dict) -> list[dict]:
+  """The metrics.jsonl rows of a history["eval"] entry (io/writers.py JsonlWriter), as they were written."""
+  step = int(entry["step"])
+  scalars = {k: _json_value(v) for k, v in entry.items() if k != "step"}
+  own = {k: v for k, v in scalars.items() if not k.startswith(CONSENSUS)}
+  consensus = {k: v for k, v in scalars.items() if k.startswith(CONSENSUS)}
+  return [{"step": step, **row} for row in (own, consensus) if row]
 
 
 def repair_metrics(path: str, workdir: str, expected: Expected) -> None:
   rows = [row for row, _ in logs.LogFile.read(path).rows]
-  have_eval = {r["step"] for r in rows if "eval/loss" in r}
+  have = {(r["step"], _row_kind(r)) for r in rows}
   have_train = {r["step"] for r in rows if "train/loss" in r}
-  evals = [_eval_row(e) for e in expected.evals if e["step"] <= expected.step and e["step"] not in have_eval]
+  evals = [row for e in expected.evals if e["step"] <= expected.step for row in _eval_rows(e)
+           if (row["step"], _row_kind(row)) not in have]
   every = max(expected.log_every, 1)
   missing = [s for s in range(every, expected.step + 1, every) if s not in have_train]
   recovered = process_metrics.recover_rows(workdir, missing, expected.num_replicas) if missing else {}
   if evals or recovered:
-    logs.add_rows(path, evals + [recovered[s] for s in sorted(recovered)])
+    logs.add_rows(path, evals + [recovered[s] for s in sorted(recovered)], order=_row_kind)
   if evals:
     logging.warning("resume: %s lacked the evaluation row(s) of step(s) %s before the restored step %d; "
-                    "rebuilt them from the checkpoint's history.", path, _ranges([r["step"] for r in evals]),
+                    "rebuilt them from the checkpoint's history.", path, _ranges(sorted({r["step"] for r in evals})),
                     expected.step)
   if recovered:
     logging.warning("resume: %s lacked the training row(s) of step(s) %s; merged them again from the "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from absl import logging
 import jax
@@ -131,14 +131,17 @@ def rewrite_for_resume(path: str, step: int) -> Rewrite:
   return done
 
 
-def add_rows(path: str, rows: list[dict]) -> None:
-  """Inserts `rows` among the file's rows in step order (after the rows of the same step), atomically."""
+def add_rows(path: str, rows: list[dict], order: Callable[[dict], int] = lambda row: 0) -> None:
+  """Inserts `rows` among the file's rows in step order, atomically. Within a step, `order(row)` says
+  where a row goes among the rows of its step: after those of a lower or equal order, before the rest
+  (the default puts it after every row of its step)."""
   kept = LogFile.read(path).rows
-  lines, steps = [line for _, line in kept], [row["step"] for row, _ in kept]
-  for row in sorted(rows, key=lambda r: r["step"]):
-    at = next((i for i, s in enumerate(steps) if s > row["step"]), len(steps))
+  lines, keys = [line for _, line in kept], [(row["step"], order(row)) for row, _ in kept]
+  for row in sorted(rows, key=lambda r: (r["step"], order(r))):
+    key = (row["step"], order(row))
+    at = next((i for i, k in enumerate(keys) if k > key), len(keys))
     lines.insert(at, json.dumps(row) + "\n")
-    steps.insert(at, row["step"])
+    keys.insert(at, key)
   _rewrite(path, lines)
 
 

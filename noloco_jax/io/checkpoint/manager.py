@@ -240,12 +240,12 @@ class Checkpointer:
     if steps:
       jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)
     bad = []
-    for step in steps:
-      meta, plan, state, data, error = self._read(step, abstract)
+    for saved in steps:
+      meta, plan, state, data, error = self._read(saved, abstract)
       if not _everywhere(error is None):
         logging.warning("checkpoint: step %d in %s is not readable (%s: %s); trying the previous one.",
-                        step, self.directory, type(error).__name__, str(error)[:300])
-        bad.append(step)
+                        saved, self.directory, type(error).__name__, str(error)[:300])
+        bad.append(saved)
         continue
       if bad:
         quarantine.quarantine(self._workdir, self.directory, bad)
@@ -258,11 +258,11 @@ class Checkpointer:
         record = resize.resize_loop_record(record, plan)
       if plan is None or plan.keeps_data:
         data_iter.set_state(merge_data_states(data))
-      logs.truncate_logs(self._workdir, step)
-      log_repair.repair(self._workdir, self._expected_logs(meta, step, plan))  # rows missing before the step
+      logs.truncate_logs(self._workdir, saved)
+      log_repair.repair(self._workdir, self._expected_logs(meta, saved, plan))  # rows missing before the step
       if plan is not None:
-        self._log_resize(plan, step, meta["round"])
-      logging.info("checkpoint: resumed from step %d (round %d) in %s.", step, meta["round"], self.directory)
+        self._log_resize(plan, saved, meta["round"])
+      logging.info("checkpoint: resumed from step %d (round %d) in %s.", saved, meta["round"], self.directory)
       return state, type(loop_state).from_record(record)
     if bad:
       raise NoReadableCheckpointError(
