@@ -29,6 +29,7 @@ from configs import default
 from noloco_jax import config as config_lib
 from noloco_jax import training
 from noloco_jax.asynchronous import job as job_lib
+from noloco_jax.asynchronous import logs as async_logs
 from noloco_jax.asynchronous import session as session_lib
 from noloco_jax.io.checkpoint import read as read_lib
 from noloco_jax.outer import exchange, methods
@@ -233,3 +234,8 @@ def test_a_killed_process_is_left_behind_and_rejoins_from_a_live_peer(tmp_path):
   assert [e["digest"] for e in served] == [joined[-1]["digest"]]
   rows = [r for r in _jsonl(os.path.join(workdir, "process_2", "metrics.jsonl")) if "train/loss" in r]
   assert rows[0]["step"] > 9 and len(rows) >= 2, rows  # its first row after the donor's step, then on
+  # Whoever reads the job merges the per-process logs.
+  merged = async_logs.merge(workdir)
+  assert merged["processes"] == [0, 1, 2] and {r["process"] for r in merged["metrics"]} == {0, 1, 2}
+  text = "\n".join(async_logs.summary(merged))
+  assert "slot 2 lost" in text and "slot 2 joined from slot" in text, text

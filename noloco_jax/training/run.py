@@ -119,10 +119,11 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
   # seeds (e.g. compare_methods.py) are scored on the same sequences.
   eval_batches = jax.device_put(data_lib.make_eval_batches(config.data, seed=0, vocab_size=setup.model.vocab_size),
                                 mesh_lib.replicated(mesh))
+  where = (f"process {jax.process_index()} of {jax.process_count()}" if setup.process is None else
+           f"process {setup.process.slot} of an asynchronous job of {setup.process.num_replicas}")
   logging.info("Global batch: %d replicas × %d sequences × %d tokens; %d devices (%d replicas each); "
-               "process %d of %d holds replicas %s.", n, config.data.batch_size, config.data.seq_len,
-               mesh.devices.size, mesh_lib.replicas_per_device(mesh, n), jax.process_index(),
-               jax.process_count(), data_ids)
+               "%s holds replicas %s.", n, config.data.batch_size, config.data.seq_len,
+               mesh.devices.size, mesh_lib.replicas_per_device(mesh, n), where, data_ids)
 
   state = setup.init_state()
   # All processes agree on config/seed/layout, share the workdir, and every replica starts bit-identical
