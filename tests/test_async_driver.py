@@ -87,6 +87,22 @@ def test_the_layout_is_one_replica_per_process():
   assert (local.num_replicas, local.num_devices, local.outer.schedule) == (1, 0, "async")
 
 
+def test_the_command_line_refuses_a_layout_that_is_not_one_replica_per_process(tmp_path):
+  """Before it connects to anything: one line naming the field, exit status 2."""
+  env = launch_local.process_env(0, 2, 1, 1)  # a coordinator port nobody serves: it must not get that far
+  done = subprocess.run([sys.executable, "-m", "noloco_jax.main", "--config=configs/default.py:smoke",
+                         f"--workdir={tmp_path}", *ASYNC, "--config.num_replicas=3"], env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 2, done.stderr[-2000:]
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith("noloco_jax: config.num_replicas=3 is not valid: 2, the number of processes"), last
+
+
+def test_train_and_evaluate_alone_refuses_the_async_schedule_in_one_line(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match=r"^config.outer.schedule='async' is not valid: 'lockstep' outside"):
+    training.train_and_evaluate(_smoke(**{"outer.schedule": "async", "num_replicas": 2}), str(tmp_path))
+
+
 class _Process:
   def __init__(self, slot):
     self.slot = slot

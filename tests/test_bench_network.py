@@ -111,14 +111,18 @@ def test_async_summary_and_validation_loss_over_time():
           [{"step": 0, "eval/loss": 5.0}, {"step": 4, "eval/loss": 3.5},
            {"step": 12, "train/loss": 1.0, "comm/bytes_sent_per_replica": 300.0, "async/exchanged_rounds": 5,
             "async/skipped_rounds": 1}]]
-  pairings = [[{"status": "exchanged", "exchange_s": 0.01}], [{"status": "exchanged", "exchange_s": 0.03},
-                                                              {"status": "skipped", "exchange_s": 0.0}]]
+  pairings = [[{"status": "exchanged", "exchange_s": 0.01, "waited_s": 0.2}],
+              [{"status": "exchanged", "exchange_s": 0.03, "waited_s": 0.0},
+               {"status": "skipped", "exchange_s": 0.0, "waited_s": 0.1}]]
   run = {"traces": traces, "rows": rows, "pairings": pairings}
   out = async_runs.summarise(run, h, tokens_per_step=64)
   assert out["idle_fraction"] == pytest.approx([0.0, 1 / 3])  # per round: 0.1 s waiting of 0.3 s
   assert out["tokens_per_s"] == pytest.approx((4 + 10) * 64 / 1.5)  # steps after the first round / longest span
   assert out["bytes_sent_per_replica"] == 200.0 and out["rounds"] == {"exchanged": 8, "skipped": 1, "failed": 0}
   assert out["exchange_s_median"] == pytest.approx(0.02)
+  # Per round, from the second round on: in rounds 0 (process 0) and 0.1 s (process 1); waiting: the one
+  # row after each process's first, process 1's skip.
+  assert out["round_breakdown"]["round_s"] == pytest.approx(0.05) and out["round_breakdown"]["waiting_s"] == pytest.approx(0.1)
   assert async_runs.origin(traces) == pytest.approx(10.2)  # both have finished their first step
   curves = async_runs.curves(run)
   assert [v for _, v in curves[0]] == [5.0, 4.0, 3.0] and [t for t, _ in curves[0]] == pytest.approx([-np.inf, 10.4, 10.8])

@@ -152,6 +152,14 @@ def summarise(run: dict, inner_steps: int, tokens_per_step: int, processes: list
   mean = lambda key: float(np.mean([r.get(key, 0.0) for r in last]))
   exchange = [x["exchange_s"] for p in processes for x in run["pairings"][p] if x["status"] == "exchanged"]
   rounds = [max(pp["steps"] // inner_steps, 1) for pp in per_process]
+  # Where a round's time goes, per round, mean over processes (from the second round on): ready until
+  # grouped (or given up), the exchange, and the rest (the message and update programs, store calls, logs).
+  pairing_rows = [x for p in processes for x in run["pairings"][p][1:]]
+  in_rounds = float(np.mean([pp["wait_s"] / r for pp, r in zip(per_process, rounds)]))
+  waiting = float(np.mean([x["waited_s"] for x in pairing_rows])) if pairing_rows else 0.0
+  exchanging = float(np.mean([x["exchange_s"] for x in pairing_rows])) if pairing_rows else 0.0
+  breakdown = {"round_s": in_rounds, "waiting_s": waiting, "exchange_s": exchanging,
+               "other_s": in_rounds - waiting - exchanging}
   return {"method": "async", "wall_s_per_round": float(np.median([s / r for s, r in zip(spans, rounds)])),
           "longest_round_s_median": float("nan"), "tokens_per_s": steps * tokens_per_step / max(spans),
           "bytes_sent_per_replica": mean("comm/bytes_sent_per_replica"),
@@ -160,7 +168,7 @@ def summarise(run: dict, inner_steps: int, tokens_per_step: int, processes: list
           "idle_fraction": [pp["idle_fraction"] for pp in per_process], "program_wait_s": [0.0] * len(per_process),
           "processes": per_process, "measured_s": max(spans),
           "rounds": {k: int(sum(r.get(f"async/{k}_rounds", 0) for r in last)) for k in ("exchanged", "skipped", "failed")},
-          "exchange_s_median": float(np.median(exchange)) if exchange else 0.0}
+          "exchange_s_median": float(np.median(exchange)) if exchange else 0.0, "round_breakdown": breakdown}
 
 
 def model(step_times: np.ndarray, inner_steps: int, *, window_s: float, max_wait_s: float, exchange_s: float,

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from noloco_jax.asynchronous import job as job_lib
+from noloco_jax.config import fields as config_fields
 from noloco_jax.asynchronous import session as session_lib
 from noloco_jax.outer import async_rules
 from noloco_jax.outer import wire
@@ -57,6 +58,9 @@ class AsyncRounds(RoundDriver):
   def __init__(self, setup, process):
     """`process`: this process's place in the job (asynchronous/job.Process)."""
     config = setup.config
+    if process is None:  # e.g. train_and_evaluate called directly: there are no other processes to pair with
+      config_fields.fail("outer.schedule", "async", "'lockstep' outside a job of several processes started by "
+                         "python -m noloco_jax.main (each process is a run of its own: docs/async.md)")
     self._method, self._process, self._H = setup.method, process, config.outer.inner_steps
     self._decay = config.outer.staleness_decay
     self._options = job_lib.session_options(config)
