@@ -249,6 +249,31 @@ def plot(results: dict, path: str) -> None:
   fig.savefig(path, dpi=100)
 
 
+def plot_loss(results: dict, path: str) -> None:
+  """The job's validation loss over wall time: the asynchronous job's curve (every evaluation of any
+  process), each lock-step job's final evaluation at its training time; a panel per (setting, P)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  panels = list(dict.fromkeys((r.get("label", ""), r["processes_count"]) for r in results["runs"]))
+  fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.4), squeeze=False)
+  markers = {"noloco": "o", "diloco": "s", "ddp": "^"}
+  for ax, (label, p) in zip(axes[0], panels):
+    for run in [r for r in results["runs"] if (r.get("label", ""), r["processes_count"]) == (label, p)]:
+      seed = run.get("seed", 0)
+      if run["method"] == "async" and run.get("val_curve"):
+        t, v = zip(*run["val_curve"])
+        ax.plot(t, v, "-", lw=1, label=f"async, seed {seed}")
+      elif run["method"] != "async" and run.get("val_loss") is not None:
+        ax.plot([run["duration_s"]], [run["val_loss"]], markers[run["method"]], label=f"{run['method']} (lock-step), seed {seed}")
+    ax.set_title(f"P = {p}, {label}", fontsize=9)
+    ax.set_xlabel("seconds of training (all processes started)", fontsize=8)
+    ax.set_ylabel("validation loss, mean over replicas", fontsize=8)
+    ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
 def table(results: dict) -> str:
   """The runs as a Markdown table: measured and model side by side (experiments/RESULTS.md)."""
   f2 = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
@@ -276,9 +301,12 @@ def _async_val(run: dict, durations: dict, tokens: int) -> dict:
   when its steps add up to the lock-step jobs' (equal tokens)."""
   start, per_process = async_runs.origin(run["traces"]), async_runs.curves(run)
   at_tokens = async_runs.time_of_tokens(run["traces"], tokens)
+  times = sorted({t for points in per_process for t, _ in points if start <= t})
   return {"val_loss_at": {m: async_runs.loss_at(per_process, start + d) for m, d in durations.items()},
           "val_loss_at_equal_tokens": None if at_tokens is None else async_runs.loss_at(per_process, at_tokens),
-          "duration_s": max(t[-1]["end"] for t in run["traces"]) - start}
+          "duration_s": max(t[-1]["end"] for t in run["traces"]) - start,
+          # The job's validation loss after every evaluation of any process: [seconds from the origin, loss].
+          "val_curve": [[t - start, async_runs.loss_at(per_process, t)] for t in times]}
 
 
 def run_async(args, p: int, seed: int, faults: str, root: str, budget_s: float | None, label: str, *,
@@ -359,6 +387,7 @@ def main(argv=None) -> dict:
                      "step steps/2, beside the unkilled one (the survivors' validation loss against it)")
   bench.add_argument("--_in_namespace", action="store_true", help=argparse.SUPPRESS)
   bench.add_argument("--plot", default="", help="also plot the idle fractions to this PNG")
+  bench.add_argument("--plot_loss", default="", help="also plot validation loss over wall time to this PNG")
   bench.add_argument("--plot_from", nargs="*", default=[], help="only plot (or --table) these saved JSON results")
   bench.add_argument("--table", action="store_true", help="print the results as a Markdown table")
   args = bench.parse(argv)
@@ -373,6 +402,8 @@ def main(argv=None) -> dict:
         merged["runs"].append(run)
     if args.plot:
       plot(merged, args.plot)
+    if args.plot_loss:
+      plot_loss(merged, args.plot_loss)
     return bench.finish(merged, text=text)
   beta = 8.0 / rate_bits_per_s(args.rate) if args.rate else 0.0  # checked before the namespace
   burst = size_bytes(args.burst) if args.rate else 0.0
@@ -423,6 +454,8 @@ def main(argv=None) -> dict:
     shutil.rmtree(root, ignore_errors=True)
   if args.plot:
     plot(results, args.plot)
+  if args.plot_loss:
+    plot_loss(results, args.plot_loss)
   return bench.finish(results, text=text)
 
 
