@@ -85,12 +85,12 @@ def _flags(workdir: str, method: str, processes: int, steps: int, inner_steps: i
 
 
 def _async_flags(workdir: str, processes: int, steps: int, inner_steps: int, seed: int, window_s: float,
-                 max_wait_s: float) -> list[str]:
+                 max_wait_s: float, overlap_steps: int = 0) -> list[str]:
   """NoLoCo on the asynchronous schedule; each process evaluates its replica every round (no barrier)."""
   flags = _flags(workdir, "noloco", processes, steps, inner_steps, "fresh", seed)
   return [f for f in flags if not f.startswith("--config.eval_every")] + [
       "--config.outer.schedule=async", f"--config.eval_every={inner_steps}", f"--config.outer.max_wait_s={max_wait_s}",
-      f"--config.outer.match_window_s={window_s}"]
+      f"--config.outer.match_window_s={window_s}", f"--config.outer.overlap_steps={overlap_steps}"]
 
 
 def run_one(method: str, processes: int, steps: int, inner_steps: int, faults: str, root: str,
@@ -314,7 +314,8 @@ def run_async(args, p: int, seed: int, faults: str, root: str, budget_s: float |
   """One asynchronous job (experiments/lib/async_runs.py), its summary and its model columns."""
   workdir = os.path.join(root, f"async{'_killed' if kill else ''}_p{p}_s{seed}")
   steps_cap = int(args.steps * max(args.straggler_factor, 1.0) * 4)  # never reached within the budget
-  flags = _async_flags(workdir, p, steps_cap, args.inner_steps, seed, args.match_window_s, args.max_wait_s)
+  flags = _async_flags(workdir, p, steps_cap, args.inner_steps, seed, args.match_window_s, args.max_wait_s,
+                       args.async_overlap_steps)
   stop = async_runs.stop_after(budget_s) if budget_s else async_runs.stop_at_steps(args.steps)
   run = async_runs.run_job(flags, p, workdir, {"NOLOCO_FAULTS": faults + (f";{kill}" if kill else "")}, stop)
   killed = [q for q, c in enumerate(run["codes"]) if c == -9]
@@ -383,6 +384,8 @@ def main(argv=None) -> dict:
   bench.add_argument("--seeds", type=int, nargs="+", default=[0], help="config.seed of every job (each seed: every job)")
   bench.add_argument("--max_wait_s", type=float, default=2.0, help="async: outer.max_wait_s")
   bench.add_argument("--match_window_s", type=float, default=0.02, help="async: outer.match_window_s")
+  bench.add_argument("--async_overlap_steps", type=int, default=0, help="async: outer.overlap_steps (τ inner "
+                     "steps run while the round finds its partner; docs/async.md §3)")
   bench.add_argument("--kill", action="store_true", help="async: also a job whose last process is killed at "
                      "step steps/2, beside the unkilled one (the survivors' validation loss against it)")
   bench.add_argument("--_in_namespace", action="store_true", help=argparse.SUPPRESS)
@@ -423,7 +426,8 @@ def main(argv=None) -> dict:
                          "model_alpha_s": args.model_alpha, "model_beta_s_per_byte": beta,
                          "model_burst_bytes": burst, "step_s": args.step_s, "straggler_factor": args.straggler_factor,
                          "lognormal": [median, sigma] if args.lognormal else None, "seeds": args.seeds,
-                         "max_wait_s": args.max_wait_s, "match_window_s": args.match_window_s},
+                         "max_wait_s": args.max_wait_s, "match_window_s": args.match_window_s,
+                         "async_overlap_steps": args.async_overlap_steps},
              "runs": [], "kills": []}
   root = tempfile.mkdtemp(prefix="bench_network_")
   order = {"noloco": 0, "diloco": 1, "ddp": 2, "async": 3}  # NoLoCo first (DDP's reference), async last (its budget)

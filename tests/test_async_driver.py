@@ -6,8 +6,9 @@ line (python -m noloco_jax.main under launch_local), each job on the smoke model
 
 - two processes at equal speed: the job equals the lock-step schedule's (to float32 round-off), and run
   again from its checkpoint of step 6, each process resumes exactly (bit for bit, logs included);
-- three processes, one killed mid-run (NOLOCO_FAULTS): the others train on without a restart and never
-  pair with it again; started again, it takes its state from a live peer and pairs with them.
+- three processes training while their rounds find partners (outer.overlap_steps), one killed mid-run
+  (NOLOCO_FAULTS): the others train on without a restart and never pair with it again; started again,
+  it takes its state from a live peer and pairs with them.
 
 Each job takes 30–90 s on a loaded 2-core machine, most of it starting JAX in every process.
 """
@@ -56,7 +57,7 @@ def _smoke(**overrides):
     ({"outer.kind": "ddp"}, "config.outer.schedule='async' is not valid: 'lockstep' with outer.kind='ddp'"),
     ({"outer.kind": "epidemic"}, "config.outer.schedule='async' is not valid: 'lockstep' with outer.kind='epidemic'"),
     ({"num_stages": 2, "model.num_layers": 2}, "config.num_stages=2 is not valid"),
-    ({"outer.overlap_steps": 1}, "config.outer.overlap_steps=1 is not valid"),
+    ({"outer.overlap_steps": 3}, "config.outer.overlap_steps=3 is not valid"),  # τ < H (smoke: H = 3)
     ({"outer.compression": "int8"}, "config.outer.compression='int8' is not valid"),
     ({"outer.pairing": "round_robin"}, "config.outer.pairing='round_robin' is not valid"),
     ({"outer.group_size": 4}, "config.outer.group_size=4 is not valid"),
@@ -205,7 +206,8 @@ def test_a_killed_process_is_left_behind_and_rejoins_from_a_live_peer(tmp_path):
   workdir = os.path.join(root, "run")
   flags = ["--config=configs/default.py:smoke", f"--workdir={workdir}", *ASYNC, "--config.num_replicas=3",
            "--config.num_steps=100000", "--config.eval_every=0", "--config.log_every=3", "--config.outer.lease_s=3",
-           "--config.outer.max_wait_s=2", "--config.outer.exchange_timeout_s=10"]
+           "--config.outer.max_wait_s=2", "--config.outer.exchange_timeout_s=10",
+           "--config.outer.overlap_steps=2"]  # rounds on their own thread while the steps go on (τ = 2 of H = 3)
   slow = "delay:seconds=0.1"
   job = launch_local.Job(3, 1, flags, log_dir=os.path.join(root, "logs"), env={"NOLOCO_FAULTS": f"{slow};kill:process=2,step=9"})
   procs = list(job.procs)
@@ -249,7 +251,7 @@ def test_a_killed_process_is_left_behind_and_rejoins_from_a_live_peer(tmp_path):
             if e.get("event") == "served_join" and str(e["incarnation"]) == new]
   assert [e["digest"] for e in served] == [joined[-1]["digest"]]
   rows = [r for r in _jsonl(os.path.join(workdir, "process_2", "metrics.jsonl")) if "train/loss" in r]
-  assert rows[0]["step"] > 9 and len(rows) >= 2, rows  # its first row after the donor's step, then on
+  assert rows and rows[0]["step"] > 9, rows  # its first row after the donor's step (not after step 0)
   # Whoever reads the job merges the per-process logs.
   merged = async_logs.merge(workdir)
   assert merged["processes"] == [0, 1, 2] and {r["process"] for r in merged["metrics"]} == {0, 1, 2}

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 
 import jax
@@ -138,9 +139,13 @@ class EventLog:
     os.makedirs(directory, exist_ok=True)
     self.path = os.path.join(directory, f"membership_{slot}.jsonl")
     self._file = open(self.path, "a", buffering=1)
+    self._lock = threading.Lock()  # written by the heartbeat's thread and the round's
 
   def __call__(self, record: dict) -> None:
-    self._file.write(json.dumps(record) + "\n")
+    with self._lock:
+      if not self._file.closed:
+        self._file.write(json.dumps(record) + "\n")
 
   def close(self) -> None:
-    self._file.close()
+    with self._lock:
+      self._file.close()

@@ -149,7 +149,7 @@ def start(config: config_lib.Config, coordinator_address: str, num_processes: in
   # machine) is alive, and the process hosting the service waits for it before it leaves.
   options = session_options(config)
   heartbeat = liveness.Liveness(kv, process_id, connection.incarnation, beat_s=options.beat_s,
-                                lease_s=options.lease_s).start()
+                                lease_s=options.lease_s, observe=True).start()
   _check_same_config(kv, process_id, config)
   logging.info("Asynchronous job: process %d of %d (incarnation %d), %s; coordination service %s.", process_id,
                num_processes, connection.incarnation, "rejoining a running job" if rejoining else "starting",

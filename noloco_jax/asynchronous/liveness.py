@@ -106,7 +106,11 @@ class Liveness:
   """This process's heartbeat (a daemon thread) and its view of the others (`poll`)."""
 
   def __init__(self, kv: KV, slot: int, incarnation: int, *, beat_s: float = 0.5, lease_s: float = 10.0,
-               on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic):
+               on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic,
+               observe: bool = False):
+    """`observe`: the heartbeat thread also reads every lease after each beat (`poll`), so that membership
+    events are seen from the start, also while the process is busy starting up (a restart of a peer
+    that happens then is still seen as that peer's loss and return)."""
     if not 0 < beat_s < lease_s:
       raise ValueError(f"beat_s={beat_s} is not valid with lease_s={lease_s}: need 0 < beat_s < lease_s "
                        "(a few beats per lease, so one late beat does not lose the lease).")
@@ -120,6 +124,19 @@ class Liveness:
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._lock = threading.Lock()
+    self._observe = observe
+
+  def attach(self, on_event: Callable[[dict], None]) -> None:
+    """From now on every event goes to `on_event`, the ones seen so far first (none is lost in between)."""
+    with self._lock:
+      for e in self.events:
+        on_event(e)
+      self.on_event = on_event
+
+  def detach(self) -> None:
+    """No more events to `on_event` (its log is closing); the lease goes on."""
+    with self._lock:
+      self.on_event = None
 
   def beat(self) -> None:
     """Renews this process's lease once."""
@@ -137,6 +154,8 @@ class Liveness:
     while not self._stop.wait(self.beat_s):
       try:
         self.beat()
+        if self._observe:
+          self.poll()
       except Exception as e:  # pylint: disable=broad-except  (the service is gone: nothing left to renew)
         logging.warning("Heartbeat of slot %d stopped: %s", self.slot, str(e).splitlines()[0])
         return

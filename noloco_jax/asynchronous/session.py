@@ -87,7 +87,8 @@ class Session:
     self._pairings = open(os.path.join(log_dir, f"pairings_{slot}.jsonl"), "a", buffering=1) if log_dir else None
     if heartbeat is None:
       heartbeat = liveness.Liveness(kv, slot, incarnation, beat_s=options.beat_s, lease_s=options.lease_s).start()
-    heartbeat.on_event = self._events
+    if self._events is not None:
+      heartbeat.attach(self._events)  # what it has seen since it started, then every new event
     self.liveness = heartbeat
     self.matchmaker = matchmaking.Matchmaker(
         kv, slot, incarnation, seed=options.seed, window_s=options.window_s, max_wait_s=options.max_wait_s,
@@ -169,6 +170,7 @@ class Session:
     (what the process hosting the coordination service must do, or its exit ends them). `keep_beating`: the
     heartbeat goes on ("left", liveness.Liveness.leave) until the process exits (asynchronous/job.py)."""
     self.liveness.leave(keep_beating=keep_beating)
+    self.liveness.detach()  # it may go on beating (and observing): not into the log closed below
     end = time.monotonic() + linger_s
     while linger_s > 0 and time.monotonic() < end and self.others_alive():
       time.sleep(min(self.options.beat_s, 0.5))

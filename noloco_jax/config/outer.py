@@ -157,6 +157,8 @@ class OuterConfig(Section):
   allreduce_algorithm: str = "ring"
   # Streaming overlap (noloco, gossip, any compression; docs/method.md §13): τ inner steps run
   # while a round's exchange is in flight; its group mean is merged after step tH + τ. 0 = wait for it.
+  # With outer.schedule='async': up to τ inner steps run while the round finds its partner and exchanges;
+  # it is merged after the first step by which it is done (docs/async.md §3).
   overlap_steps: int = 0  # τ, in [0, inner_steps)
   # λ of the delayed merge θ ← λ·θ_local + (1 − λ)·φ_new (Streaming DiLoCo's mixing factor; 0.5 there):
   # the share of the τ in-flight steps' progress a replica keeps. 0 discards it; 1 never pulls θ to φ.
@@ -286,8 +288,7 @@ class OuterConfig(Section):
     if self.pairing != "fresh":
       fail("outer.pairing", self.pairing, with_async("'fresh'") + " (the partners are found at run time among "
            "the processes that are ready)")
-    for name, value, default in (("compression", self.compression, "none"), ("overlap_steps", self.overlap_steps, 0),
-                                 ("offload", self.offload, False)):
+    for name, value, default in (("compression", self.compression, "none"), ("offload", self.offload, False)):
       if value != default:
         fail(f"outer.{name}", value, with_async(repr(default)) + " (not supported by the asynchronous schedule)")
     if not self.max_wait_s > 0:

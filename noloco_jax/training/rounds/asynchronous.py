@@ -18,6 +18,17 @@ Each process holds one replica and trains it at its own pace. After every H inne
 4. **serving joiners**: a process that (re)started into the running job may have asked this one for
    its state (one store read per round).
 
+Training while waiting (`outer.overlap_steps` = τ > 0). Steps 2 and 3 block the process until its
+partner is ready and the exchange is done: with P processes whose ready times spread over a round, the
+first of each pair waits for the next arrival (docs/async.md §3). With τ > 0 the round (2 and 3) runs on
+a second host thread while the inner steps go on, and its update is applied after the first step by
+which it is done, at the latest after step tH + τ (the process then waits for it), with streaming
+overlap's delayed merge: φ and δ from the group mean as in step 4 (they did not change meanwhile),
+θ ← λ·θ_local + (1 − λ)·φ_new (λ = `outer.overlap_mix`, docs/method.md §13); the steps taken meanwhile
+count on top of the group's merged progress. A round in flight is not part of a checkpoint (nor waited
+for by an evaluation, which sees θ as it is): a resume from that checkpoint goes on as if the round
+had been skipped; at the run's last step the round in flight is merged.
+
 Progress (the staleness rule's unit, async_rules.py): inner steps behind the replica's weights; it
 grows by one per inner step and after an exchange becomes the group's weighted mean. It is kept, with
 the round counters, in the loop state's history, so a checkpoint restores it.
@@ -30,11 +41,13 @@ own checkpoint, else the start of its shard). It does not join when its own chec
 along than the peer, or when no peer is alive (then it trains on from its own state).
 
 No job-wide collective exists in this schedule, so `settle` has nothing to wait for: every exchange
-has completed (or failed) inside `after_step`.
+has completed (or failed) inside `after_step`, or (τ > 0) runs on its own thread, touching no state.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
 import time
 
@@ -48,6 +61,16 @@ from noloco_jax.asynchronous import session as session_lib
 from noloco_jax.outer import async_rules
 from noloco_jax.outer import wire
 from noloco_jax.training.rounds.base import RoundDriver
+
+@dataclasses.dataclass
+class _Pending:
+  """A round sent: its result (a Future, with τ > 0), own float32 message, payload, step and metrics."""
+  future: concurrent.futures.Future | None
+  own: object
+  payload: object
+  sent_at: int
+  round_metrics: dict
+
 
 SCALARS = "schedule"  # loop.history[SCALARS]: cumulative counters every training row carries (train_log.py)
 PRIVATE = "async"  # loop.history[PRIVATE]: this driver's own record (progress)
@@ -66,9 +89,18 @@ class AsyncRounds(RoundDriver):
     self._options = job_lib.session_options(config)
     self.session: session_lib.Session | None = None
     parts = setup.method.parts
+    # Training while the round finds its partner (outer.overlap_steps = τ > 0, module docstring): the round
+    # runs on a second thread and is merged with the delayed rule θ ← λ·θ_local + (1 − λ)·φ_new.
+    self._tau = config.outer.overlap_steps
+    mix = config.outer.overlap_mix if self._tau else None
+    self._executor = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="async-round")
+                      if self._tau else None)
+    self._pending: _Pending | None = None  # the round in flight (τ > 0)
+    self._merge_at = 0  # the step whose after_step merges it (decided before the step: `due` must agree)
+    self._last = config.num_steps
     self._message_fn = jax.jit(parts.message)
     # The merge donates the state it replaces (as the lock-step round does).
-    self._merge_fn = jax.jit(lambda states, mean: parts.merge(states, mean, None), donate_argnums=0)
+    self._merge_fn = jax.jit(lambda states, mean: parts.merge(states, mean, mix), donate_argnums=0)
     self._equal_mean_fn = jax.jit(lambda messages: async_rules.weighted_mean(messages, None))
     self._weighted_mean_fn = jax.jit(async_rules.weighted_mean)
     # Groups of three (outer.match_odd='triple'): compiled on first use (a triple is rarer than a pair).
@@ -125,31 +157,56 @@ class AsyncRounds(RoundDriver):
 
   # ---- every round ----
 
+  def before_step(self, run, step: int) -> None:
+    pending = self._pending
+    if pending is not None and (pending.future.done() or step >= pending.sent_at + self._tau):
+      self._merge_at = step
+
   def due(self, step: int) -> bool:
-    return step % self._H == 0
+    return step % self._H == 0 or step == self._merge_at
 
   def _progress(self, record, step: int) -> float:
     return record["progress"] + (step - record["progress_step"])
 
   def after_step(self, run, step: int, metrics: dict) -> None:
-    if not self.due(step):
-      return
-    record, counts = run.loop.history[PRIVATE], run.loop.history[SCALARS]
+    if step == self._merge_at:
+      self._finish(run, step)
+    if step % self._H == 0:
+      self._send(run, step)
+    if step == self._last and self._pending is not None:  # the run's state includes every round it sent
+      self._finish(run, step)
+
+  def _send(self, run, step: int) -> None:
     states, own, payload, round_metrics = self._message_fn(run.state)
-    progress = self._progress(record, step)
-    result = self.session.round(payload, progress=int(round(progress)))
+    progress = self._progress(run.loop.history[PRIVATE], step)
+    if self._executor is None:
+      self._pending = _Pending(None, own, payload, step, round_metrics)
+      self._finish(run, step, states, self.session.round(payload, progress=int(round(progress))))
+    else:
+      run.state = states
+      self._pending = _Pending(self._executor.submit(self.session.round, payload, int(round(progress))), own, payload,
+                               step, round_metrics)
+    # A joiner may be waiting for this process: it is offered a copy (the inner steps donate the state).
+    record = run.loop.history[PRIVATE]
+    self.session.serve_joins(lambda: jax.tree.map(jnp.copy, run.state), progress=int(round(self._progress(record, step))))
+
+  def _finish(self, run, step: int, states=None, result=None) -> None:
+    """The round sent at pending.sent_at, at `step`: its update if it exchanged, its counts and bytes."""
+    pending, self._pending, self._merge_at = self._pending, None, 0
+    if result is None:
+      result = pending.future.result()  # re-raises the round's error on the loop's thread
+    record, counts = run.loop.history[PRIVATE], run.loop.history[SCALARS]
     traffic = wire.NOTHING
     if result.exchanged:
-      run.state, merged = self._apply(states, own, result)
-      record.update(progress=merged, progress_step=step)
-      traffic = wire.permute(sum(x.nbytes for x in jax.tree.leaves(payload)), len(result.group) - 1)
+      run.state, merged = self._apply(run.state if states is None else states, pending.own, result)
+      # The τ inner steps since the message are this replica's own, on top of the group's progress.
+      record.update(progress=merged + (step - pending.sent_at), progress_step=step)
+      traffic = wire.permute(sum(x.nbytes for x in jax.tree.leaves(pending.payload)), len(result.group) - 1)
     counts[f"async/{result.status}_rounds"] += 1
     counts["async/wait_s"] += result.waited_s
     counts["async/exchange_s"] += result.exchange_s
     counts["async/progress"] = self._progress(record, step)
-    run.loop.add_round(step, round_metrics, traffic)
-    # A joiner may be waiting for this process: it is offered a copy (the inner steps donate the state).
-    self.session.serve_joins(lambda: jax.tree.map(jnp.copy, run.state), progress=int(round(self._progress(record, step))))
+    run.loop.add_round(step, pending.round_metrics, traffic)
 
   def _apply(self, states, own, result):
     """(new state, merged progress) after an exchange: the weighted mean in the lock-step order, the merge."""
@@ -176,6 +233,8 @@ class AsyncRounds(RoundDriver):
 
   def close(self, failed: bool) -> None:
     """Leaves the job: the others see it gone at their next poll (never paired with it again)."""
+    if self._executor is not None:
+      self._executor.shutdown(wait=not failed, cancel_futures=True)
     if self.session is not None:
       # Still beating until the process exits (asynchronous/job.Process.finish): it saves and logs meanwhile.
       self.session.close(linger_s=0.0, keep_beating=True)
