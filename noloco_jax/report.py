@@ -8,7 +8,8 @@ summary says which step the run has reached.
 
 The PNG has six panels: validation (and training) loss against inner steps, against training tokens
 (steps × replicas × batch × sequence length, all replicas together) and against modelled wall time;
-the cross-replica weight std; the bytes on the wire per replica (cumulative); and the rounds skipped
+the cross-replica weight std; the bytes on the wire per replica (cumulative; `Run.wire_series` for logs
+from before they were counted); and the rounds skipped
 (nan_policy="skip_round"). The consensus model's loss is drawn beside eval/loss where the run logged it.
 
 Modelled wall time: the run's own measured compute time (the sum over log intervals of steps ÷
@@ -34,8 +35,16 @@ from typing import Any
 
 import numpy as np
 
-BYTES_SENT = ("comm/bytes_sent_per_replica", "comm/bytes_per_replica")  # the new name first, today's second
+from noloco_jax.outer import wire  # pure Python: the report stays free of JAX
+
+BYTES_SENT = ("comm/bytes_sent_per_replica",)
 BYTES_RECEIVED = ("comm/bytes_received_per_replica",)
+# Logs written before the wire was counted have only this name, and it held the collectives' operands
+# (outer/wire.py): for a method whose collectives are point-to-point messages that is what a replica
+# sends and receives, but an all-reduce (diloco's round, ddp's step) moves 2(N−1)/N of its operand
+# per replica on a ring. `Run.wire_series` converts it, and says so.
+OLD_OPERANDS = "comm/bytes_per_replica"
+ALLREDUCE_KINDS = ("diloco", "ddp")
 PLOTS_HINT = "the PNG needs matplotlib: pip install '.[plots]' (the text summary above needs nothing)"
 
 
@@ -97,6 +106,27 @@ class Run:
         return steps, np.array([by_step[s] for s in steps]), key
     return np.zeros(0), np.zeros(0), None
 
+  def wire_series(self, received: bool = False) -> tuple[np.ndarray, np.ndarray, str | None]:
+    """(steps, cumulative bytes a replica sent (or received) on the wire, where they come from).
+
+    A log from before the wire was counted holds only OLD_OPERANDS, the collectives' operands: those are
+    converted with outer/wire.py's formulas (×1 for messages sent once, ×2(N−1)/N for a ring all-reduce),
+    and the source says so, so that no operand count is shown as bytes on the wire.
+    """
+    steps, values, key = self.series(*(BYTES_RECEIVED if received else BYTES_SENT))
+    if key is not None:
+      return steps, values, key
+    steps, values, key = self.series(OLD_OPERANDS)
+    if key is None:
+      return steps, values, None
+    n = int(self._get("", "num_replicas", 1))
+    if self.kind in ALLREDUCE_KINDS:
+      factor = wire.allreduce(1.0, n, "ring").sent
+      how = f"× {factor:g} for a ring all-reduce over N = {n}"
+    else:
+      factor, how = 1.0, "as sent: point-to-point messages"
+    return steps, values * factor, f"from {OLD_OPERANDS}, the collectives' operands of a log from before the wire was counted, {how}"
+
   def _get(self, section: str, name: str, default=None):
     value = self.config.get(section, {}).get(name) if section else self.config.get(name)
     return default if value is None else value
@@ -141,7 +171,7 @@ class Run:
     compute = self.measured_seconds(steps)
     if compute is None:
       return None
-    bs, sent, _ = self.series(*BYTES_SENT)
+    bs, sent, _ = self.wire_series()
     wire = np.interp(steps, bs, sent) * 8 / (link_gbps * 1e9) if len(bs) else 0.0
     if self.kind == "ddp":
       messages = steps.astype(float)
@@ -190,9 +220,9 @@ def summarize(run: Run, link_gbps: float = 1.0, alpha_s: float = 1e-3) -> list[s
   ws, wv, _ = run.series("replicas/weight_std")
   if len(ws):
     lines.append(f"  replicas/weight_std {wv[-1]:.3e} (step {ws[-1]})")
-  bs, bv, key = run.series(*BYTES_SENT)
+  bs, bv, key = run.wire_series()
   if len(bs):
-    rs, rv, _ = run.series(*BYTES_RECEIVED)
+    rs, rv, _ = run.wire_series(received=True)
     lines.append(f"  bytes on the wire per replica: {_fmt_bytes(bv[-1])} sent" +
                  (f", {_fmt_bytes(rv[-1])} received" if len(rs) else "") + f" ({key})")
   ss, sv, _ = run.series("outer/skipped_rounds")
@@ -238,11 +268,11 @@ def plot(runs: list[Run], out: str, link_gbps: float = 1.0, alpha_s: float = 1e-
     ws, wv, _ = run.series("replicas/weight_std")
     if (wv > 0).any():  # a log scale: identical replicas (std 0, e.g. step 0) are left out
       ax_std.plot(ws[wv > 0], wv[wv > 0], color=c, marker=".", label=label)
-    bs, bv, key = run.series(*BYTES_SENT)
+    bs, bv, key = run.wire_series()
     if len(bs):
-      ax_bytes.plot(bs, bv / 2**20, color=c, label=f"{label}: sent")
-    rs, rv, _ = run.series(*BYTES_RECEIVED)
-    if len(rs):
+      ax_bytes.plot(bs, bv / 2**20, color=c, label=f"{label}: sent" + ("" if key in BYTES_SENT else f" ({OLD_OPERANDS} converted)"))
+    rs, rv, rkey = run.wire_series(received=True)
+    if len(rs) and rkey in BYTES_RECEIVED:  # an old log's received bytes are its sent ones: drawn once
       ax_bytes.plot(rs, rv / 2**20, color=c, ls=":", label=f"{label}: received")
     ss, sv, _ = run.series("outer/skipped_rounds")
     if len(ss):

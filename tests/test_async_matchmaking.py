@@ -145,8 +145,10 @@ def _run_threads(num, rounds, *, window_s=0.05, max_wait_s=5.0, sleep_s=0.005, s
 
 def test_protocol_agrees_and_is_uniform_at_equal_speed():
   """Four threads, 240 rounds at equal speed: every member of a batch reads the same group, every round
-  is matched, and the groupings of the batches that held all four are uniform over the 3 matchings."""
-  got, makers = _run_threads(4, 240)
+  is matched, and the groupings of the batches that held all four are uniform over the 3 matchings.
+  The budget is far above any wait at equal speed: under a load average of 40 a thread was once left
+  without a partner for 5 s, which says nothing about agreement or uniformity."""
+  got, makers = _run_threads(4, 240, max_wait_s=120.0)
   by_batch = collections.defaultdict(set)
   for s, rounds in got.items():
     assert all(r is not None for r in rounds), s

@@ -266,6 +266,13 @@ def test_coded_bytes_match_the_compiled_collectives(compression, extra, ratio):
   hlo = lowered.compile().as_text()
   assert hlo_lib.collective_bytes(hlo, "collective-permute") == counted
   assert hlo_lib.all_collective_bytes(hlo).keys() == {"collective-permute"}
+  # On the wire (outer/wire.py, the comm/bytes_sent_per_replica of a run): the payload, sent and received
+  # once per round by every replica, as the compiled permutes carry it.
+  on_wire, _ = outer_lib.traffic(method, jax.tree.map(lambda x: x[0], theta), N)
+  priced = hlo_lib.wire_bytes(hlo, N)["across"]
+  assert on_wire.sent == on_wire.received == on_wire.operand == counted
+  np.testing.assert_array_equal(priced.sent, np.full(N, counted))
+  np.testing.assert_array_equal(priced.received, np.full(N, counted))
   # Above the dense part: chunk scales (4 bytes per 4096 values) and, for topk, offsets and 2-bit values.
   k = C.topk_count(4096, extra.get("topk_density", 1.0))  # per chunk of w; the bias keeps 1 of its 8
   # w: 3 chunks of k uint16 offsets, 3k 2-bit codes padded to a multiple of 8, 3 scales; the bias: 2 + 2 + 4.

@@ -207,7 +207,9 @@ PAPER = {"noloco": dict(outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.7, 
 
 
 @pytest.mark.parametrize("kind", sorted(PAPER))
-def test_choosing_a_kind_gives_its_paper_values_and_says_so(caplog, kind):
+def test_choosing_a_kind_gives_its_paper_values_and_says_so(caplog, monkeypatch, kind):
+  from noloco_jax.config import outer as outer_schema  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(outer_schema, "_logged", set())  # logged once per process: forget earlier tests' lines
   config = default.get_config()
   config.outer.kind = kind  # what --config.outer.kind=KIND does
   with caplog.at_level(logging.INFO):
@@ -215,12 +217,16 @@ def test_choosing_a_kind_gives_its_paper_values_and_says_so(caplog, kind):
   assert {k: outer[k] for k in PAPER[kind]} == PAPER[kind]
   from noloco_jax.outer.paper import PAPER_OUTER  # pylint: disable=g-import-not-at-top
   assert PAPER_OUTER[kind] == PAPER[kind]  # the one table configs/paper.py and the notebooks use
-  logged = [r.getMessage() for r in caplog.records if "paper's defaults" in r.getMessage()]
-  assert len(logged) <= 1  # once per process and message (an earlier test may have logged it)
-  if kind == "diloco" and logged:
+  logged = [r.getMessage() for r in caplog.records if "(noloco_jax/outer/paper.py)" in r.getMessage()]
+  assert len(logged) == 1, logged
+  if kind == "diloco":
     assert logged[0] == ("config.outer.kind='diloco': outer_momentum=0.3, outer_lr=0.7, nesterov=False, "
                          "inner_steps=100 from the paper's defaults for diloco (noloco_jax/outer/paper.py); set a "
                          "field to override it.")
+  # Only NoLoCo and DiLoCo are run in the paper: the other kinds' values are not called the paper's.
+  assert ("from the paper's defaults" in logged[0]) == (kind in ("noloco", "diloco")), logged[0]
+  if kind not in ("noloco", "diloco"):
+    assert f"defaults for {kind}, which the paper does not run" in logged[0], logged[0]
 
 
 def test_a_field_set_to_another_kinds_default_is_kept():
@@ -384,6 +390,9 @@ def test_round_robin_needs_pairs():
 
 # (command-line flags after --workdir, the last line the user must see on stderr). Each exits 2, before training.
 SMOKE = "--config=configs/default.py:smoke"
+# A bound on a hung process only: these runs stop at their config error, in seconds when the machine is
+# quiet, but Python and JAX start slowly on a loaded one (tests/mp_env.py).
+START_TIMEOUT_S = 300
 CLI_ERRORS = [
     ([SMOKE, "--config.outer.momentun=0.9"],
      "noloco_jax: config.outer.momentun is not a field; did you mean config.outer.outer_momentum?"),
@@ -410,7 +419,7 @@ def test_a_bad_command_line_prints_one_line_and_exits_2(tmp_path, flags, last_li
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path}", *flags], cwd=REPO,
-                        capture_output=True, text=True, timeout=120)
+                        capture_output=True, text=True, timeout=START_TIMEOUT_S)
   lines = [line for line in proc.stderr.splitlines() if line.strip()]
   assert proc.returncode == 2, proc.stderr
   assert re.fullmatch(last_line, lines[-1]) if isinstance(last_line, re.Pattern) else lines[-1] == last_line, (
@@ -432,9 +441,25 @@ def test_a_config_file_that_cannot_load_is_one_line_and_exits_2(tmp_path, source
   path = tmp_path / "my_config.py"
   path.write_text(source)
   proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path / 'run'}", f"--config={path}"],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)
+                        cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
   assert proc.stderr.splitlines() == [f"noloco_jax: flag --config={path}: " + error.format(path=path)], proc.stderr
+
+
+def test_a_config_file_whose_get_config_returns_none_is_named(tmp_path):
+  """The last line named the value, not the file: 'flag --config=None: Flag --config must have a value other
+  than None.' (ml_collections' own warning above it says what happened; the last line now does too)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "my_config.py"
+  path.write_text("def get_config():\n  config = {'num_steps': 3}\n")
+  proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path / 'run'}", f"--config={path}"],
+                        cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.splitlines()[-1] == (
+      f"noloco_jax: flag --config={path}: get_config() returned None; it must return the config (an "
+      "ml_collections.ConfigDict): is its return statement missing?"), proc.stderr
+  assert not (tmp_path / "run").exists()
 
 
 def test_a_config_error_found_after_start_up_is_one_line_and_exits_2(tmp_path):
@@ -443,7 +468,7 @@ def test_a_config_error_found_after_start_up_is_one_line_and_exits_2(tmp_path):
   import sys  # pylint: disable=g-import-not-at-top
   proc = subprocess.run([sys.executable, "-m", "noloco_jax.main", f"--workdir={tmp_path / 'run'}", SMOKE,
                          "--config.data.source=text", "--config.data.train_files=/nonexistent/*.txt"],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)
+                        cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
   assert proc.stderr.splitlines()[-1] == ("noloco_jax: config.data.train_files='/nonexistent/*.txt': pattern "
                                           "'/nonexistent/*.txt' matches no file."), proc.stderr

@@ -286,7 +286,7 @@ def killed(tmp_path_factory):
   workdir = root / "run"
   job = launch_local.Job(2, 4, KILL_FLAGS + [f"--workdir={workdir}"], log_dir=str(root / "logs"), cwd=REPO,
                          env=mp_env.env(NOLOCO_FAULTS="kill:process=1,step=8"))
-  codes = job.wait(timeout_s=300, grace_s=60)
+  codes = job.wait(timeout_s=mp_env.JOB_TIMEOUT_S, grace_s=60)
   assert codes[1] == -9 and codes[0] != 0, (codes, "".join(open(p).read()[-2000:] for p in job.log_paths))
   assert sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())[-1] == 6
   return workdir
@@ -390,8 +390,8 @@ def test_survivor_resume_restores_the_rows_numpy_says(killed, tmp_path, mode, fi
 def resume_job(workdir, log_dir, extra: list[str], processes: int) -> tuple[str, list[dict]]:
   """The same command plus `extra`, on `processes` × (4 / processes) devices; (process 0's log, metrics rows)."""
   job = launch_local.Job(processes, 4 // processes, KILL_FLAGS + [f"--workdir={workdir}"] + extra,
-                         log_dir=str(log_dir), cwd=REPO)
-  codes = job.wait(timeout_s=300, grace_s=30)
+                         log_dir=str(log_dir), cwd=REPO, env=mp_env.env())
+  codes = job.wait(timeout_s=mp_env.JOB_TIMEOUT_S, grace_s=30)
   text = open(job.log_paths[0]).read()
   assert codes == [0] * processes, text[-3000:]
   return text, metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
@@ -446,7 +446,7 @@ def test_killed_job_resumed_by_the_survivor_trains_to_the_end(killed, tmp_path, 
 def _main(workdir, env, *flags) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-m", "noloco_jax.main", "--config=configs/default.py:smoke",
                          f"--workdir={workdir}", "--config.outer.overlap_steps=2", *flags], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=600)
+                        capture_output=True, text=True, timeout=mp_env.JOB_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("mode,flags,replicas", [

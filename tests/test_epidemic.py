@@ -23,9 +23,9 @@ from noloco_jax.inner.state import TrainState
 N = 8
 
 
-def _method(fanout, message_dtype="float32"):
+def _method(fanout, message_dtype="float32", topology="oracle"):
   cfg = ml_collections.ConfigDict(default.get_config().outer)
-  cfg.update(kind="epidemic", fanout=fanout, message_dtype=message_dtype)
+  cfg.update(kind="epidemic", fanout=fanout, message_dtype=message_dtype, topology=topology)
   return outer_lib.make_method(cfg)
 
 
@@ -311,6 +311,18 @@ def test_epidemic_bytes_in_the_compiled_program(fanout, topology):
   if topology == "oracle":
     np.testing.assert_array_equal(received, np.full(N, counted))
   assert hlo_lib.permute_pair_bytes(hlo) == N * counted
+  # On the wire (outer/wire.py, what comm/bytes_sent_per_replica and ..._received_... add up): the mean
+  # over replicas of the compiled program's, the busiest sender's, and the busiest receiver's bound
+  # (exactly s models under EL-Oracle; up to N − 1 under EL-Local).
+  on_wire, _ = outer_lib.traffic(_method(fanout, topology=topology), {k: v[0] for k, v in theta.items()}, N)
+  priced = hlo_lib.wire_bytes(hlo, N)["across"]
+  np.testing.assert_array_equal(priced.sent, sent)
+  np.testing.assert_array_equal(priced.received, received)
+  assert on_wire.sent == sent.mean() == on_wire.received == received.mean() == on_wire.operand
+  assert on_wire.max_sent == sent.max()
+  assert received.max() <= on_wire.max_received == (model * fanout if topology == "oracle" else model * (N - 1))
+  if topology == "oracle":
+    assert on_wire.max_received == received.max()
 
 
 def test_epidemic_training_saves_and_resumes_exactly(tmp_path, caplog, compile_cache, topology="oracle"):

@@ -43,12 +43,12 @@ def test_processes_with_different_workdirs_refuse_at_start_up(tmp_path):
   """Before the check, this job trained and then hung at its first save (step 6) for good."""
   run0, run1 = tmp_path / "run0", tmp_path / "run1"
   procs = _start_pair(tmp_path, [(run0, {}), (run1, {})])
-  deadline = time.time() + 300
+  deadline = time.time() + mp_env.JOB_TIMEOUT_S
   try:
     while any(p.poll() is None for p in procs):
       trained = [d for d in (run0, run1) if (d / "checkpoints").is_dir() and os.listdir(d / "checkpoints")]
       assert not trained, f"the job trained up to a save in {trained} instead of refusing:\n" + _logs(tmp_path)
-      assert time.time() < deadline, "the job neither refused nor finished in 300 s:\n" + _logs(tmp_path)
+      assert time.time() < deadline, f"the job neither refused nor finished in {mp_env.JOB_TIMEOUT_S} s:\n" + _logs(tmp_path)
       time.sleep(0.2)
   finally:
     _kill(procs)
@@ -63,7 +63,7 @@ def test_processes_with_different_workdirs_refuse_at_start_up(tmp_path):
 def test_a_config_mismatch_between_processes_names_the_fields(tmp_path):
   procs = _start_pair(tmp_path, [(tmp_path / "run", {}), (tmp_path / "run", {"inner.lr": 0.001})])
   try:
-    codes = [p.wait(timeout=300) for p in procs]
+    codes = [p.wait(timeout=mp_env.JOB_TIMEOUT_S) for p in procs]
   finally:
     _kill(procs)
   logs = _logs(tmp_path)

@@ -20,6 +20,8 @@ from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.runtime import faults
 from noloco_jax.runtime import link_faults
 
+import mp_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -63,15 +65,15 @@ def test_partner_waits_out_a_three_second_link_drop_and_the_job_completes(tmp_pa
   # (round_robin) so that no compile sits in the round we look at. Process 1's link drops after step
   # 4; it computes steps 5 and 6 and then cannot deliver its half of round 2 until the link is back.
   launch = [sys.executable, "-m", "noloco_jax.runtime.launch_local", "--num_processes=2", "--devices_per_process=1",
-            f"--log_dir={tmp_path / 'logs'}", "--timeout_s=240", "--grace_s=20", "--",
+            f"--log_dir={tmp_path / 'logs'}", f"--timeout_s={mp_env.JOB_TIMEOUT_S}", "--grace_s=20", "--",
             "--config=configs/default.py:smoke", f"--workdir={workdir}", "--config.num_replicas=2",
             "--config.num_steps=6", "--config.outer.inner_steps=3", "--config.outer.pairing=round_robin",
             "--config.eval_every=0", "--config.log_every=3"]
   env = dict(os.environ, NOLOCO_FAULTS=f"linkdown:process=1,step=4,seconds={outage_s}", NOLOCO_TRACE=str(trace),
-             NOLOCO_HEARTBEAT_TIMEOUT_S="60", PYTHONPATH=REPO)
+             **mp_env.env(), PYTHONPATH=REPO)
   script = "ip link set lo up && exec " + " ".join(f"'{a}'" for a in launch)
   done = subprocess.run(["unshare", "-n", "sh", "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
-                        timeout=300)
+                        timeout=mp_env.JOB_TIMEOUT_S + 60)
   logs = "".join(open(tmp_path / "logs" / f"process_{p}.log").read()[-2000:] for p in (0, 1))
   assert done.returncode == 0, done.stdout[-2000:] + logs
   rows = [json.loads(line) for line in open(trace / "trace_0.jsonl")]

@@ -207,6 +207,13 @@ def test_overlapped_send_moves_the_bytes_counted_per_round(message_dtype):
   # XLA:CPU widens bf16 collectives to f32 after lowering (as for the plain round, tests/test_outer.py).
   assert hlo_lib.collective_bytes(hlo, "collective-permute") == counted * (4 // itemsize)
   assert hlo_lib.all_collective_bytes(hlo).keys() == {"collective-permute"}
+  # On the wire (outer/wire.py, what an overlapped run's comm/bytes_sent_per_replica adds up): the plain
+  # round's message, sent and received once per round, as the compiled exchange carries it.
+  on_wire, _ = outer_lib.traffic(method, jax.tree.map(lambda x: x[0], params), N)
+  priced = hlo_lib.wire_bytes(hlo, N)["across"]
+  assert on_wire.sent == on_wire.received == on_wire.operand == counted
+  np.testing.assert_array_equal(priced.sent, np.full(N, counted * (4 // itemsize)))
+  np.testing.assert_array_equal(priced.received, np.full(N, counted * (4 // itemsize)))
   # The message and the merge programs communicate nothing.
   for fn in (programs.message, programs.merge):
     assert hlo_lib.all_collective_bytes(fn.lower(state).compile().as_text()) == {}

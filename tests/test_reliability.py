@@ -122,6 +122,23 @@ def test_workdir_lock_judges_holders(tmp_path):
     workdir_lock.acquire(workdir)
 
 
+def test_a_lock_file_left_unfilled_is_taken_over_once_old_enough(tmp_path, monkeypatch, caplog):
+  """A run killed between creating its lock file and filling it leaves an unreadable file. Rerun at once,
+  the next run gave up after five 0.2-s retries, long before the file was old enough to be judged stale,
+  and refused: 'could not take the lock (other runs keep taking it)'. It now waits for that age."""
+  monkeypatch.setattr(workdir_lock, "UNREADABLE_GRACE_S", 3.0)  # 10 s in a run; above the 1 s of retries
+  path = os.path.join(str(tmp_path), workdir_lock.LOCK_NAME)
+  with open(path, "w") as f:
+    f.write("\x00garbage")
+  start = time.monotonic()
+  with caplog.at_level("WARNING"):
+    lock = workdir_lock.acquire(str(tmp_path))
+  assert time.monotonic() - start >= 2.5  # it waited for the file to be filled by a run starting now
+  assert "is empty or unreadable (left by a run that died while taking it); taking the lock over" in caplog.text
+  assert lock.holder.pid == os.getpid()
+  lock.release()
+
+
 # ---------------------------------------------------------------------------------------------------
 # 10: nan_policy="skip_round" on a run whose every round diverges.
 # ---------------------------------------------------------------------------------------------------
@@ -252,6 +269,7 @@ def test_a_nan_loss_ends_in_one_line_naming_step_replica_and_what_to_change(cach
   assert not [l for l in lines if "Traceback" in l], "\n".join(lines[-40:])
   assert lines[-1].startswith("noloco_jax: error: non-finite training loss nan at step 5 on replica 3"), lines[-1]
   assert "a lower inner.lr" in lines[-1] and "nan_policy='skip_round'" in lines[-1]
+  assert lines[-1].endswith(f"Then run the same command to resume from the last checkpoint (step 4 in {workdir})."), lines[-1]
   assert checkpoint_steps(workdir)[-1] == 4  # checkpoint_every=2: the step-6 save never happened
 
 
@@ -415,7 +433,7 @@ def test_ctrl_c_during_a_save_stops_the_run_with_one_line(cache, tmp_path, async
       assert proc.poll() is None and time.time() < deadline, "\n".join(stderr_of(log)[-30:])
       time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=120)
+    proc.wait(timeout=START_TIMEOUT_S)
   finally:
     if proc.poll() is None:
       proc.kill()
@@ -485,6 +503,22 @@ def test_the_last_line_advises_a_resume_only_where_a_checkpoint_exists(tmp_path)
       "Give --workdir a directory this user can create and write to (not on a read-only filesystem).", 1, False)
   elsewhere = OSError(30, "Read-only file system", "/usr/lib/x")  # not the workdir: a traceback helps
   assert failures.report(elsewhere, workdir)[2]
+
+
+@pytest.mark.parametrize("error", [checkpoint.NonFiniteLossError, checkpoint.NonFiniteStateError,
+                                   checkpoint.TooManySkippedRoundsError])
+def test_a_diverged_run_is_told_to_resume_only_where_a_checkpoint_exists(tmp_path, error):
+  """A NaN before the first checkpoint ended in '... then run the command to resume' (and NonFiniteStateError
+  in 'The last good checkpoint is step None'): there was nothing to resume from."""
+  from noloco_jax.runtime import failures
+  workdir = str(tmp_path / "run")
+  message, status, traceback_helps = failures.report(error("it diverged."), workdir)
+  assert (message, status, traceback_helps) == (
+      f"it diverged. Then run the same command to start again ({workdir} holds no checkpoint yet).", 1, False)
+  os.makedirs(os.path.join(workdir, "checkpoints", "6"))
+  assert failures.report(error("it diverged."), workdir)[0] == (
+      f"it diverged. Then run the same command to resume from the last checkpoint (step 6 in {workdir}).")
+  assert failures.report(checkpoint.CheckpointSaveError("disk full."), workdir)[0] == "disk full."  # says it itself
 
 
 def test_a_workdir_that_cannot_be_created_is_one_line(tmp_path):

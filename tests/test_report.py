@@ -55,7 +55,8 @@ def test_series_tokens_and_times_against_hand_arithmetic(tmp_path):
   got = run.modelled_seconds(np.array([12]), link_gbps=1.0, alpha_s=1e-3)
   np.testing.assert_allclose(got, [5.25 + 12000 * 8 / 1e9 + 4 * 1e-3])
   ddp = report.Run(_write_run(tmp_path / "ddp", _rows(), config={**CONFIG, "outer": {"kind": "ddp"}}))
-  np.testing.assert_allclose(ddp.modelled_seconds(np.array([12]), 1.0, 1e-3), [5.25 + 12000 * 8 / 1e9 + 12e-3])
+  # ddp's old operand count (one gradient copy per step) is 1/1.5 of what a ring all-reduce over 4 sends.
+  np.testing.assert_allclose(ddp.modelled_seconds(np.array([12]), 1.0, 1e-3), [5.25 + 1.5 * 12000 * 8 / 1e9 + 12e-3])
 
 
 def test_the_summary_says_what_the_run_did(tmp_path):
@@ -66,7 +67,7 @@ def test_the_summary_says_what_the_run_did(tmp_path):
   assert "eval/consensus_loss 3.6500 (step 12): -0.0500 against eval/loss" in text
   assert "replicas/weight_std 1.200e-02 (step 12)" in text
   assert "rounds skipped: 1" in text and "tokens: 768 (all replicas)" in text
-  assert "bytes on the wire per replica: 0.0 MiB sent (comm/bytes_per_replica)" in text
+  assert "bytes on the wire per replica: 0.0 MiB sent, 0.0 MiB received (from comm/bytes_per_replica, the " in text
 
 
 def test_a_run_in_progress_with_a_half_written_line(tmp_path):
@@ -82,6 +83,21 @@ def test_the_new_bytes_names_are_read_first(tmp_path):
   text = "\n".join(report.summarize(run))
   assert "sent, 0.0 MiB received (comm/bytes_sent_per_replica)" in text
   assert run.series(*report.BYTES_SENT)[2] == "comm/bytes_sent_per_replica"
+
+
+def test_an_old_logs_operand_bytes_are_not_shown_as_bytes_on_the_wire(tmp_path):
+  """A log from before the wire was counted has only comm/bytes_per_replica, the collectives' operands. An
+  all-reduce sends 2(N−1)/N of its operand per replica on a ring (1.5 at N = 4): shown as such, and named."""
+  diloco = report.Run(_write_run(tmp_path / "d", _rows(), config={**CONFIG, "outer": {"kind": "diloco"}}))
+  steps, sent, source = diloco.wire_series()
+  np.testing.assert_allclose(sent, 1.5 * 1000 * steps)
+  np.testing.assert_allclose(diloco.wire_series(received=True)[1], sent)
+  assert source.startswith("from comm/bytes_per_replica, the collectives' operands") and "× 1.5 for a ring all-reduce over N = 4" in source
+  assert f"  bytes on the wire per replica: 0.0 MiB sent, 0.0 MiB received ({source})" in report.summarize(diloco)
+  np.testing.assert_allclose(diloco.modelled_seconds(np.array([12]), 1.0, 1e-3), [5.25 + 18000 * 8 / 1e9 + 4e-3])
+  noloco = report.Run(_write_run(tmp_path / "n", _rows()))  # its operands are the messages it sends
+  np.testing.assert_allclose(noloco.wire_series()[1], 1000 * steps)
+  assert "as sent: point-to-point messages" in noloco.wire_series()[2]
 
 
 def test_main_writes_a_png_per_run_and_per_comparison(tmp_path, capsys):

@@ -22,6 +22,8 @@ import pytest
 from noloco_jax.config import cli
 from noloco_jax.runtime import workdir_lock
 
+import mp_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SRUN = """#!/usr/bin/env bash
@@ -69,8 +71,10 @@ def _submit(root, job_id: str, *args, ntasks=16, **env):
   environ.update(PATH=f"{root.parent / 'bin'}{os.pathsep}{environ['PATH']}", SLURM_SUBMIT_DIR=str(root),
                  SLURM_JOB_ID=job_id, SLURM_JOB_NAME="noloco", SLURM_NTASKS=str(ntasks), SLURM_JOB_NUM_NODES="2",
                  FAKE_SRUN_ARGS=str(record), **env)
+  # A bound on a hung script only: a job that trains (the resubmission test) compiles cold, minutes on a
+  # loaded machine (tests/mp_env.py).
   proc = subprocess.run(["bash", str(root / "scripts" / "slurm_gpu.sbatch"), *args], cwd=root, env=environ,
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=mp_env.JOB_TIMEOUT_S)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return record.read_text().splitlines(), proc.stdout + proc.stderr
 

@@ -1,5 +1,6 @@
 """training/summary.py: the end-of-run screen and summary.json say what metrics.jsonl says, name the
-workdir and how the run started, and every outer hyperparameter in force (and only those)."""
+workdir and how the run started, every outer hyperparameter in force (and only those) and how the kind
+exchanges (pairing, epidemic graph, codec, overlap)."""
 
 import json
 
@@ -61,13 +62,16 @@ def test_it_names_the_workdir_and_how_the_run_started(tmp_path):
 
 
 @pytest.mark.parametrize("outer,shown,absent", [
-    ({}, "outer noloco: α=0.5 (paper), β=0.7 (paper), γ=0.7 (paper), n=2 (paper), H=3, messages float32", ()),
+    ({}, "outer noloco: α=0.5 (paper), β=0.7 (paper), γ=0.7 (paper), n=2 (paper), H=3, pairing fresh, messages float32",
+     ("overlap",)),
     ({"kind": "diloco"}, "outer diloco: α=0.3 (paper), β=0.7 (paper), heavy-ball (paper), H=3, all-reduce priced as ring",
      ("γ=", "n=")),
     ({"kind": "diloco", "outer_momentum": 0.5, "nesterov": True}, "outer diloco: α=0.5, β=0.7 (paper), Nesterov, H=3", ()),
-    ({"kind": "gossip"}, "outer gossip: α=0 (fixed by gossip), β=1 (fixed by gossip), γ=1 (fixed by gossip), n=2 (paper), H=3",
-     ()),
-    ({"kind": "epidemic", "fanout": 2}, "outer epidemic: s=2, H=3, messages float32", ("α=", "n=")),
+    ({"kind": "gossip"}, "outer gossip: α=0 (fixed by gossip), β=1 (fixed by gossip), γ=1 (fixed by gossip), "
+     "n=2 (default for gossip; not in the paper), H=3", ("(paper)",)),
+    ({"kind": "epidemic"}, "outer epidemic: s=1 (default for epidemic; not in the paper), H=3", ("(paper)",)),
+    ({"kind": "epidemic", "fanout": 2}, "outer epidemic: s=2, H=3, graph EL-Oracle (topology=oracle), pairing fresh, "
+     "messages float32", ("α=", "n=")),
     ({"kind": "ddp"}, "outer ddp: all-reduce priced as ring", ("H=", "α=", "β=")),
     ({"kind": "none"}, "outer none: no outer step", ("H=",)),
 ])
@@ -93,3 +97,39 @@ def test_comm_figures_are_on_the_wire_and_the_operands(tmp_path):
   assert out["comm/bytes_sent_per_replica"] == out["comm/bytes_received_per_replica"] == 1750.0
   assert out["comm/collective_operand_bytes_per_replica"] == 1000
   assert "comm/bytes_sent_per_replica      1,750" in out["text"]
+
+
+@pytest.mark.parametrize("outer,shown,exchange", [
+    ({"kind": "epidemic", "topology": "local"}, "graph EL-Local (topology=local), pairing fresh, messages float32",
+     {"message_dtype": "float32", "topology": "local", "pairing": "fresh"}),
+    ({"pairing": "fixed", "message_dtype": "bfloat16", "overlap_steps": 2, "overlap_mix": 0.25},
+     "pairing fixed, messages bfloat16, overlap τ=2, λ=0.25",
+     {"message_dtype": "bfloat16", "compression": "none", "pairing": "fixed", "overlap_steps": 2, "overlap_mix": 0.25}),
+    ({"compression": "topk", "topk_density": 0.03}, "messages float32, topk (topk_density=0.03, topk_bits=2, "
+     "slow_codec=int8, compression_chunk=4096, feedback_decay=1)",
+     {"message_dtype": "float32", "compression": "topk", "compression_chunk": 4096, "feedback_decay": 1.0,
+      "topk_density": 0.03, "topk_bits": 2, "slow_codec": "int8", "pairing": "fresh", "overlap_steps": 0}),
+    ({"kind": "epidemic_adam", "pairing": "round_robin"}, "pairing round_robin, messages float32",
+     {"message_dtype": "float32", "pairing": "round_robin"}),
+    ({"kind": "diloco", "allreduce_algorithm": "tree"}, "all-reduce priced as tree", {"allreduce_algorithm": "tree"}),
+    ({"kind": "none"}, "outer none: no outer step", {}),
+])
+def test_it_names_how_the_kind_exchanges(tmp_path, outer, shown, exchange):
+  """What travels and between whom changes the result as much as α or H: the EL-Oracle and EL-Local graphs,
+  the pairing mode, the overlap window and the codec are named on the screen and in summary.json."""
+  _write_metrics(tmp_path, [])
+  out = summary_lib.summarize(_config(**outer), _loop(), 1, 1.0, str(tmp_path))
+  assert shown in out["text"].splitlines()[2], out["text"]
+  assert out["outer/exchange"] == exchange
+  assert json.loads(json.dumps(out["outer/exchange"])) == exchange
+
+
+def test_the_consensus_models_loss_is_beside_eval_loss(tmp_path):
+  _write_metrics(tmp_path, [])
+  loop = _loop()
+  loop.history["eval"][-1].update({"eval/consensus_loss": 4.80, "eval/consensus_ppl": 121.5})
+  out = summary_lib.summarize(_config(), loop, 1, 1.0, str(tmp_path))
+  assert "eval/consensus_loss  4.8000 (the replicas' average, eval_consensus=slow; -0.0900 against eval/loss)" in out["text"]
+  assert out["eval/consensus_loss"] == 4.80 and out["eval/consensus_ppl"] == 121.5
+  without = summary_lib.summarize(_config(), _loop(), 1, 1.0, str(tmp_path))  # no consensus row (eval_consensus="")
+  assert "eval/consensus_loss" not in without and "eval/consensus" not in without["text"]

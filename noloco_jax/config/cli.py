@@ -61,7 +61,7 @@ def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
 
 def config_file_error(argv: Sequence[str], error: Exception, config_flag: str) -> str | None:
   """One line for an exception raised while the --config file was loaded, or None if it came from elsewhere."""
-  arg = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith((f"--{config_flag}=", f"-{config_flag}="))), None)
+  arg = _config_arg(argv, config_flag)
   if arg is None:
     return None
   path = os.path.abspath(arg.split(":", 1)[0])
@@ -79,6 +79,11 @@ def config_file_error(argv: Sequence[str], error: Exception, config_flag: str) -
 def explain(argv: Sequence[str], error: Exception, flag_values: flags.FlagValues, config_flag: str) -> str:
   """One line saying which field or flag is wrong and what would be valid."""
   config = _load_config(argv, flag_values, config_flag)
+  arg = _config_arg(argv, config_flag)
+  if arg is not None and config is None and f"--{config_flag} must have a value other than None" in str(error):
+    # absl's words name the value, None, not the file that gave it ("flag --config=None: ...").
+    return (f"flag --{config_flag}={arg}: get_config() returned None; it must return the config "
+            "(an ml_collections.ConfigDict): is its return statement missing?")
   if config is not None:
     for arg in argv[1:]:
       match = _OVERRIDE.match(arg)
@@ -103,15 +108,20 @@ def explain(argv: Sequence[str], error: Exception, flag_values: flags.FlagValues
   return f"{lines[0].split(': ')[0]}: {lines[-1]}{where}"
 
 
+def _config_arg(argv, config_flag) -> str | None:
+  """The value given to --config (FILE[:ARGS]), or None."""
+  return next((a.split("=", 1)[1] for a in argv[1:] if a.startswith((f"--{config_flag}=", f"-{config_flag}="))), None)
+
+
 def _load_config(argv, flag_values, config_flag) -> ml_collections.ConfigDict | None:
   """The config file's ConfigDict without the overrides, or None when it cannot be loaded."""
-  for arg in argv[1:]:
-    if arg.startswith((f"--{config_flag}=", f"-{config_flag}=")):
-      try:
-        return flag_values[config_flag].parser.parse(arg.split("=", 1)[1])
-      except Exception:  # pylint: disable=broad-except  (the original error is reported instead)
-        return None
-  return None
+  arg = _config_arg(argv, config_flag)
+  if arg is None:
+    return None
+  try:
+    return flag_values[config_flag].parser.parse(arg)
+  except Exception:  # pylint: disable=broad-except  (the original error is reported instead)
+    return None
 
 
 def unknown_field(config: ml_collections.ConfigDict, path: str) -> str | None:

@@ -79,6 +79,9 @@ PAPER_OUTER: dict[str, dict[str, Any]] = {
     "ddp": {},
     "none": {},
 }
+# The kinds the NoLoCo paper runs: only their values above are the paper's. The others' are this project's
+# choice (NoLoCo's H and pairs or one peer), and the log and the summary say so rather than "paper".
+PAPER_KINDS = ("noloco", "diloco")
 # The fields a kind's paper defaults fill when left unset, and what a field the kind does not use gets.
 UNSET_DEFAULTS: dict[str, Any] = dict(inner_steps=50, group_size=2, outer_momentum=0.5, outer_lr=0.7,
                                       consensus_weight=0.7, nesterov=False, fanout=1)
@@ -214,8 +217,10 @@ class OuterConfig(Section):
     section = super().parse(node)
     taken = section.from_paper()
     if section is not node and taken:
+      source = (f"paper's defaults for {section.kind}" if section.kind in PAPER_KINDS else
+                f"defaults for {section.kind}, which the paper does not run (NoLoCo's H and group size)")
       message = (f"config.outer.kind={section.kind!r}: {', '.join(f'{k}={v!r}' for k, v in taken.items())} from the "
-                 f"paper's defaults for {section.kind} (noloco_jax/outer/paper.py); set a field to override it.")
+                 f"{source} (noloco_jax/outer/paper.py); set a field to override it.")
       if message not in _logged:
         _logged.add(message)
         logging.info("%s", message)

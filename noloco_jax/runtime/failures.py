@@ -33,7 +33,13 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 
 class ReportedError(Exception):
-  """An error whose message names the cause and the remedy; reported as one line, no traceback."""
+  """An error whose message names the cause and the remedy; reported as one line, no traceback.
+
+  `then_go_on`: the remedy is followed by a rerun, which `report` names from what the workdir holds
+  (resume from its last checkpoint, or start again where it holds none): the code that raises the error
+  does not know the workdir, and advice to resume from a checkpoint that does not exist misleads.
+  """
+  then_go_on = False
 
 
 def _is_closed_loop_noise(unraisable) -> bool:
@@ -132,7 +138,7 @@ def report(error: BaseException, workdir: str | None) -> tuple[str, int, bool]:
   if isinstance(error, KeyboardInterrupt):
     return f"interrupted (SIGINT, e.g. Ctrl-C). To go on, {_advice(workdir)}.", EXIT_INTERRUPTED, False
   if isinstance(error, ReportedError):
-    return str(error), EXIT_FAILED, False
+    return str(error) + (f" Then {_advice(workdir)}." if error.then_go_on else ""), EXIT_FAILED, False
   if _cannot_write_workdir(error, workdir):
     return (f"cannot write to the workdir {workdir}: {first_line(error)}. Give --workdir a directory this user "
             "can create and write to (not on a read-only filesystem)."), EXIT_FAILED, False

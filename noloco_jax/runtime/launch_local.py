@@ -12,13 +12,16 @@ prefixed with `[i]`, or written to LOG_DIR/process_i.log with --log_dir.
 
 If one process fails, the launcher gives the others --grace_s seconds to exit on their own (they should:
 see distributed.py) and then kills them (with --keep_going it lets them run: the asynchronous
-schedule's processes train on without the failed one, docs/async.md); its exit status is the first non-zero status of a process, a
-process killed by signal N counting as 128 + N (137 for SIGKILL), as a shell reports it.
+schedule's processes train on without the failed one, docs/async.md); its exit status is that of the
+process that failed first (its peers then fail because of it), a process killed by signal N counting as
+128 + N (137 for SIGKILL), as a shell reports it: a job whose process 1 was SIGKILLed (the OOM killer)
+exits 137, not process 0's 1.
 
 SIGTERM, SIGINT (Ctrl-C) and SIGHUP sent to the launcher are passed on to every process, and the launcher
-waits for them to exit before it does: on SIGTERM each saves a checkpoint and exits 0, so stopping the
-launcher stops the job as stopping one training process would. The processes run in their own process
-group, so a Ctrl-C in the terminal reaches them once, through the launcher, not twice.
+waits for them to exit before it does (its last line then names the signal): on SIGTERM each saves a
+checkpoint and exits 0, so stopping the launcher stops the job as stopping one training process would.
+The processes run in their own process group, so a Ctrl-C in the terminal reaches them once, through the
+launcher, not twice.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class Job:
                log_dir: str | None = None, env: dict[str, str] | None = None, cwd: str | None = None):
     self.port = port or free_port()
     self.procs: list[subprocess.Popen] = []
+    self.first_failure: int | None = None  # the index of the process seen failing first (`wait`)
     self.log_paths: list[str | None] = []
     self._threads = []
     for i in range(num_processes):
@@ -104,14 +108,25 @@ class Job:
     rest get `grace_s`."""
     deadline = None if timeout_s is None else time.time() + timeout_s
     while any(p.poll() is None for p in self.procs):
-      failed = not keep_going and any(p.poll() not in (None, 0) for p in self.procs)
+      self._note_failure()
+      failed = not keep_going and self.first_failure is not None
       if failed or (deadline is not None and time.time() > deadline):
         self._stop_rest(grace_s)
         break
       time.sleep(0.1)
+    self._note_failure()  # before the launcher's own signals could be taken for a cause (none sent yet here)
     for t in self._threads:
       t.join(timeout=5)
     return [p.wait() for p in self.procs]
+
+  def _note_failure(self) -> None:
+    """Records the process seen failing first. Of several seen at once, one killed by a signal: a peer
+    that fails because another died exits with status 1 (distributed.py, peer_watch.py)."""
+    if self.first_failure is not None:
+      return
+    failed = [(p.returncode >= 0, i) for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
+    if failed:
+      self.first_failure = min(failed)[1]
 
   def _stop_rest(self, grace_s: float) -> None:
     end = time.time() + grace_s
@@ -133,11 +148,12 @@ def exit_status(code: int) -> int:
   return 128 - code if code < 0 else code
 
 
-def describe(codes: Sequence[int]) -> str:
-  """`[0, -9]` -> "exit statuses [0, 137]: process 1 was killed by signal 9 (SIGKILL)"."""
+def describe(codes: Sequence[int], first_failure: int | None = None) -> str:
+  """`[1, -9]`, 1 -> "exit statuses [1, 137]: process 1 failed first; process 1 was killed by signal 9 (SIGKILL)"."""
   text = f"exit statuses {[exit_status(c) for c in codes]}"
-  killed = [f"process {i} was killed by signal {-c} ({_signal_name(-c)})" for i, c in enumerate(codes) if c < 0]
-  return text + (": " + "; ".join(killed) if killed else "")
+  words = [f"process {first_failure} failed first"] if first_failure is not None and sum(c != 0 for c in codes) > 1 else []
+  words += [f"process {i} was killed by signal {-c} ({_signal_name(-c)})" for i, c in enumerate(codes) if c < 0]
+  return text + (": " + "; ".join(words) if words else "")
 
 
 def _signal_name(signum: int) -> str:
@@ -172,10 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   # Installed before the processes start, so no signal can end the launcher and leave them running;
   # one that arrives while they are being started is passed on once they all exist.
   pending: list[int] = []
+  received: list[int] = []  # the signals passed on, named in the last line (a Ctrl-C ends the job: say so)
   job: Job | None = None
 
   def on_signal(signum, frame):
     del frame
+    received.append(signum)
     print(f"launch_local: {signal.Signals(signum).name} received; passing it on to the processes and waiting "
           "for them to exit.", flush=True)
     if job is None:
@@ -192,8 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(f"launch_local: {opts.num_processes} processes × {opts.devices_per_process} CPU devices, coordinator "
         f"127.0.0.1:{job.port}, pids {[p.pid for p in job.procs]}", flush=True)
   codes = job.wait(opts.timeout_s, opts.grace_s, keep_going=opts.keep_going)
-  print(f"launch_local: {describe(codes)}", flush=True)
-  return next((exit_status(c) for c in codes if c != 0), 0)
+  names = ", ".join(dict.fromkeys(signal.Signals(n).name for n in received))
+  why = f"stopped by {names} (passed on to every process); " if received else ""
+  print(f"launch_local: {why}{describe(codes, job.first_failure)}", flush=True)
+  if job.first_failure is not None:
+    return exit_status(codes[job.first_failure])
+  return next((exit_status(c) for c in codes if c != 0), 0)  # stopped at --timeout_s
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ from jax.experimental import multihost_utils
 from noloco_jax.runtime import failures
 
 LOCK_NAME = "run.lock"
+# An unreadable lock file younger than this is being written by a run starting now (it creates the file,
+# then fills it); an older one was left by a run that died in between, and is taken over.
+UNREADABLE_GRACE_S = 10.0
 
 
 class WorkdirLockedError(failures.ReportedError, RuntimeError):
@@ -147,13 +150,17 @@ def acquire(workdir: str) -> WorkdirLock:
   """Takes `workdir`'s lock or raises WorkdirLockedError naming the run that holds it."""
   path = os.path.join(workdir, LOCK_NAME)
   me = this_process()
-  for _ in range(5):  # another process may remove or replace the file between our steps: retry
+  # Another process may remove or replace the file between our steps: retry, a few times. Waiting for
+  # a young unreadable file to be filled (or to age) is not a retry: it used to use up the retries in
+  # one second and refuse, blaming "other runs", a file that one dead run had left unfilled.
+  retries, patience = 0, time.monotonic() + UNREADABLE_GRACE_S + 5
+  while retries < 5:
     try:
       fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
       holder = _read(path)
       if holder is None:
-        if _age_s(path) < 10:  # being written by a run that is starting right now
+        if _age_s(path) < UNREADABLE_GRACE_S and time.monotonic() < patience:  # being written by a run starting now
           time.sleep(0.2)
           continue
         logging.warning("workdir lock: %s is empty or unreadable (left by a run that died while taking "
@@ -171,6 +178,7 @@ def acquire(workdir: str) -> WorkdirLock:
         logging.warning("workdir lock: %s was left by a run that is no longer running (%s); taking the "
                         "lock over.", path, holder.describe())
       _remove_if_unchanged(path, holder)
+      retries += 1
       continue
     with os.fdopen(fd, "w") as f:
       json.dump(dataclasses.asdict(me), f)

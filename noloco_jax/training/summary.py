@@ -16,12 +16,14 @@ from typing import Any
 
 import jax
 
-from noloco_jax.config.outer import FIXED_BY_KIND, PAPER_OUTER, OuterConfig
+from noloco_jax.config.outer import FIXED_BY_KIND, GROUPED_KINDS, PAPER_KINDS, PAPER_OUTER, OuterConfig
 from noloco_jax.training.loop_state import LoopState
 
 # How the summary writes each outer hyperparameter (config/outer.py: IN_FORCE).
 SYMBOLS = {"outer_momentum": "α", "outer_lr": "β", "consensus_weight": "γ", "group_size": "n", "fanout": "s",
            "inner_steps": "H", "nesterov": "nesterov"}
+# Epidemic Learning's graphs, named as de Vos et al. name them (outer/epidemic.py).
+TOPOLOGY_NAMES = {"oracle": "EL-Oracle", "local": "EL-Local"}
 COMM_KEYS = ("comm/bytes_sent_per_replica", "comm/bytes_received_per_replica",
              "comm/collective_operand_bytes_per_replica")
 
@@ -46,6 +48,36 @@ def outer_in_force(config) -> dict[str, Any]:
   return OuterConfig.parse(config.outer).in_force()
 
 
+def exchange_in_force(config) -> dict[str, Any]:
+  """{field: value} of how the run's kind exchanges: what travels and between whom (none for `none`).
+
+  The hyperparameters of `outer_in_force` say what the update computes; these say what a round sends and
+  to whom, which changes the result too (EL-Oracle against EL-Local, a fixed pairing, an overlap window, a
+  codec): message dtype and codec (its parameters where it has them), the pairing mode, the epidemic
+  graph, the overlap window, and for all-reduces the algorithm the wire figures assume.
+  """
+  o = config.outer
+  if o.kind in ("diloco", "ddp"):
+    return {"allreduce_algorithm": o.allreduce_algorithm}
+  if o.kind not in (*GROUPED_KINDS, "epidemic"):
+    return {}
+  out: dict[str, Any] = {"message_dtype": o.message_dtype}
+  if o.kind in ("noloco", "gossip"):
+    out["compression"] = o.compression
+    if o.compression != "none":
+      out.update(compression_chunk=o.compression_chunk, feedback_decay=o.feedback_decay)
+    if o.compression == "topk":
+      out.update(topk_density=o.topk_density, topk_bits=o.topk_bits, slow_codec=o.slow_codec)
+  if o.kind == "epidemic":
+    out["topology"] = o.topology
+  out["pairing"] = o.pairing
+  if o.kind in ("noloco", "gossip"):
+    out["overlap_steps"] = o.overlap_steps
+    if o.overlap_steps:
+      out["overlap_mix"] = o.overlap_mix
+  return out
+
+
 def _outer_line(config, in_force: dict[str, Any]) -> str:
   kind = config.outer.kind
   paper, fixed = PAPER_OUTER.get(kind, {}), FIXED_BY_KIND.get(kind, {})
@@ -58,13 +90,25 @@ def _outer_line(config, in_force: dict[str, Any]) -> str:
     if name in fixed:
       text += f" (fixed by {kind})"
     elif paper.get(name) == value:
-      text += " (paper)"
+      text += " (paper)" if kind in PAPER_KINDS else f" (default for {kind}; not in the paper)"
     cells.append(text)
-  if kind in ("noloco", "gossip", "epidemic", "epidemic_adam"):
-    cells.append(f"messages {config.outer.message_dtype}"
-                 + (f", {config.outer.compression}" if config.outer.compression != "none" else ""))
-  if kind in ("diloco", "ddp"):
-    cells.append(f"all-reduce priced as {config.outer.allreduce_algorithm}")
+  exchange = exchange_in_force(config)
+  if "topology" in exchange:
+    cells.append(f"graph {TOPOLOGY_NAMES[exchange['topology']]} (topology={exchange['topology']})")
+  if "pairing" in exchange:
+    cells.append(f"pairing {exchange['pairing']}")
+  if "message_dtype" in exchange:
+    codec = exchange.get("compression", "none")
+    details = [f"{k}={exchange[k]:g}" if isinstance(exchange[k], float) else f"{k}={exchange[k]}"
+               for k in ("topk_density", "topk_bits", "slow_codec", "compression_chunk", "feedback_decay") if k in exchange]
+    text = f"messages {exchange['message_dtype']}"
+    if codec != "none":
+      text += f", {codec}" + (f" ({', '.join(details)})" if details else "")
+    cells.append(text)
+  if exchange.get("overlap_steps"):
+    cells.append(f"overlap τ={exchange['overlap_steps']}, λ={exchange['overlap_mix']:g}")
+  if "allreduce_algorithm" in exchange:
+    cells.append(f"all-reduce priced as {exchange['allreduce_algorithm']}")
   return f"outer {kind}: " + (", ".join(cells) if cells else "no outer step")
 
 
@@ -106,6 +150,9 @@ def summarize(config, loop: LoopState, num_params: int, seconds: float, workdir:
       _start_line(workdir, start_step, config),
       f"eval/loss   {first['eval/loss']:.4f} (step {first['step']}) -> {last['eval/loss']:.4f} (step {last['step']})",
       f"eval/ppl    {last['eval/ppl']:.3f}",
+      *([f"eval/consensus_loss  {last['eval/consensus_loss']:.4f} (the replicas' average, "
+         f"eval_consensus={config.eval_consensus}; {last['eval/consensus_loss'] - last['eval/loss']:+.4f} against eval/loss)"]
+        if "eval/consensus_loss" in last else []),
       f"train/loss  {loss:.4f} (step {train.get('step', loop.step)}, {over})",
       f"replicas/weight_std  {last['replicas/weight_std']:.3e}",
       f"comm/bytes_sent_per_replica      {_mib(comm['comm/bytes_sent_per_replica'])} on the wire",
@@ -119,10 +166,11 @@ def summarize(config, loop: LoopState, num_params: int, seconds: float, workdir:
                  + (f": steps {', '.join(f'{a}-{b}' for a, b in skipped[:8])}{' ...' if len(skipped) > 8 else ''}"
                     if skipped else ""))
   lines.append("=" * 72)
-  return {"text": "\n".join(lines), "eval/loss": last["eval/loss"], "eval/ppl": last["eval/ppl"],
+  consensus = {k: last[k] for k in ("eval/consensus_loss", "eval/consensus_ppl") if k in last}
+  return {"text": "\n".join(lines), "eval/loss": last["eval/loss"], "eval/ppl": last["eval/ppl"], **consensus,
           "eval/loss_first": first["eval/loss"], "train/loss": loss, "train/loss_over": over,
           "replicas/weight_std": last["replicas/weight_std"], **comm,
-          "outer/kind": config.outer.kind, "outer": in_force,
+          "outer/kind": config.outer.kind, "outer": in_force, "outer/exchange": exchange_in_force(config),
           "outer/allreduce_algorithm": config.outer.allreduce_algorithm,
           "workdir": os.path.abspath(workdir), "resumed_from_step": start_step,
           "warm_start": config.checkpoint.warm_start or None,

@@ -21,17 +21,24 @@ from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
 
 
+# Each message says what to change; main.py prints it as the run's last line, with no traceback (it would
+# only show the logging code), followed by the rerun the workdir allows (runtime/failures.py: resume
+# from its last checkpoint, or start again where it holds none).
+
+
 class NonFiniteLossError(failures.ReportedError, FloatingPointError):
-  """A training loss is NaN or Inf (nan_policy="error"); its message says what to change (main.py prints
-  it as the run's last line, with no traceback: the traceback would only show the logging code)."""
+  """A training loss is NaN or Inf (nan_policy="error")."""
+  then_go_on = True
 
 
 class NonFiniteStateError(failures.ReportedError, FloatingPointError):
   """The state holds NaN or Inf; raised instead of saving it."""
+  then_go_on = True
 
 
 class TooManySkippedRoundsError(failures.ReportedError, FloatingPointError):
   """nan_policy="skip_round" undid more consecutive rounds than config.nan_max_skipped_rounds."""
+  then_go_on = True
 
 
 def check_finite(losses_SxN: np.ndarray, steps: list[int], replica_ids: list[int] | None = None) -> None:
@@ -47,7 +54,7 @@ def check_finite(losses_SxN: np.ndarray, steps: list[int], replica_ids: list[int
         f"non-finite training loss {losses_SxN[s, r]} at step {steps[s]} on replica {r} (nan_policy='error'). "
         "No state after the last finite checkpoint was saved; a resume with the same config replays the same "
         "steps, so first change what diverged (e.g. a lower inner.lr, longer inner.warmup_steps, inner.grad_clip) "
-        "or set nan_policy='skip_round' to undo such rounds, then run the command to resume.")
+        "or set nan_policy='skip_round' to undo such rounds.")
 
 
 @functools.cache
@@ -128,8 +135,7 @@ class RoundGuard:
       raise TooManySkippedRoundsError(
           f"nan_policy=skip_round: {self._in_a_row} rounds in a row diverged (the last: steps {self._first}-{step}, "
           f"{why}), more than nan_max_skipped_rounds={self._max_in_a_row}; the run is not training. Lower "
-          "inner.lr or outer.lr (or raise nan_max_skipped_rounds), and start again from the last checkpoint "
-          "or a new workdir.")
+          "inner.lr or outer.lr (or raise nan_max_skipped_rounds).")
     logging.warning("nan_policy=skip_round: undoing the round of steps %d-%d (%s); training goes on from the "
                     "state at step %d with the next round's batches.", self._first, step, why, self._first - 1)
     history.setdefault("skipped_rounds", []).append([self._first, step])

@@ -7,6 +7,8 @@ gaps stayed unnoticed. `repair` (process 0, after logs.truncate_logs) compares e
 checkpoint says it must hold and, for each kind of row:
 
 - evaluation rows: the checkpoint's history holds every evaluation's scalars: rebuilt exactly;
+- the run's first row (`model/num_params` at step 0, written once by a run that starts afresh): rebuilt
+  from the model, whose size a resumed run shares with the checkpoint;
 - training rows (every `log_every` steps, as the checkpoint's config logged them): merged again from
   the per-process files where every process's row is there; the rest are reported missing (a
   checkpoint keeps only the last training row; TensorBoard's event files may still hold them);
@@ -42,6 +44,7 @@ class Expected:
   inner_steps: int  # H of the checkpoint's config: round r ends at step (r + 1)·H
   # (round, step) -> its pairings.jsonl row; None where the rows cannot be rebuilt (an elastic resume)
   pairing_row: Callable[[int, int], dict] | None
+  num_params: int | None = None  # parameters per replica (the step-0 row); None: not checked
 
 
 def _ranges(steps: list[int]) -> str:
@@ -72,6 +75,7 @@ def _json_value(value):
 # (training/plugins/): the evaluation's (eval/loss, eval/ppl, replicas/weight_std), then the consensus
 # model's (eval/consensus_*). Within a step the rows come in that order, after the training row.
 CONSENSUS = "eval/consensus_"
+NUM_PARAMS = "model/num_params"  # the step-0 row of a run started afresh (training/plugins/train_log.py)
 TRAIN, EVAL, CONSENSUS_EVAL = 0, 1, 2
 
 
@@ -94,11 +98,15 @@ def repair_metrics(path: str, workdir: str, expected: Expected) -> None:
   have_train = {r["step"] for r in rows if "train/loss" in r}
   evals = [row for e in expected.evals if e["step"] <= expected.step for row in _eval_rows(e)
            if (row["step"], _row_kind(row)) not in have]
+  first = ([{"step": 0, NUM_PARAMS: float(expected.num_params)}] if expected.num_params is not None and
+           not any(NUM_PARAMS in r for r in rows) else [])
   every = max(expected.log_every, 1)
   missing = [s for s in range(every, expected.step + 1, every) if s not in have_train]
   recovered = process_metrics.recover_rows(workdir, missing, expected.num_replicas) if missing else {}
-  if evals or recovered:
-    logs.add_rows(path, evals + [recovered[s] for s in sorted(recovered)], order=_row_kind)
+  if first or evals or recovered:
+    logs.add_rows(path, first + evals + [recovered[s] for s in sorted(recovered)], order=_row_kind)
+  if first:
+    logging.warning("resume: %s lacked its first row (step 0, %s); rebuilt it from the model.", path, NUM_PARAMS)
   if evals:
     logging.warning("resume: %s lacked the evaluation row(s) of step(s) %s before the restored step %d; "
                     "rebuilt them from the checkpoint's history.", path, _ranges(sorted({r["step"] for r in evals})),

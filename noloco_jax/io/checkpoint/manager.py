@@ -110,8 +110,8 @@ class Checkpointer:
     if bad:
       self.wait_until_finished()
       raise guard.NonFiniteStateError(
-          f"the state after step {step} holds NaN or Inf on replica(s) {bad}; it was not saved. The last "
-          f"good checkpoint is step {self.latest_step()} in {self.directory}.")
+          f"the state after step {step} holds NaN or Inf on replica(s) {bad}; it was not saved. First change "
+          "what diverged (e.g. a lower inner.lr or outer.lr).")
     meta = checksum.with_digest({  # the digest covers every field: an edit sets the step aside (checksum.py)
         "format": records.FORMAT, **record,
         "num_replicas": self._config.num_replicas, "process_count": jax.process_count(),
@@ -313,7 +313,8 @@ class Checkpointer:
         log_every=int(saved.get("log_every", self._config.log_every)), num_replicas=int(meta["num_replicas"]),
         rounds=int(meta["round"]) if self._setup.schedule is not None else 0,
         inner_steps=int((saved.get("outer") or {}).get("inner_steps", self._config.outer.inner_steps)),
-        pairing_row=None if schedule is None else functools.partial(records.pairing_row, schedule))
+        pairing_row=None if schedule is None else functools.partial(records.pairing_row, schedule),
+        num_params=self._setup.model.num_params())
 
   def _elastic_plan(self, meta: dict, data: dict, step: int):
     """The resize.Plan for resuming this checkpoint, None for a plain resume (config.checkpoint.elastic)."""
@@ -375,9 +376,11 @@ class Checkpointer:
     if meta["pairing"] != expected:
       # Another schedule only if the config says so; else the record is damaged (not a reason to refuse).
       differs = records.schedule_differences(meta["pairing"], expected)
-      if records.same_schedule_parameters(meta["pairing"], expected):
-        # The same schedule (seed, mode, group size, replicas: the schedule's own record) cannot give
-        # another grouping: the record is damaged, not another setup.
+      if not changed or records.same_schedule_parameters(meta["pairing"], expected):
+        # The record contradicts the config saved beside it: with no config field changed, this config's
+        # schedule is the one the checkpoint was saved under; and the same schedule (seed, mode, group
+        # size, replicas: the schedule's own record) cannot give another grouping. A damaged record,
+        # not another setup: set aside like any unreadable step.
         raise checksum.ItemChecksumError(
             f"meta/metadata: its pairing record disagrees with the schedule of its own config "
             f"({differs}): the record is damaged")
