@@ -6,6 +6,8 @@ or `after:S` (it exits S once the launcher has seen a peer die: a survivor faili
 With LAUNCH_EXIT_CHILD_DIR set, an `after:S` process writes ready_<i> there once its SIGTERM handler is in
 place, and a `kill` process waits for every such peer's file first: otherwise, on a loaded machine, the
 launcher's SIGTERM could reach a peer still starting Python, which the default action then kills.
+`outlive` (with LAUNCH_EXIT_CHILD_DIR) waits until a `kill` peer has died and been reaped by the launcher,
+then 2 s more (long enough for a launcher without --keep_going to stop it), and exits 0.
 """
 
 import os
@@ -22,6 +24,8 @@ if how == "kill":
     deadline = time.time() + 300  # a hung start only
     while not all(os.path.exists(w) for w in waiting) and time.time() < deadline:
       time.sleep(0.02)
+    with open(os.path.join(ready_dir, f"pid_{me}"), "w") as f:
+      f.write(str(os.getpid()))
   os.kill(os.getpid(), signal.SIGKILL)
 if how.startswith("after:"):
   # The launcher stops the rest with SIGTERM once it has seen the failure: this process exits then, with
@@ -32,4 +36,14 @@ if how.startswith("after:"):
       f.write("ready")
   time.sleep(300)
   sys.exit(3)
+if how == "outlive":
+  deadline = time.time() + 300  # a hung start only
+  pid_files = [os.path.join(ready_dir, f"pid_{i}") for i, h in enumerate(sys.argv[1:]) if h == "kill"]
+  while time.time() < deadline:
+    if all(os.path.exists(p) and open(p).read() for p in pid_files):
+      if not any(os.path.exists(f"/proc/{open(p).read()}") for p in pid_files):  # dead and reaped
+        break
+    time.sleep(0.02)
+  time.sleep(2.0)
+  sys.exit(0)
 sys.exit(int(how))
