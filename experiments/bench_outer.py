@@ -79,13 +79,12 @@ def _worker(args, cfg) -> None:
     cfg.outer.kind = kind
     setup = build_lib.build(cfg, vocab_size=257)
     state = setup.init_state()
-    round_fn, index = setup.outer_round(0)
-    index = jnp.int32(index)
-    compiled = round_fn.lower(state, index).compile()
+    compiled = setup.rounds.compile(state, 0)  # the round's programs as the training loop runs them
+    index = jnp.int32(compiled.route)
     one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
     # The round returns (state, metrics); time state -> state, the way the training loop chains rounds.
-    state, timing = timed(lambda s, i: compiled(s, i)[0], state, index)
-    results[f"{kind}_round"] = {**timing, "collective_bytes": hlo_lib.all_collective_bytes(compiled.as_text()),
+    state, timing = timed(lambda s, i: compiled.fn(s, i)[0], state, index)
+    results[f"{kind}_round"] = {**timing, "collective_bytes": hlo_lib.all_collective_bytes(compiled.hlo_text()),
                                 "counted_bytes": setup.method.bytes_per_round(one_replica)}
     del state
 
@@ -109,10 +108,95 @@ def _worker(args, cfg) -> None:
     params, timing = timed(compiled, params)
     results[name] = {**timing, "collective_bytes": hlo_lib.all_collective_bytes(compiled.as_text())}
 
+  memory = _memory(args, cfg, timed) if not multi else None
   if jax.process_index() == 0:
     print(RESULT_TAG + json.dumps({
         "processes": jax.process_count(), "devices": jax.device_count(), "replicas": n,
-        "params_per_replica": num_params, "model_bytes_f32": 4 * num_params, "results": results}), flush=True)
+        "params_per_replica": num_params, "model_bytes_f32": 4 * num_params, "results": results,
+        "memory": memory}), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory traffic of a round: XLA's bytes against the NumPy-copy floor (one process).
+# ---------------------------------------------------------------------------------------------------
+
+# The rounds measured: (name, outer config fields). `whole` is the lock-step round in one program (what
+# the loop ran before it ran NoLoCo's round in parts); `overlapped` streaming overlap's message,
+# exchange and delayed merge; `int8` a compressed message with error feedback.
+MEMORY_ROUNDS = (("noloco", {}), ("noloco_whole", {}), ("noloco_int8", {"compression": "int8"}),
+                 ("noloco_overlapped", {"overlap_steps": 1}), ("gossip", {"kind": "gossip"}),
+                 ("diloco", {"kind": "diloco"}))
+
+
+def _numpy_copy_s(num_bytes: int, repeats: int) -> float:
+  """Median seconds NumPy takes to touch `num_bytes`: one copy that reads half of them and writes the other
+  half (np.copyto, one thread): the floor for a program that only streams that much memory."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  src = np.ones(max(num_bytes // 8, 1), np.float32)
+  dst = np.empty_like(src)
+  times = []
+  for _ in range(repeats + 1):
+    start = time.perf_counter()
+    np.copyto(dst, src)
+    times.append(time.perf_counter() - start)
+  return float(np.median(times[1:]))
+
+
+def _memory(args, cfg, timed) -> dict:
+  """Per round: the bytes every program of the round reads and writes on one device (XLA's cost analysis,
+  summed over the round's programs) in model copies (the parameter bytes of one device's replicas), its
+  time, and that time over the NumPy-copy floor of the same bytes on all devices."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import methods  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import rounds as rounds_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.parallel.mesh import REPLICA  # pylint: disable=g-import-not-at-top
+  from noloco_jax.tools import hlo as hlo_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name, fields in MEMORY_ROUNDS:
+    variant = ml_collections.ConfigDict(cfg.to_dict())
+    variant.outer.kind = "noloco"
+    for field, value in fields.items():
+      variant.outer[field] = value
+    setup = build_lib.build(variant, vocab_size=257)
+    state = setup.init_state()
+    devices = setup.mesh.devices.size
+    copy = methods.tree_bytes(state.params) // devices  # one model copy: the params of one device's replicas
+    if name == "noloco_overlapped":
+      programs = rounds_lib.SplitPrograms(setup.method, setup.mesh, setup.schedule, setup.state_shardings,
+                                          variant.outer.overlap_mix)
+      own, payload = programs.message_structs(rounds_lib.abstract(state))
+      key, route = programs.plan(0)
+      compiled = {"message": programs.message.lower(rounds_lib.abstract(state)).compile(),
+                  "exchange": programs.build_exchange(key).lower(own, payload, rounds_lib.route_struct(
+                      setup.schedule, key, setup.mesh)).compile(),
+                  "merge": programs.merge.lower(rounds_lib.abstract(state)).compile()}
+
+      def run(s, r, c=compiled):
+        s, own, payload, _ = c["message"](s)
+        mean = c["exchange"](own, payload, r)
+        return c["merge"](s.replace(outer={**s.outer, methods.INFLIGHT: mean}))
+    elif name == "noloco_whole":
+      key, route = setup.rounds.plan(0)
+      compiled = {"round": rounds_lib.make_round_fn(setup.method, setup.mesh, key, setup.state_shardings).lower(
+          rounds_lib.abstract(state), rounds_lib.route_struct(setup.schedule, key, setup.mesh)).compile()}
+      run = lambda s, r, c=compiled: c["round"](s, r)[0]
+    else:
+      round_ = setup.rounds.compile(state, 0)
+      compiled, route = round_.programs, round_.route
+      run = lambda s, r, fn=round_.fn: fn(s, r)[0]
+    per_program = {k: hlo_lib.bytes_accessed(c) / copy for k, c in compiled.items()}
+    total = sum(per_program.values())
+    state, timing = timed(run, state, jax.numpy.int32(route) if np.ndim(route) == 0 else jax.numpy.asarray(route))
+    floor_s = _numpy_copy_s(int(total * copy * devices), args.repeats)
+    out[name] = {"model_copies": total, "per_program": per_program, "round_ms": timing["median_ms"],
+                 "numpy_floor_ms": 1e3 * floor_s, "round_over_floor": timing["median_ms"] / (1e3 * floor_s),
+                 "copy_bytes_per_device": copy, "devices": devices, "replicas_per_device":
+                 setup.config.num_replicas // setup.mesh.shape[REPLICA]}
+    del state
+  return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -192,9 +276,28 @@ def main(argv=None) -> dict | None:
   header = (f"model: preset {args.preset} {bench.overrides() or ''}, {first['params_per_replica']:,} parameters per "
             f"replica ({first['model_bytes_f32']:,} bytes in float32); {args.replicas} replicas; median of "
             f"{args.repeats} calls, slowest process.")
-  return bench.finish({"preset": args.preset, "overrides": bench.overrides(), "replicas": args.replicas,
-                       "repeats": args.repeats, "runs": runs, "ratios_noloco_over_diloco": ratios},
-                      text=lambda _: header + "\n" + table)
+  memory = next((run["memory"] for run in runs if run.get("memory")), None)
+  result = {"preset": args.preset, "overrides": bench.overrides(), "replicas": args.replicas,
+            "repeats": args.repeats, "runs": runs, "ratios_noloco_over_diloco": ratios}
+  if memory:
+    table += "\n\n" + _memory_table(memory)
+    # The figures the next change is measured by (issue 26 item 3): model copies through memory per device
+    # per round, and the round's time over the NumPy-copy floor of those bytes.
+    result["round_model_copies"] = {name: m["model_copies"] for name, m in memory.items()}
+    result["round_over_numpy_floor"] = {name: m["round_over_floor"] for name, m in memory.items()}
+  return bench.finish(result, text=lambda _: header + "\n" + table)
+
+
+def _memory_table(memory: dict) -> str:
+  rows = ["one process: bytes each round reads and writes per device (XLA cost analysis, summed over the round's "
+          "programs) in model copies, and its time over the NumPy-copy floor of the same bytes on all devices",
+          "| round | model copies | per program | round (ms) | NumPy floor (ms) | round / floor |",
+          "|---|---|---|---|---|---|"]
+  for name, m in memory.items():
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in m["per_program"].items())
+    rows.append(f"| {name} | {m['model_copies']:.2f} | {parts} | {m['round_ms']:.2f} | {m['numpy_floor_ms']:.2f} "
+                f"| {m['round_over_floor']:.2f} |")
+  return "\n".join(rows)
 
 
 if __name__ == "__main__":

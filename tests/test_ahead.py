@@ -64,3 +64,28 @@ def test_a_compile_error_surfaces_on_the_callers_thread():
       compiler.get("k")
   finally:
     compiler.close()
+
+
+def test_a_round_waits_once_for_all_its_programs_and_nothing_is_announced_past_the_last_round():
+  x = jnp.arange(6.0)
+  plan = lambda round_: (round_ + 10, np.asarray(round_))  # a new program key every round
+  compose = lambda fixed, own: (fixed, own)
+  programs = ahead.RoundPrograms(plan, _lower(x), fixed=(1,), compose=compose, last_round=2)
+  try:
+    programs.prefetch(0)
+    for round_ in range(3):
+      (fixed, own), route = programs.program(round_)
+      np.testing.assert_array_equal(own(x, jnp.int32(0)), _build(round_ + 10)(x, jnp.int32(0)))
+      assert int(route) == round_
+    stats = programs.compiler.stats
+    assert len(stats.waits_s) == 3  # one wait per round, for the fixed program and its own together
+    assert sorted(stats.keys) == [1, 10, 11, 12]  # round 3 (key 13) was never announced
+    assert 13 not in programs.compiler._futures
+  finally:
+    programs.close()
+  inline = ahead.RoundPrograms(plan, _lower(x), compile_ahead=False)
+  try:
+    inline.program(0)
+    assert 11 not in inline.compiler._futures  # nothing announced ahead: compiled when asked for
+  finally:
+    inline.close()

@@ -56,10 +56,9 @@ def _train(fsdp: int, microbatches: int = 1, offload: bool = False, loss_chunk: 
     batch = rng.integers(0, VOCAB, size=(N, 4, cfg.data.seq_len + 1)).astype(np.int32)
     state, metrics = setup.inner_step(state, sharding_lib.global_array(setup.mesh, batch, N))
     losses.append(np.asarray(metrics["loss"]))
-  round_fn, index = setup.outer_round(0)
-  compiled = round_fn.lower(state, jnp.int32(index)).compile()  # compiled once, run and read
-  state, _ = compiled(state, jnp.int32(index))
-  return setup, state, np.stack(losses), compiled.as_text()
+  compiled = setup.rounds.compile(state, 0)  # the loop's round programs, compiled once, run and read
+  state, _ = compiled.fn(state, jnp.int32(compiled.route))
+  return setup, state, np.stack(losses), compiled.hlo_text()
 
 
 @pytest.fixture(scope="module")

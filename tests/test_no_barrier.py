@@ -96,8 +96,7 @@ def test_noloco_round_only_permutes_between_the_rounds_partners():
     assert set(pairs) == _pairs(grouping)
   # The loop's round 0 (one program per grouping with `fresh` pairings; a switch over the pool with
   # round_robin): every permute is one of the groupings that program covers.
-  round_fn, route = setup.outer_round(0)
-  found = hlo_lib.collective_groups(round_fn.lower(state, jnp.asarray(route)).compile().as_text())
+  found = hlo_lib.collective_groups(setup.rounds.compile(state, 0).hlo_text())
   allowed = [_pairs(g) for g in setup.schedule.pool] or [_pairs(setup.schedule.groups(0))]
   assert {op for op, _ in found} == {"collective-permute"}
   assert all(set(pairs) in allowed for _, pairs in found)
@@ -108,8 +107,7 @@ def test_diloco_round_is_a_global_all_reduce():
   cfg = _smoke()
   cfg.outer.kind = "diloco"
   setup = build_lib.build(cfg, vocab_size=257)
-  round_fn, route = setup.outer_round(0)
-  found = hlo_lib.collective_groups(round_fn.lower(setup.init_state(), jnp.asarray(route)).compile().as_text())
+  found = hlo_lib.collective_groups(setup.rounds.compile(setup.init_state(), 0).hlo_text())
   assert any(op == "all-reduce" and (groups == [] or len(groups[0]) == 8) for op, groups in found), found
 
 

@@ -149,32 +149,28 @@ def decoder(codec, like_k) -> Callable:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The group mean: own float32 term + every received payload decoded, in a fixed order.
+# The group mean: what each replica receives (values moved only), then its own float32 term plus every
+# received payload decoded, in a fixed order.
 # ---------------------------------------------------------------------------------------------------
 
 
-def _group_mean_static(own_f32, payload, decode, groups: Groups, num_devices: int):
-  """Mean over each replica's group for one static grouping (ppermutes on a mesh, gathers on one device)."""
+def _receive_static(payload, groups: Groups, num_devices: int) -> tuple:
+  """What each replica receives at shifts 1 … n−1 for one static grouping (ppermutes on a mesh, gathers
+  on one device)."""
   n = len(groups[0])
   num_replicas = sum(len(g) for g in groups)
-  total = own_f32
-  for shift in range(1, n):  # the sum runs in float32 in a fixed order: own, then shift 1 … n−1
-    src = sources_for_shift(groups, shift, num_replicas)
-    received = jax.tree.map(lambda x: route(x, src, num_devices), payload)
-    total = jax.tree.map(jnp.add, total, decode(received))
-  return jax.tree.map(lambda t: t / n, total)
+  return tuple(jax.tree.map(lambda x, src=sources_for_shift(groups, shift, num_replicas): route(x, src, num_devices),
+                            payload) for shift in range(1, n))
 
 
-def _group_mean_gathers(own_f32, payload, decode, tables):
+def _receive_gathers(payload, tables) -> tuple:
   """One device: `tables` [n−1, N] (traced) says whom each replica receives from at each shift."""
-  total = own_f32
-  for s in range(tables.shape[0]):  # n − 1 static shifts; each row gathers one partner per replica
-    total = jax.tree.map(jnp.add, total, decode(jax.tree.map(lambda x, src=tables[s]: x[src], payload)))
-  return jax.tree.map(lambda t: t / (tables.shape[0] + 1), total)
+  return tuple(jax.tree.map(lambda x, src=tables[s]: x[src], payload) for s in range(tables.shape[0]))
 
 
-def group_mean(own_f32, payload, decode, pool: Sequence[Groups] | None, route_arg, num_devices: int):
-  """The group mean of a round program built for `pool` (the groupings it covers), whatever its plan:
+def receive(payload, pool: Sequence[Groups] | None, route_arg, num_devices: int) -> tuple:
+  """What each replica receives in a round program built for `pool` (the groupings it covers): a tuple of
+  n−1 payload stacks, shift 1 … n−1 (pairing.sources_for_shift). Only values move, nothing is computed:
 
   - pool None (one device): `route_arg` is the round's [n−1, N] source table (pairing.source_table),
     traced: the grouping is data, one program serves every round;
@@ -186,16 +182,30 @@ def group_mean(own_f32, payload, decode, pool: Sequence[Groups] | None, route_ar
   if pool is None:
     if num_devices != 1:
       raise ValueError("a grouping passed as data (pool=None) needs one device; a mesh needs static groupings.")
-    return _group_mean_gathers(own_f32, payload, decode, route_arg)
+    return _receive_gathers(payload, route_arg)
   if len(pool) == 1:
-    return _group_mean_static(own_f32, payload, decode, pool[0], num_devices)
+    return _receive_static(payload, pool[0], num_devices)
   if num_devices == 1:
     n = len(pool[0][0])
     num_replicas = sum(len(g) for g in pool[0])
     tables = jnp.asarray([[sources_for_shift(g, s, num_replicas) for s in range(1, n)] for g in pool])
-    return _group_mean_gathers(own_f32, payload, decode, tables[route_arg])
-  branches = [lambda o, p, g=g: _group_mean_static(o, p, decode, g, num_devices) for g in pool]
-  return jax.lax.switch(route_arg, branches, own_f32, payload)
+    return _receive_gathers(payload, tables[route_arg])
+  branches = [lambda p, g=g: _receive_static(p, g, num_devices) for g in pool]
+  return jax.lax.switch(route_arg, branches, payload)
+
+
+def mean_of(own_f32, received: tuple, decode):
+  """Each replica's group mean: its own float32 term, then shift 1 … n−1's decoded payloads, summed in
+  float32 in that fixed order, divided by n."""
+  total = own_f32
+  for payload in received:
+    total = jax.tree.map(jnp.add, total, decode(payload))
+  return jax.tree.map(lambda t: t / (len(received) + 1), total)
+
+
+def group_mean(own_f32, payload, decode, pool: Sequence[Groups] | None, route_arg, num_devices: int):
+  """The group mean of a round program built for `pool`, whatever its plan (`receive`, then `mean_of`)."""
+  return mean_of(own_f32, receive(payload, pool, route_arg, num_devices), decode)
 
 
 def plain_group_mean(tree, pool: Sequence[Groups] | None, route_arg, num_devices: int, message_dtype):

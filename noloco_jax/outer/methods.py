@@ -51,21 +51,39 @@ MESSAGE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 @dataclasses.dataclass(frozen=True)
 class RoundParts:
-  """A round in three parts (NoLoCo and gossip), each on the k replicas of one device.
+  """A round in parts (NoLoCo and gossip), each on the k replicas of one device.
 
-  The lock-step round runs them as one program; streaming overlap (`outer.overlap_steps` > 0) runs
-  `message` at step tH, the exchange while τ inner steps run, and `merge` after step tH + τ. Only the
-  exchange communicates; it reads the message alone, never the state.
+  Only the routes depend on the round's grouping, and they only move values: everything else is the
+  same program in every round. So a lock-step round runs as three programs, `message`, the routes and
+  `merge` (with `combine` inside it), of which only the routes are compiled per grouping
+  (outer/rounds.py); streaming overlap (`outer.overlap_steps` > 0) runs `message` at step tH, the
+  routes and `combine` while τ inner steps run, and `merge` after step tH + τ. Only the routes
+  communicate; they read the message alone, never the state.
   """
   # states_k -> (states_k, own_k, payload_k, metrics_k): the round's message from the state at its
   # start: its own float32 term, the payload the codec puts on the wire, and the state with the codec's
   # new error-feedback residual (the state is otherwise unchanged).
   message: Callable
-  # (pool, num_devices) -> exchange(own_k, payload_k, route) -> mean_G(c)_k in float32.
-  make_exchange: Callable
+  # states_k -> own_k: the same own float32 term, from the same state. A lock-step merge, which runs on
+  # the state the message was computed from, recomputes it rather than keep a copy in memory.
+  own: Callable
+  # (pool, num_devices) -> routes(payload_k, route) -> received: the n−1 payload stacks each replica
+  # receives (exchange.receive). The only part that depends on the grouping.
+  make_routes: Callable
+  # (own_k, received) -> mean_G(c)_k in float32: decoded and summed in a fixed order (exchange.mean_of).
+  combine: Callable
   # (states_k, mean_k, mix) -> states_k: the rule. mix None: θ ← φ (the round at once); else the delayed
   # merge θ ← mix·θ_local + (1 − mix)·φ_new (docs/method.md §13).
   merge: Callable
+
+  def make_exchange(self, pool, num_devices: int) -> Callable:
+    """exchange(own_k, payload_k, route) -> mean_G(c)_k: the routes and `combine` in one program."""
+    routes = self.make_routes(pool, num_devices)
+    return lambda own, payload, route: self.combine(own, routes(payload, route))
+
+  def lockstep_merge(self, states, received):
+    """The merge of a lock-step round: the group mean of `received` and the state's own term, applied."""
+    return self.merge(states, self.combine(self.own(states), received), None)
 
 
 def _copy_of_peer(params, outer):
@@ -121,7 +139,7 @@ def pseudo_grad_norm(states: TrainState):
 
 
 def round_of(parts: RoundParts) -> Callable:
-  """make_round(pool, num_devices) of a method given in parts: message, exchange and merge in one program."""
+  """make_round(pool, num_devices) of a method given in parts: message, routes and merge in one program."""
   def make_round(pool, num_devices):
     exchange_fn = parts.make_exchange(pool, num_devices)
 
@@ -160,10 +178,14 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, codec, kin
       states = states.replace(outer={**outer, "residual": residual})
     return states, own, payload, metrics
 
-  def make_exchange(pool, num_devices):
-    def exchange_fn(own, payload, route):
-      return exchange.group_mean(own, payload, exchange.decoder(codec, own), pool, route, num_devices)
-    return exchange_fn
+  def own(states: TrainState):
+    return rules.noloco_message(states.params, states.outer["slow"], beta=beta, gamma=gamma)
+
+  def make_routes(pool, num_devices):
+    return lambda payload, route: exchange.receive(payload, pool, route, num_devices)
+
+  def combine(own_c, received):
+    return exchange.mean_of(own_c, received, exchange.decoder(codec, own_c))
 
   def merge(states: TrainState, mean_c, mix):
     outer = states.outer
@@ -187,7 +209,7 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, codec, kin
                                      outer[INFLIGHT], outer["slow"])
     return params, outer
 
-  parts = RoundParts(message=message, make_exchange=make_exchange, merge=merge)
+  parts = RoundParts(message=message, own=own, make_routes=make_routes, combine=combine, merge=merge)
   return OuterMethod(
       kind=kind, has_rounds=True, uses_pairing=True, init=init, reduce_grads=None, make_round=round_of(parts),
       bytes_per_round=lambda params: (group_size - 1) * codec.payload_bytes(params),

@@ -8,8 +8,9 @@ those of parallel/permutations.py). The modes of `PairingSchedule`:
   cuts the t-th seeded random permutation into consecutive groups of n. Every statistic of the
   groupings is that of independent uniform draws (each pair meets with probability (n−1)/(N−1), a
   round repeats the previous one with probability 1 / #groupings). On a mesh `jax.lax.ppermute`
-  needs its routing at trace time, so each grouping is its own program; outer/ahead.py compiles round
-  t+1's while round t's inner steps run, so no compile sits on the critical path. On one device (the
+  needs its routing at trace time, so each grouping is its own program (for NoLoCo and gossip only the
+  grouping's routes: outer/rounds.py); outer/ahead.py compiles round t+1's while round t's inner steps
+  run, so no compile sits on the critical path. On one device (the
   simulator) the grouping is data (a gather table) and one program serves every round.
 - `round_robin` (n = 2 only): one compiled program for the whole run. The N−1 perfect matchings of a
   round-robin tournament (circle method), relabelled once by a seeded random permutation; round t

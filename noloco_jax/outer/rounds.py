@@ -1,24 +1,35 @@
 """The compiled programs of outer rounds: a method's round mapped over the replica mesh and jitted.
 
-Two ways to run a round, both built from the method (outer/methods.py):
+`ppermute` takes its routing at trace time, so on a mesh every grouping of `outer.pairing=fresh` needs
+a program of its own. What that program holds decides what a fresh pairing costs:
 
-- `make_round_fn`: the whole round in one program, (state, route) -> (state, metrics). `Rounds` gives
-  round r's program and its route (pairing.PairingSchedule.plan): one program for a pooled mode or for
-  one device (the grouping is then data), one per grouping for `fresh` on a mesh;
-- `SplitPrograms` (methods given in `RoundParts`: NoLoCo, gossip): the round cut into a message
-  program and a merge program, compiled once, and an exchange program per grouping, the only one that
-  communicates. Streaming overlap runs them apart (training/rounds/overlapped.py).
+- a method given in parts (methods.RoundParts: NoLoCo, gossip) runs a lock-step round as three
+  programs (`Rounds`, `LockstepPrograms`): the message (c and the codec's payload), the **routes** (the
+  grouping's ppermutes: values moved, nothing computed) and the merge (decode, group mean, the rule).
+  Only the routes depend on the grouping: the message and the merge are compiled once for the run, and
+  a fresh round compiles one small program of collective-permutes (measured: experiments/bench_pairing.py,
+  RESULTS.md "Fresh pairings at the cost of a permute"). The three give the state bit for bit what the
+  whole round in one program gives (tests/test_rounds_split.py);
+- `make_round_fn`: the whole round in one program, (state, route) -> (state, metrics): the other methods'
+  lock-step round (one program per grouping key), and the reference the tests compare the parts with;
+- `SplitPrograms`: streaming overlap's programs (training/rounds/overlapped.py): the message, the
+  exchange (routes + the group mean, per grouping: its mean waits in the state while τ steps run) and
+  the delayed merge.
+
+`Rounds.plan` gives round r's program key and route (pairing.PairingSchedule.plan): one key for a pooled
+mode or for one device (the grouping is then data), one per grouping for `fresh` on a mesh.
 
 Every program that touches the outer state goes through `_outer_on_device` (the one place that brings
 φ and δ from host memory and back with outer.offload), is jitted with the state's home shardings in
 and out (so donated buffers are reused and the next inner step needs no reshard), and donates the state.
-`ahead` hands the training loop the programs compiled one round ahead on a background thread
-(outer/ahead.py), so that no compile sits at a round boundary.
+`Rounds.ahead` hands the training loop the programs compiled in the background (outer/ahead.py): the
+grouping's one round ahead, so that no compile sits at a round boundary.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -81,14 +92,106 @@ def route_struct(schedule, key, mesh) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, np.int32, sharding=mesh_lib.replicated(mesh))
 
 
-@dataclasses.dataclass
+def _with_shardings(tree, shardings):
+  return jax.tree.map(lambda x, h: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h), tree, shardings)
+
+
+def _payload_shardings(payload, own, params_sh, replicas):
+  """Where a payload lives: where θ does (split over fsdp like θ) when it has θ's shapes (the plain codec's
+  cast), else (a compressed payload: chunks of flattened leaves) split over `replica` only."""
+  same = jax.tree.structure(payload) == jax.tree.structure(own) and all(
+      a.shape == b.shape for a, b in zip(jax.tree.leaves(payload), jax.tree.leaves(own)))
+  return params_sh if same else jax.tree.map(lambda _: replicas, payload)
+
+
+class LockstepPrograms:
+  """A lock-step round of a method in parts (methods.RoundParts) as three programs, for one state layout:
+
+      message(state) -> (state, payload, metrics)   compiled once; only the codec's residual changes
+      routes[key](payload, route) -> received       one per grouping key: the grouping's ppermutes only
+      merge(state, received) -> state               compiled once: decode, group mean, the rule
+
+  The merge recomputes the replica's own term c from the state (which the message left as it was)
+  rather than the message program writing it out and the merge reading it back: the same values, one
+  model copy less through memory. Both state programs donate the state; with outer.offload they bring
+  φ and δ to the device and back (`_outer_on_device`).
+  """
+
+  def __init__(self, parts, mesh, group_size: int, abstract_state, state_shardings=None):
+    self._parts, self._mesh, self._n = parts, mesh, group_size
+    replicas = mesh_lib.replica_sharding(mesh)
+    params_sh = (state_shardings.params if state_shardings is not None else
+                 jax.tree.map(lambda _: replicas, abstract_state.params))
+    state_sh = state_shardings if state_shardings is not None else jax.tree.map(lambda _: replicas, abstract_state)
+
+    def message(states):
+      states, _, payload, metrics = parts.message(states)  # own: not kept (the merge recomputes it)
+      return states, payload, metrics
+
+    message_local = mesh_lib.replica_map(message, mesh, in_specs=(P(REPLICA),),
+                                         out_specs=(P(REPLICA), P(REPLICA), P(REPLICA)))
+    full_message = mesh_lib.replica_map(parts.message, mesh, in_specs=(P(REPLICA),), out_specs=(P(REPLICA),) * 4)
+    _, own, payload, _ = jax.eval_shape(_outer_on_device(full_message, state_shardings), abstract_state)
+    payload_sh = _payload_shardings(payload, own, params_sh, replicas)
+    self.payload = _with_shardings(payload, payload_sh)
+    self.received = tuple(self.payload for _ in range(group_size - 1))
+    self._received_sh = tuple(payload_sh for _ in range(group_size - 1))
+    self.message = jax.jit(_outer_on_device(message_local, state_shardings), donate_argnums=0,
+                           out_shardings=(state_sh, payload_sh, replicas))
+    merge_local = mesh_lib.replica_map(lambda s, r: (parts.lockstep_merge(s, r),), mesh,
+                                       in_specs=(P(REPLICA), P(REPLICA)), out_specs=(P(REPLICA),))
+    self.merge = jax.jit(lambda s, r: _outer_on_device(merge_local, state_shardings)(s, r)[0], donate_argnums=0,
+                         out_shardings=state_sh)
+
+  def routes(self, key) -> Callable:
+    """jitted (payload [N, ...], route) -> received: the n−1 payload stacks of grouping key `key`."""
+    routes_local = self._parts.make_routes(key, self._mesh.shape[REPLICA])
+    sharded = mesh_lib.replica_map(routes_local, self._mesh, in_specs=(P(REPLICA), P()), out_specs=P(REPLICA))
+    return jax.jit(sharded, out_shardings=self._received_sh)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundCall:
+  """One lock-step round run as message, routes and merge: (state, route) -> (state, metrics)."""
+  message: Callable
+  merge: Callable
+  routes: Callable
+
+  def __call__(self, state: TrainState, route):
+    state, payload, metrics = self.message(state)
+    return self.merge(state, self.routes(payload, route)), metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledRound:
+  """One round's compiled programs by name ("message", "routes", "merge"; or "round": a whole round) and
+  its route: `fn(state, route)` runs it; `hlo_text` is what XLA compiled (tools/hlo.py reads it)."""
+  programs: dict
+  route: np.ndarray
+
+  @property
+  def fn(self) -> Callable:
+    p = self.programs
+    return p["round"] if "round" in p else RoundCall(p["message"], p["merge"], p["routes"])
+
+  def hlo_text(self) -> str:
+    return "\n".join(program.as_text() for program in self.programs.values())
+
+
 class Rounds:
-  """The program of every outer round: `rounds(r)` -> (jitted round function, route), compiled on first use."""
-  method: OuterMethod
-  mesh: Any
-  schedule: PairingSchedule | None
-  state_shardings: Any = None  # None = every leaf P(REPLICA), as tests build by hand
-  _compiled: dict = dataclasses.field(default_factory=dict)
+  """The programs of every outer round as the training loop runs them: `rounds(r)` -> (round function,
+  route), compiled on first use; `ahead(state)` the same compiled in the background.
+
+  A method in parts runs message, routes and merge (`LockstepPrograms`), and only its routes are built
+  per program key; any other method its whole round (`make_round_fn`) per key.
+  """
+
+  def __init__(self, method: OuterMethod, mesh, schedule: PairingSchedule | None, state_shardings=None):
+    """`state_shardings`: the state's home layout (None = every leaf P(REPLICA), as tests build by hand)."""
+    self.method, self.mesh, self.schedule, self.state_shardings = method, mesh, schedule, state_shardings
+    self.split = method.parts is not None and schedule is not None
+    self._compiled: dict = {}  # program key -> its jitted program (the routes, or the whole round)
+    self._programs: LockstepPrograms | None = None
 
   def plan(self, round_: int) -> tuple[Any, np.ndarray]:
     """(program key, route) of round `round_`: see pairing.PairingSchedule.plan."""
@@ -96,24 +199,70 @@ class Rounds:
       return ((),), np.asarray(0, np.int32)
     return self.schedule.plan(round_, self.mesh.shape[REPLICA])
 
-  def build(self, key) -> Callable:
+  def programs(self, abstract_state) -> LockstepPrograms:
+    """The message and merge programs (and the routes' builder) of a method in parts, for this state."""
+    if self._programs is None:
+      self._programs = LockstepPrograms(self.method.parts, self.mesh, self.schedule.group_size, abstract_state,
+                                        self.state_shardings)
+    return self._programs
+
+  def build(self, key, abstract_state=None) -> Callable:
+    """The jitted program of program key `key`: its routes (a method in parts), or its whole round."""
+    if self.split:
+      return self.programs(abstract_state).routes(key)
     return make_round_fn(self.method, self.mesh, key, self.state_shardings)
 
   def __call__(self, round_: int) -> tuple[Callable, np.ndarray]:
     key, route = self.plan(round_)
+    if not self.split:
+      if key not in self._compiled:
+        self._compiled[key] = self.build(key)
+      return self._compiled[key], route
+    return functools.partial(self._run_split, key), route
+
+  def _run_split(self, key, state: TrainState, route):
+    programs = self.programs(abstract(state))
     if key not in self._compiled:
-      self._compiled[key] = self.build(key)
-    return self._compiled[key], route
+      self._compiled[key] = programs.routes(key)
+    return RoundCall(programs.message, programs.merge, self._compiled[key])(state, route)
 
   def __len__(self) -> int:
-    """Programs compiled so far by `__call__` (one per distinct program key)."""
+    """Programs of a program key compiled so far by `__call__` (the routes, or whole rounds)."""
     return len(self._compiled)
 
-  def ahead(self, state: TrainState) -> ahead_lib.RoundPrograms:
-    """The same programs, each compiled in the background during the previous round (the training loop's)."""
+  def compile(self, state: TrainState, round_: int) -> CompiledRound:
+    """Round `round_`'s programs compiled now for `state` (ahead of time, in this thread), as the loop runs
+    them: what benchmarks time and tests read collectives and bytes from."""
+    key, route = self.plan(round_)
     state_struct = abstract(state)
-    return ahead_lib.RoundPrograms(
-        self.plan, lambda key: self.build(key).lower(state_struct, route_struct(self.schedule, key, self.mesh)))
+    route_arg = route_struct(self.schedule, key, self.mesh)
+    if not self.split:
+      return CompiledRound({"round": self.build(key).lower(state_struct, route_arg).compile()}, route)
+    programs = self.programs(state_struct)
+    return CompiledRound({"message": programs.message.lower(state_struct).compile(),
+                          "routes": programs.routes(key).lower(programs.payload, route_arg).compile(),
+                          "merge": programs.merge.lower(state_struct, programs.received).compile()}, route)
+
+  def ahead(self, state: TrainState, last_round: int | None = None, compile_ahead: bool = True) -> ahead_lib.RoundPrograms:
+    """The same programs, each round's compiled in the background during the previous round (the training
+    loop's); a method in parts also compiles its message and merge in the background from the start.
+    `last_round`: nothing is compiled for a round after it; `compile_ahead=False`: each round's program
+    compiles when it is asked for (ahead.RoundPrograms)."""
+    state_struct = abstract(state)
+    options = dict(last_round=last_round, compile_ahead=compile_ahead)
+    if not self.split:
+      return ahead_lib.RoundPrograms(
+          self.plan, lambda key: self.build(key).lower(state_struct, route_struct(self.schedule, key, self.mesh)),
+          **options)
+    programs = self.programs(state_struct)
+    fixed = {"message": lambda: programs.message.lower(state_struct),
+             "merge": lambda: programs.merge.lower(state_struct, programs.received)}
+
+    def lower(key):
+      if isinstance(key, str):
+        return fixed[key]()
+      return programs.routes(key).lower(programs.payload, route_struct(self.schedule, key, self.mesh))
+    return ahead_lib.RoundPrograms(self.plan, lower, fixed=tuple(fixed), compose=RoundCall, **options)
 
 
 class SplitPrograms:
@@ -146,17 +295,14 @@ class SplitPrograms:
     shardings: the exchange programs' arguments. The own float32 term lives where θ does (split over fsdp
     like θ); so does a payload of θ's shapes (the plain codec's cast), while a compressed payload (chunks
     of flattened leaves) is split over `replica` only."""
-    _, own, payload, _ = jax.eval_shape(self._message_local, abstract_state)
+    _, own, payload, _ = jax.eval_shape(self._message_sharded, abstract_state)
     params_sh = (self._state_sh.params if self._state_sh is not None else
                  jax.tree.map(lambda _: self._replicas, abstract_state.params))
-    same = jax.tree.structure(payload) == jax.tree.structure(own) and all(
-        a.shape == b.shape for a, b in zip(jax.tree.leaves(payload), jax.tree.leaves(own)))
-    payload_sh = params_sh if same else jax.tree.map(lambda _: self._replicas, payload)
+    payload_sh = _payload_shardings(payload, own, params_sh, self._replicas)
     self.message = jax.jit(self._message_sharded, donate_argnums=0,
                            out_shardings=(self._state_sh, params_sh, payload_sh, self._replicas))
     self._params_sh = params_sh
-    with_sh = lambda tree, sh: jax.tree.map(lambda x, h: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=h), tree, sh)
-    return with_sh(own, params_sh), with_sh(payload, payload_sh)
+    return _with_shardings(own, params_sh), _with_shardings(payload, payload_sh)
 
   def plan(self, round_: int) -> tuple[Any, np.ndarray]:
     """(program key, route) of round `round_`, as Rounds.plan."""
@@ -169,9 +315,10 @@ class SplitPrograms:
                                    out_specs=P(REPLICA))
     return jax.jit(sharded, donate_argnums=0, out_shardings=self._params_sh)
 
-  def ahead(self, message_structs) -> ahead_lib.RoundPrograms:
+  def ahead(self, message_structs, last_round: int | None = None) -> ahead_lib.RoundPrograms:
     """Exchange programs compiled one round ahead (outer/ahead.py), for the message program's (own,
-    payload) outputs (`message_structs`)."""
+    payload) outputs (`message_structs`); none for a round after `last_round`."""
     own, payload = message_structs
     return ahead_lib.RoundPrograms(
-        self.plan, lambda key: self.build_exchange(key).lower(own, payload, route_struct(self.schedule, key, self._mesh)))
+        self.plan, lambda key: self.build_exchange(key).lower(own, payload, route_struct(self.schedule, key, self._mesh)),
+        last_round=last_round)

@@ -98,6 +98,15 @@ def stablehlo_collective_bytes(mlir_text: str, op: str = "collective_permute") -
   return total
 
 
+def bytes_accessed(compiled) -> float:
+  """Bytes a compiled program reads and writes (per device for an SPMD program), by XLA's cost analysis:
+  every instruction's operands and results; a fusion counts only what enters and leaves it. A program
+  with nothing to compute (its outputs alias its inputs) reports none."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float((cost or {}).get("bytes accessed", 0.0))
+
+
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 

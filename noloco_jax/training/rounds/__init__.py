@@ -32,7 +32,7 @@ def make_driver(setup, run) -> RoundDriver:
                               tau=o.overlap_steps, mix=o.overlap_mix, last_step=config.num_steps,
                               traffic=run.traffic_per_round, threaded=threaded)
   else:
-    driver = LockstepRounds(setup.rounds, o.inner_steps, run.traffic_per_round)
+    driver = LockstepRounds(setup.rounds, o.inner_steps, run.traffic_per_round, last_step=config.num_steps)
   if config.nan_policy == "skip_round":
     driver = wrappers.Guarded(driver, guard_lib.RoundGuard(config, setup.mesh, run.loop.history))
   if run.faults is not None and run.faults.tracing:

@@ -1,8 +1,10 @@
-"""Lock-step rounds: every H inner steps, one compiled round program on every replica.
+"""Lock-step rounds: every H inner steps, one outer round on every replica.
 
-Round r's program (its grouping's ppermutes, outer/rounds.py) is compiled on a background thread
-during round r's inner steps (outer/ahead.py), so that no compile sits at the round boundary: the
-boundary waits only if the compile took longer than the H inner steps (`compile_stats` records it).
+The round's programs come from outer/rounds.Rounds: for NoLoCo and gossip a message and a merge
+program compiled once, and the round's routes (its grouping's ppermutes), compiled on a background
+thread during round r's inner steps (outer/ahead.py), so that no compile sits at the round boundary:
+the boundary waits only if the compile took longer than the H inner steps (`compile_stats` records it).
+Nothing is compiled for a round after the run's last step.
 """
 
 from __future__ import annotations
@@ -10,15 +12,27 @@ from __future__ import annotations
 from noloco_jax.training.rounds.base import RoundDriver
 
 
+def last_round(next_round: int, step: int, last_step: int, inner_steps: int) -> int:
+  """The index of the run's last round: rounds fall on the multiples of H in (step, last_step], the
+  first of them being round `next_round` (one less than it: no round is left)."""
+  return next_round + last_step // inner_steps - step // inner_steps - 1
+
+
 class LockstepRounds(RoundDriver):
 
-  def __init__(self, rounds, inner_steps: int, traffic):
-    """`traffic`: the bytes of one round (outer/wire.Traffic), counted in the loop state."""
-    self._rounds, self._H, self._traffic = rounds, inner_steps, traffic
+  def __init__(self, rounds, inner_steps: int, traffic, last_step: int | None = None):
+    """`traffic`: the bytes of one round (outer/wire.Traffic), counted in the loop state; `last_step`:
+    the run's last step (None: no end, every next round is compiled ahead)."""
+    self._rounds, self._H, self._traffic, self._last_step = rounds, inner_steps, traffic, last_step
     self._programs = None
 
   def start(self, run) -> None:
-    self._programs = self._rounds.ahead(run.state)
+    last = None
+    if self._last_step is not None:
+      last = last_round(run.loop.round, run.loop.step, self._last_step, self._H)
+      if last < run.loop.round:  # no round left to run: compile nothing
+        return
+    self._programs = self._rounds.ahead(run.state, last_round=last)
     self._programs.prefetch(run.loop.round)
 
   @property

@@ -38,6 +38,7 @@ import jax
 from noloco_jax.outer import ahead as ahead_lib
 from noloco_jax.outer import methods
 from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.training.rounds import lockstep
 from noloco_jax.training.rounds.base import RoundDriver
 
 
@@ -75,7 +76,9 @@ class OverlappedRounds(RoundDriver):
     self._local = ahead_lib.AheadCompiler(lambda key: lower[key](), capacity=2)
     for key in lower:
       self._local.prefetch(key)
-    self._exchanges = programs.ahead(structs)
+    # Nothing is compiled for a round after the run's last step (lockstep.last_round).
+    self._exchanges = programs.ahead(structs, last_round=lockstep.last_round(run.loop.round, run.loop.step,
+                                                                             self._last, self._H))
     self._exchanges.prefetch(run.loop.round)
     if run.loop.inflight_step:  # resumed inside a window: the mean in flight is in the restored state
       self._pending, self.sent_at = None, run.loop.inflight_step

@@ -1,0 +1,97 @@
+"""A lock-step round in parts (outer/rounds.py: message, routes, merge): the same state as the whole round in
+one program, only the routes depend on the grouping (and only move values), nothing compiled past the
+last round."""
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import default
+from noloco_jax.inner.state import TrainState
+from noloco_jax.outer import methods as outer_lib
+from noloco_jax.outer import pairing
+from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.tools import hlo as hlo_lib
+from noloco_jax.training.rounds import lockstep
+
+N = 8
+SHAPES = {"w": (6, 40), "b": (3,)}
+
+
+def _outer_cfg(**kw):
+  cfg = ml_collections.ConfigDict(default.get_config().outer)
+  cfg.update(kw)
+  return cfg
+
+
+def _state(method, mesh, seed=0):
+  rng = np.random.default_rng(seed)
+  theta = {k: rng.normal(size=(N,) + s).astype(np.float32) for k, s in SHAPES.items()}
+  outer = jax.vmap(method.init)(theta)
+  # φ and δ away from θ and from zero, so that every term of the rule counts.
+  outer = {**outer, "slow": jax.tree.map(lambda t: t + rng.normal(size=t.shape).astype(np.float32) * 0.1, theta),
+           "momentum": jax.tree.map(lambda t: 0.01 * rng.normal(size=t.shape).astype(t.dtype), outer["momentum"])}
+  state = TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer)
+  return jax.device_put(state, mesh_lib.replica_sharding(mesh))
+
+
+@pytest.mark.parametrize("kind,fields,num_devices,mode", [
+    ("noloco", {}, N, "fresh"),  # the default: a program per grouping, one replica per device
+    ("noloco", {"message_dtype": "bfloat16", "group_size": 4}, 4, "fresh"),  # 2 replicas per device, groups of 4
+    ("noloco", {"compression": "int8"}, N, "round_robin"),  # error feedback, a switch over the pool
+    ("gossip", {"compression": "topk", "topk_density": 0.1}, N, "fresh"),
+    ("noloco", {"state_dtype": "bfloat16"}, N, "fresh"),  # φ, δ stored in bfloat16
+    ("noloco", {"group_size": 4}, 1, "fresh"),  # one device: the grouping is data
+])
+def test_the_round_in_parts_gives_the_whole_rounds_state_bitwise(kind, fields, num_devices, mode):
+  method = outer_lib.make_method(_outer_cfg(kind=kind, pairing=mode, **fields))
+  mesh = mesh_lib.make_mesh(N, num_devices)
+  schedule = outer_lib.make_schedule(_outer_cfg(kind=kind, pairing=mode, **fields), seed=3, num_replicas=N)
+  rounds = rounds_lib.Rounds(method, mesh, schedule)
+  assert rounds.split
+  parts, whole = _state(method, mesh), _state(method, mesh)
+  for round_ in range(2):
+    round_fn, route = rounds(round_)
+    parts, parts_metrics = round_fn(parts, route)
+    key, route_w = rounds.plan(round_)
+    whole, whole_metrics = rounds_lib.make_round_fn(method, mesh, key)(whole, route_w)
+    for a, b in zip(jax.tree.leaves((parts, parts_metrics)), jax.tree.leaves((whole, whole_metrics))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.std(np.asarray(parts.params["w"]), axis=0).max() > 1e-3  # replicas still apart: not a trivial check
+
+
+def test_a_fresh_grouping_compiles_only_its_routes_and_they_only_move_the_message():
+  method = outer_lib.make_method(_outer_cfg())
+  mesh = mesh_lib.make_mesh(N, N)
+  schedule = pairing.PairingSchedule(seed=0, num_replicas=N, group_size=2, mode="fresh")
+  rounds = rounds_lib.Rounds(method, mesh, schedule)
+  state = _state(method, mesh)
+  for round_ in range(4):
+    round_fn, route = rounds(round_)
+    state, _ = round_fn(state, route)
+  programs = rounds.programs(None)
+  assert programs.message._cache_size() == 1 and programs.merge._cache_size() == 1  # once for all rounds
+  assert len(rounds) == len({schedule.groups(r) for r in range(4)})  # one routes program per grouping
+  compiled = rounds.compile(state, 4).programs
+  routes = compiled["routes"].as_text()
+  # The routes program: one model copy per replica through collective-permutes, and no arithmetic.
+  counted = method.bytes_per_round(jax.tree.map(lambda x: x[0], state.params))
+  assert hlo_lib.all_collective_bytes(routes) == {"collective-permute": counted}
+  entry = routes[routes.index("ENTRY"):]
+  assert not any(op in entry for op in (" add(", " multiply(", " fusion(")), entry
+  for name in ("message", "merge"):  # compiled once: nothing in them names a grouping
+    assert hlo_lib.all_collective_bytes(compiled[name].as_text()) == {}
+  # XLA's cost analysis: the routes read the message and write what arrives, two model copies (and the
+  # few bytes of the route argument).
+  copy = outer_lib.tree_bytes(state.params) // N
+  assert 2 * copy <= hlo_lib.bytes_accessed(compiled["routes"]) <= 2 * copy + 64
+
+
+def test_the_last_round_index_counts_the_rounds_left():
+  # H = 5, run to step 20: rounds at steps 5, 10, 15, 20.
+  assert lockstep.last_round(0, 0, 20, 5) == 3
+  assert lockstep.last_round(2, 10, 20, 5) == 3  # resumed at step 10 after rounds 0 and 1
+  assert lockstep.last_round(2, 12, 22, 5) == 3  # steps 15, 20
+  assert lockstep.last_round(4, 20, 24, 5) == 3  # no round left: before the next one
