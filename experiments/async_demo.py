@@ -43,6 +43,9 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rounds", type=int, default=20, help="rounds to run (at least)")
   parser.add_argument("--run_s", type=float, default=0.0, help="keep starting rounds until this many seconds")
+  parser.add_argument("--until_file", default=None,
+                      help="with --run_s: stop starting rounds sooner, once this file exists (a test's signal that "
+                           "what it waits for has happened, so a quiet machine does not sit out a loaded one's time)")
   parser.add_argument("--inner_steps", type=int, default=5)
   parser.add_argument("--step_s", type=float, default=0.02, help="seconds of simulated compute per inner step")
   parser.add_argument("--dim", type=int, default=1024, help="floats per message")
@@ -61,12 +64,13 @@ def main(argv=None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
   slot = int(os.environ["NOLOCO_PROCESS_ID"])
-  kv = control.initialize(os.environ["NOLOCO_COORDINATOR_ADDRESS"], int(os.environ["NOLOCO_NUM_PROCESSES"]), slot,
-                          heartbeat_timeout_s=30, standalone_service=opts.standalone_service)
+  # The control plane only (as the trainer's asynchronous schedule): this process's JAX sees its own devices.
+  connection = control.connect(os.environ["NOLOCO_COORDINATOR_ADDRESS"], int(os.environ["NOLOCO_NUM_PROCESSES"]),
+                               slot, heartbeat_timeout_s=30, standalone_service=opts.standalone_service)
   options = session_lib.Options(seed=opts.seed, window_s=opts.window_s, max_wait_s=opts.max_wait_s,
                                 exchange_timeout_s=opts.exchange_timeout_s, lease_s=opts.lease_s,
                                 beat_s=min(0.5, opts.lease_s / 4), odd=opts.odd, join_timeout_s=30.0)
-  session = session_lib.Session(kv, slot, control.incarnation(), options, log_dir=opts.log_dir)
+  session = session_lib.Session(connection.kv, slot, connection.incarnation, options, log_dir=opts.log_dir)
   injector = faults.from_env(slot)
   alpha, beta, gamma, lr = 0.5, 0.7, 0.9, 0.1
 
@@ -92,7 +96,8 @@ def main(argv=None) -> int:
   served = []
   start = time.monotonic()
   rounds = 0
-  while rounds < opts.rounds or time.monotonic() - start < opts.run_s:
+  signalled = lambda: opts.until_file is not None and os.path.exists(opts.until_file)
+  while rounds < opts.rounds or (time.monotonic() - start < opts.run_s and not signalled()):
     for _ in range(opts.inner_steps):
       theta, inner = inner_step(theta, inner)
       step += 1

@@ -60,6 +60,7 @@ import tempfile
 
 import numpy as np
 
+from experiments.lib import async_runs
 from experiments.lib import harness
 from experiments.lib import latency
 from experiments.lib import netns
@@ -69,24 +70,36 @@ from noloco_jax.runtime import launch_local
 REPO = harness.REPO
 
 TOKENS_PER_STEP = 2 * 32  # smoke: batch_size 2 × seq_len 32 per replica
-LINK_METHOD = {"noloco": "pair", "diloco": "ring", "ddp": "ring"}  # how each method's bytes cross the link
+LINK_METHOD = {"noloco": "pair", "diloco": "ring", "ddp": "ring", "async": "pair"}  # how each method's bytes cross the link
 
 
 def _flags(workdir: str, method: str, processes: int, steps: int, inner_steps: int,
-           pairing: str = "round_robin") -> list[str]:
+           pairing: str = "round_robin", seed: int = 0) -> list[str]:
+  # A constant learning rate after the warm-up (min_lr_ratio 1): the asynchronous job runs to a wall-clock
+  # budget, not to num_steps, so no schedule may depend on num_steps for the losses to compare.
   return ["--config=configs/default.py:smoke", f"--workdir={workdir}", f"--config.outer.kind={method}",
           f"--config.outer.pairing={pairing}",
           f"--config.num_replicas={processes}", f"--config.num_steps={steps}",
-          f"--config.outer.inner_steps={inner_steps}",
+          f"--config.outer.inner_steps={inner_steps}", f"--config.seed={seed}", "--config.inner.min_lr_ratio=1.0",
           f"--config.log_every={inner_steps}", "--config.eval_every=0"]
 
 
+def _async_flags(workdir: str, processes: int, steps: int, inner_steps: int, seed: int, window_s: float,
+                 max_wait_s: float, overlap_steps: int = 0) -> list[str]:
+  """NoLoCo on the asynchronous schedule; each process evaluates its replica every round (no barrier)."""
+  flags = _flags(workdir, "noloco", processes, steps, inner_steps, "fresh", seed)
+  return [f for f in flags if not f.startswith("--config.eval_every")] + [
+      "--config.outer.schedule=async", f"--config.eval_every={inner_steps}", f"--config.outer.max_wait_s={max_wait_s}",
+      f"--config.outer.match_window_s={window_s}", f"--config.outer.overlap_steps={overlap_steps}"]
+
+
 def run_one(method: str, processes: int, steps: int, inner_steps: int, faults: str, root: str,
-            pairing: str = "round_robin", env: dict[str, str] | None = None) -> dict:
-  """One job; per-process traces, the job's last metrics row and its groupings (None without rounds)."""
-  workdir = os.path.join(root, f"{method}_p{processes}")
+            pairing: str = "round_robin", env: dict[str, str] | None = None, seed: int = 0) -> dict:
+  """One job; per-process traces, the job's last metrics row, its final evaluation and its groupings (None
+  without rounds)."""
+  workdir = os.path.join(root, f"{method}_p{processes}_s{seed}")
   trace_dir = os.path.join(workdir, "trace")
-  job = launch_local.Job(processes, 1, _flags(workdir, method, processes, steps, inner_steps, pairing),
+  job = launch_local.Job(processes, 1, _flags(workdir, method, processes, steps, inner_steps, pairing, seed),
                          log_dir=workdir + "_logs", cwd=REPO,
                          env={"NOLOCO_FAULTS": faults, "NOLOCO_TRACE": trace_dir,
                               "NOLOCO_HEARTBEAT_TIMEOUT_S": "60", **(env or {})})
@@ -95,10 +108,12 @@ def run_one(method: str, processes: int, steps: int, inner_steps: int, faults: s
     tail = "".join(open(p).read()[-2000:] for p in job.log_paths)
     raise RuntimeError(f"{method} P={processes} failed {codes}:\n{tail}")
   traces = [metrics_lib.read_jsonl(os.path.join(trace_dir, f"trace_{p}.jsonl")) for p in range(processes)]
-  rows = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "train/loss" in r]
+  all_rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  rows = [r for r in all_rows if "train/loss" in r]
   pairings = os.path.join(workdir, "pairings.jsonl")
   groups = [r["groups"] for r in metrics_lib.read_jsonl(pairings)] if os.path.exists(pairings) else None
-  return {"traces": traces, "last_row": rows[-1], "groups": groups}
+  final = [r["eval/loss"] for r in all_rows if "eval/loss" in r and r["step"] == steps]
+  return {"traces": traces, "last_row": rows[-1], "groups": groups, "val_loss": final[-1] if final else None}
 
 
 def summarise(method: str, run: dict, inner_steps: int, tokens_per_step: int, reference_inner_s=None) -> dict:
@@ -234,6 +249,31 @@ def plot(results: dict, path: str) -> None:
   fig.savefig(path, dpi=100)
 
 
+def plot_loss(results: dict, path: str) -> None:
+  """The job's validation loss over wall time: the asynchronous job's curve (every evaluation of any
+  process), each lock-step job's final evaluation at its training time; a panel per (setting, P)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  panels = list(dict.fromkeys((r.get("label", ""), r["processes_count"]) for r in results["runs"]))
+  fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.4), squeeze=False)
+  markers = {"noloco": "o", "diloco": "s", "ddp": "^"}
+  for ax, (label, p) in zip(axes[0], panels):
+    for run in [r for r in results["runs"] if (r.get("label", ""), r["processes_count"]) == (label, p)]:
+      seed = run.get("seed", 0)
+      if run["method"] == "async" and run.get("val_curve"):
+        t, v = zip(*run["val_curve"])
+        ax.plot(t, v, "-", lw=1, label=f"async, seed {seed}")
+      elif run["method"] != "async" and run.get("val_loss") is not None:
+        ax.plot([run["duration_s"]], [run["val_loss"]], markers[run["method"]], label=f"{run['method']} (lock-step), seed {seed}")
+    ax.set_title(f"P = {p}, {label}", fontsize=9)
+    ax.set_xlabel("seconds of training (all processes started)", fontsize=8)
+    ax.set_ylabel("validation loss, mean over replicas", fontsize=8)
+    ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
 def table(results: dict) -> str:
   """The runs as a Markdown table: measured and model side by side (experiments/RESULTS.md)."""
   f2 = lambda xs: ", ".join(f"{x:.2f}" for x in xs)
@@ -250,11 +290,87 @@ def table(results: dict) -> str:
   return "\n".join(lines)
 
 
+def _lockstep_val(run: dict) -> dict:
+  """A lock-step job's training time (from the origin: async_runs.origin) and its final validation loss."""
+  return {"duration_s": max(t[-1]["end"] for t in run["traces"]) - async_runs.origin(run["traces"]),
+          "val_loss": run["val_loss"]}
+
+
+def _async_val(run: dict, durations: dict, tokens: int) -> dict:
+  """The asynchronous job's validation loss at each lock-step job's training time (equal wall time), and
+  when its steps add up to the lock-step jobs' (equal tokens)."""
+  start, per_process = async_runs.origin(run["traces"]), async_runs.curves(run)
+  at_tokens = async_runs.time_of_tokens(run["traces"], tokens)
+  times = sorted({t for points in per_process for t, _ in points if start <= t})
+  return {"val_loss_at": {m: async_runs.loss_at(per_process, start + d) for m, d in durations.items()},
+          "val_loss_at_equal_tokens": None if at_tokens is None else async_runs.loss_at(per_process, at_tokens),
+          "duration_s": max(t[-1]["end"] for t in run["traces"]) - start,
+          # The job's validation loss after every evaluation of any process: [seconds from the origin, loss].
+          "val_curve": [[t - start, async_runs.loss_at(per_process, t)] for t in times]}
+
+
+def run_async(args, p: int, seed: int, faults: str, root: str, budget_s: float | None, label: str, *,
+              kill: str = "") -> tuple[dict, dict]:
+  """One asynchronous job (experiments/lib/async_runs.py), its summary and its model columns."""
+  workdir = os.path.join(root, f"async{'_killed' if kill else ''}_p{p}_s{seed}")
+  steps_cap = int(args.steps * max(args.straggler_factor, 1.0) * 4)  # never reached within the budget
+  flags = _async_flags(workdir, p, steps_cap, args.inner_steps, seed, args.match_window_s, args.max_wait_s,
+                       args.async_overlap_steps)
+  stop = async_runs.stop_after(budget_s) if budget_s else async_runs.stop_at_steps(args.steps)
+  run = async_runs.run_job(flags, p, workdir, {"NOLOCO_FAULTS": faults + (f";{kill}" if kill else "")}, stop)
+  killed = [q for q, c in enumerate(run["codes"]) if c == -9]
+  if [c for q, c in enumerate(run["codes"]) if q not in killed] != [0] * (p - len(killed)):
+    tail = "".join(open(path).read()[-2000:] for path in run["log_paths"])
+    raise RuntimeError(f"async P={p} failed {run['codes']}:\n{tail}")
+  survivors = [q for q in range(p) if q not in killed]
+  out = async_runs.summarise(run, args.inner_steps, TOKENS_PER_STEP, survivors)
+  out.update(processes_count=p, label=label, seed=seed, groups=None, killed=killed, survivors=survivors)
+  step_times = _step_times(args, p, steps_cap)
+  common = dict(window_s=args.match_window_s, max_wait_s=args.max_wait_s, until_s=out["measured_s"], seed=seed,
+                tokens_per_step=TOKENS_PER_STEP)
+  out["model"] = async_runs.model(step_times, args.inner_steps, exchange_s=args.model_alpha, **common)
+  # One measured parameter: the exchange's own cost (the median of the pairings' exchange_s).
+  out["model_fitted"] = {"alpha_s": out["exchange_s_median"],
+                         **async_runs.model(step_times, args.inner_steps, exchange_s=out["exchange_s_median"], **common)}
+  return out, run
+
+
+def _step_times(args, p: int, steps: int) -> np.ndarray:
+  if args.lognormal:
+    median, sigma = (float(x) for x in args.lognormal.split(","))
+    return latency.lognormal_step_times(p, steps, median, sigma, seed=0)
+  return latency.straggler_step_times(p, steps, args.step_s, args.straggler_factor)
+
+
+def val_table(results: dict) -> str:
+  """Tokens/s, the fast processes' idle fraction and validation losses, per job (experiments/RESULTS.md):
+  each lock-step job at its end, the asynchronous job at the same wall time and at equal tokens."""
+  lines = ["| setting | P | seed | method | tokens/s | idle, fast processes (mean) | training s | val loss at its end | "
+           "async val loss at that time | async val loss at equal tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
+  fmt = lambda x: "–" if x is None else f"{x:.4f}"
+  for run in results["runs"]:
+    fast = run["idle_fraction"][1:] if "straggler" in run.get("label", "") else run["idle_fraction"]
+    same = [r for r in results["runs"] if r["method"] == "async" and (r["processes_count"], r.get("seed"), r.get("label"))
+            == (run["processes_count"], run.get("seed"), run.get("label"))]
+    async_at = same[0]["val_loss_at"].get(run["method"]) if same and run["method"] != "async" else None
+    tokens = same[0].get("val_loss_at_equal_tokens") if same and run["method"] != "async" else None
+    lines.append(f"| {run.get('label', '')} | {run['processes_count']} | {run.get('seed', 0)} | {run['method']} | "
+                 f"{run['tokens_per_s']:,.0f} | {np.mean(fast):.3f} | {run.get('duration_s', float('nan')):.1f} | "
+                 f"{fmt(run['val_loss_at'].get('noloco') if run['method'] == 'async' else run.get('val_loss'))} | "
+                 f"{fmt(async_at)} | {fmt(tokens)} |")
+  for k in results.get("kills", []):
+    lines.append(f"\nKilled process {k['killed']} of {k['processes_count']} at mid-run (seed {k['seed']}): survivors' val "
+                 f"loss {fmt(k['val_loss_survivors'])} after {k['duration_s']:.1f} s, the unkilled job's (same "
+                 f"processes) {fmt(k['val_loss_unkilled_same_processes'])}: {100 * (k['relative_difference'] or 0):+.2f}%.")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
   bench = harness.Bench(__doc__, quick=dict(processes=[2], steps=6, inner_steps=2, methods=["noloco", "diloco"]),
                         quick_help="P=2, 6 steps, H=2, noloco and diloco", out=True)
   bench.add_argument("--processes", type=int, nargs="+", default=[4, 8])
-  bench.add_argument("--methods", nargs="+", default=["noloco", "diloco", "ddp"])
+  bench.add_argument("--methods", nargs="+", default=["noloco", "diloco", "ddp", "async"],
+                     choices=["noloco", "diloco", "ddp", "async"])
   bench.add_argument("--steps", type=int, default=18)
   bench.add_argument("--inner_steps", type=int, default=3)
   bench.add_argument("--step_s", type=float, default=0.1, help="simulated compute per step (a sleep)")
@@ -265,21 +381,32 @@ def main(argv=None) -> dict:
   bench.add_argument("--model_alpha", type=float, default=0.0, help="the model's seconds per exchange")
   bench.add_argument("--pairing", default="round_robin", choices=["round_robin", "fresh"],
                      help="NoLoCo's outer.pairing (module docstring: fresh compiles a program per round)")
+  bench.add_argument("--seeds", type=int, nargs="+", default=[0], help="config.seed of every job (each seed: every job)")
+  bench.add_argument("--max_wait_s", type=float, default=2.0, help="async: outer.max_wait_s")
+  bench.add_argument("--match_window_s", type=float, default=0.02, help="async: outer.match_window_s")
+  bench.add_argument("--async_overlap_steps", type=int, default=0, help="async: outer.overlap_steps (τ inner "
+                     "steps run while the round finds its partner; docs/async.md §3)")
+  bench.add_argument("--kill", action="store_true", help="async: also a job whose last process is killed at "
+                     "step steps/2, beside the unkilled one (the survivors' validation loss against it)")
   bench.add_argument("--_in_namespace", action="store_true", help=argparse.SUPPRESS)
   bench.add_argument("--plot", default="", help="also plot the idle fractions to this PNG")
+  bench.add_argument("--plot_loss", default="", help="also plot validation loss over wall time to this PNG")
   bench.add_argument("--plot_from", nargs="*", default=[], help="only plot (or --table) these saved JSON results")
   bench.add_argument("--table", action="store_true", help="print the results as a Markdown table")
   args = bench.parse(argv)
-  text = table if args.table else None
+  text = (lambda r: table(r) + "\n\n" + val_table(r)) if args.table else None
   if args.plot_from:
     merged = {"runs": []}
     for path in args.plot_from:
       saved = json.load(open(path))
       for run in saved["runs"]:
-        attach_models(saved["setting"], run)  # re-modelled with this version of latency.py
+        if run["method"] != "async":
+          attach_models(saved["setting"], run)  # re-modelled with this version of latency.py
         merged["runs"].append(run)
     if args.plot:
       plot(merged, args.plot)
+    if args.plot_loss:
+      plot_loss(merged, args.plot_loss)
     return bench.finish(merged, text=text)
   beta = 8.0 / rate_bits_per_s(args.rate) if args.rate else 0.0  # checked before the namespace
   burst = size_bytes(args.burst) if args.rate else 0.0
@@ -298,25 +425,58 @@ def main(argv=None) -> dict:
                          "inner_steps": args.inner_steps, "devices_per_process": 1, "pairing": args.pairing,
                          "model_alpha_s": args.model_alpha, "model_beta_s_per_byte": beta,
                          "model_burst_bytes": burst, "step_s": args.step_s, "straggler_factor": args.straggler_factor,
-                         "lognormal": [median, sigma] if args.lognormal else None}, "runs": []}
+                         "lognormal": [median, sigma] if args.lognormal else None, "seeds": args.seeds,
+                         "max_wait_s": args.max_wait_s, "match_window_s": args.match_window_s,
+                         "async_overlap_steps": args.async_overlap_steps},
+             "runs": [], "kills": []}
   root = tempfile.mkdtemp(prefix="bench_network_")
+  order = {"noloco": 0, "diloco": 1, "ddp": 2, "async": 3}  # NoLoCo first (DDP's reference), async last (its budget)
   try:
     for p in args.processes:
-      reference = None
-      for method in sorted(args.methods, key=lambda m: m != "noloco"):  # NoLoCo first: DDP's reference
-        run = run_one(method, p, args.steps, args.inner_steps, faults, root, args.pairing)
-        out = summarise(method, run, args.inner_steps, TOKENS_PER_STEP * p, reference)
-        if method == "noloco":
-          reference = [q["median_inner_s"] for q in out["processes"]]
-        out.update(processes_count=p, label=label, groups=run["groups"])
-        attach_models(results["setting"], out)
-        results["runs"].append(out)
-        bench.note(json.dumps({k: v for k, v in out.items() if k not in ("processes", "groups")}))
+      for seed in args.seeds:
+        reference, durations = None, {}
+        for method in sorted(args.methods, key=order.get):
+          if method == "async":
+            budget = max(durations.values()) if durations else None
+            out, run = run_async(args, p, seed, faults, root, budget, label)
+            out.update(_async_val(run, durations, p * args.steps))
+            if args.kill:
+              killed_out, killed_run = run_async(args, p, seed, faults, root, budget or out["duration_s"], label,
+                                                 kill=f"kill:process={p - 1},step={args.steps // 2}")
+              results["kills"].append(_kill_record(killed_out, killed_run, run))
+          else:
+            run = run_one(method, p, args.steps, args.inner_steps, faults, root, args.pairing, seed=seed)
+            out = summarise(method, run, args.inner_steps, TOKENS_PER_STEP * p, reference)
+            if method == "noloco":
+              reference = [q["median_inner_s"] for q in out["processes"]]
+            out.update(processes_count=p, label=label, groups=run["groups"], seed=seed, **_lockstep_val(run))
+            durations[method] = out["duration_s"]
+            attach_models(results["setting"], out)
+          results["runs"].append(out)
+          bench.note(json.dumps({k: v for k, v in out.items() if k not in ("processes", "groups")}))
   finally:
     shutil.rmtree(root, ignore_errors=True)
   if args.plot:
     plot(results, args.plot)
+  if args.plot_loss:
+    plot_loss(results, args.plot_loss)
   return bench.finish(results, text=text)
+
+
+def _kill_record(killed: dict, killed_run: dict, unkilled_run: dict) -> dict:
+  """The survivors of a job that lost a process mid-run, against the unkilled job at the same wall time:
+  their mean validation loss at the killed job's end, and the unkilled job's (same processes, and all)."""
+  start = async_runs.origin(killed_run["traces"])
+  end = max(killed_run["traces"][q][-1]["end"] for q in killed["survivors"]) - start
+  survivors = killed["survivors"]
+  killed_val = async_runs.loss_at(async_runs.curves(killed_run), start + end, survivors)
+  base, base_curves = async_runs.origin(unkilled_run["traces"]), async_runs.curves(unkilled_run)
+  same = async_runs.loss_at(base_curves, base + end, survivors)
+  return {"processes_count": killed["processes_count"], "seed": killed["seed"], "killed": killed["killed"],
+          "duration_s": end, "val_loss_survivors": killed_val, "val_loss_unkilled_same_processes": same,
+          "val_loss_unkilled_all": async_runs.loss_at(base_curves, base + end),
+          "relative_difference": None if None in (killed_val, same) else (killed_val - same) / same,
+          "rounds": killed["rounds"], "tokens_per_s": killed["tokens_per_s"]}
 
 
 if __name__ == "__main__":

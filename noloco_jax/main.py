@@ -6,12 +6,14 @@ flags --distributed, --coordinator_address, --num_processes, --process_id and th
 """
 
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from noloco_jax.runtime import failures
 from noloco_jax import config as config_lib
+from noloco_jax.asynchronous import job as async_job
 from noloco_jax.config import cli
 from noloco_jax.runtime import distributed, peer_watch
 from noloco_jax.runtime import compile_cache, preemption
@@ -71,6 +73,8 @@ def main(argv):
     return
   # Before anything starts JAX's backends: jax.distributed must come first.
   options = distributed.options_from_flags(FLAGS)
+  if config.outer.schedule == "async":
+    return _run_async_process(config, options)
   multi_process = distributed.initialize(options)
   # One fake CPU device per device of the mesh: replicas × stages × fsdp.
   _fake_cpu_devices(config.num_replicas * config.num_stages * config.fsdp, multi_process)
@@ -90,6 +94,29 @@ def main(argv):
       cli.exit_usage(str(e))
   if watch is not None:
     watch.leave()  # finished (or preempted and saved): this process's exit ends nobody
+
+
+def _run_async_process(config, options) -> None:
+  """One process of an asynchronous job: a JAX program of its own on the job's control plane, trained in
+  WORKDIR/process_<i> (noloco_jax/asynchronous/job.py says why). The process hosting the coordination
+  service stays until the others have left: its exit would end them."""
+  address, count, pid = distributed.process_coordinates(options)
+  try:
+    process = async_job.start(config, address, count, pid, heartbeat_timeout_s=options.heartbeat_timeout_s,
+                              initialization_timeout_s=options.initialization_timeout_s,
+                              standalone_service=bool(options.standalone_service))
+  except config_lib.ConfigError as e:
+    cli.exit_usage(str(e))
+  preemption.install_preemption_handler()  # SIGTERM: this process saves and stops; the others train on
+  with failures.exit_on_failure(FLAGS.workdir):
+    training.train_and_evaluate(async_job.process_config(config), process.workdir(FLAGS.workdir), process)
+  process.finish(lease_s=config.outer.lease_s)
+  # Leave without the interpreter's finalisers: the control-plane client's destructor would say goodbye to
+  # a service that may be gone by now (it then aborts the process); the run is saved and its logs closed.
+  logging.flush()
+  for stream in (sys.stdout, sys.stderr):
+    stream.flush()
+  os._exit(0)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""Live churn (asynchronous/churn.py, session.py) on real processes: a process killed mid-run is left
-behind, a restarted one joins from a live peer, and with the coordination service in a process of its
-own even process 0 can die.
+"""Live churn (asynchronous/churn.py, session.py) on real processes: with the coordination service in a
+process of its own even process 0 can die, and a new process joins through a reserved slot.
 
-The jobs run the toy of experiments/async_demo.py (a vector per process, real exchanges, the real update),
-killed with NOLOCO_FAULTS. Each takes 40–70 s on a loaded 2-core machine (most of it starting JAX in
-every process); timeouts allow several times that.
+The job runs the toy of experiments/async_demo.py (a vector per process, real exchanges, the real update),
+killed with NOLOCO_FAULTS; it takes 20–50 s on a 2-core machine, quiet to loaded (most of it starting JAX
+in every process); timeouts allow several times that. A killed process left behind and its restart joining from a
+live peer are tested on the trainer itself (tests/test_async_driver.py).
 """
 
 import collections
@@ -57,48 +57,6 @@ def test_the_first_donor_is_uniform_over_the_live_peers():
   assert sorted(churn.donor_order([0, 1, 2, 3, 4], 2, seed=3, incarnation=7)) == [0, 1, 3, 4]
 
 
-def test_a_killed_process_is_left_behind_and_its_restart_joins_from_a_peer(tmp_path):
-  out = str(tmp_path)
-  args = ["--log_dir", out, "--rounds", "4", "--lease_s", "4", "--max_wait_s", "2", "--exchange_timeout_s", "10"]
-  job = launch_local.Job(3, 1, [*args, "--run_s", "35"], module=DEMO, log_dir=os.path.join(out, "logs"),
-                         env={"NOLOCO_FAULTS": "kill:process=2,step=20"})
-  try:
-    assert job.procs[2].wait(timeout=240) == -9, _logs(out)
-    old = _jsonl(os.path.join(out, "pairings_2.jsonl"))
-    old_incarnation, killed_after = old[-1]["incarnation"], old[-1]["time"]
-    env = launch_local.process_env(2, 3, 1, job.port, {"NOLOCO_FAULTS": ""})
-    with open(os.path.join(out, "logs", "process_2_restart.log"), "w") as log:
-      restart = subprocess.Popen([sys.executable, "-m", DEMO, *args, "--run_s", "8", "--join"], env=env, stdout=log,
-                                 stderr=subprocess.STDOUT)
-      assert restart.wait(timeout=240) == 0, _logs(out)
-    assert [p.wait(timeout=240) for p in job.procs[:2]] == [0, 0], _logs(out)
-  finally:
-    for p in job.procs:
-      if p.poll() is None:
-        p.kill()
-  joiner = _result(out, 2)
-  new_incarnation = joiner["incarnation"]
-  assert new_incarnation != old_incarnation
-  # The joiner took its state from a live donor: θ = φ = the donor's φ, δ = 0, the donor's inner state.
-  donor = _result(out, joiner["joined_from"])
-  assert joiner["joined_from"] in (0, 1) and joiner["joined_delta_zero"]
-  served = next(s for s in donor["served"] if s["progress"] == joiner["joined_progress"])
-  assert (joiner["joined_phi"], joiner["joined_inner"]) == (served["phi"], served["inner"])
-  for slot in (0, 1):
-    events = [(e["slot"], str(e["incarnation"]), e["event"]) for e in _jsonl(os.path.join(out, f"membership_{slot}.jsonl"))
-              if "incarnation" in e and e.get("slot") == 2]
-    assert (2, old_incarnation, "lost") in events and (2, new_incarnation, "joined") in events, events
-    pairings = _jsonl(os.path.join(out, f"pairings_{slot}.jsonl"))
-    # Never paired with the dead incarnation after its death (a batch it was already in may fail).
-    after = [p for p in pairings if p["time"] > killed_after + 1.0 and p["status"] == "exchanged"]
-    assert after and all(old_incarnation not in p["incarnations"] for p in after), slot
-    assert all(p["status"] != "skipped" or p["waited_s"] < 2.0 + 5.0 + 10.0 for p in pairings)
-  with_new = [p for s in (0, 1) for p in _jsonl(os.path.join(out, f"pairings_{s}.jsonl"))
-              if p["status"] == "exchanged" and new_incarnation in p["incarnations"]]
-  assert with_new, "the restarted process never exchanged with the survivors"
-  assert joiner["matchmaking"]["matched"] > 0 and joiner["steps"] > joiner["joined_progress"]
-
-
 def test_process_0_can_die_and_a_new_process_joins_through_a_reserved_slot(tmp_path):
   """Four slots: the coordination service runs in a process of its own (`python -m
   noloco_jax.asynchronous.control --port`), slots 0–2 train, slot 3 is reserved at start-up
@@ -120,15 +78,17 @@ def test_process_0_can_die_and_a_new_process_joins_through_a_reserved_slot(tmp_p
       env = launch_local.process_env(slot, 4, 1, port, {"NOLOCO_FAULTS": "kill:process=0,step=20"})
       log = open(os.path.join(out, "logs", f"process_{slot}.log"), "w")
       logs.append(log)
-      procs.append(subprocess.Popen([sys.executable, "-m", DEMO, *common, "--run_s", "35"], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT))
+      # The survivors train until the newcomer has finished (its result file), not for a fixed time: the
+      # newcomer must find them training however long JAX takes to start under load; 200 s is a hang.
+      procs.append(subprocess.Popen([sys.executable, "-m", DEMO, *common, "--run_s", "200", "--until_file",
+                                     os.path.join(out, "result_3.json")], env=env, stdout=log, stderr=subprocess.STDOUT))
     reserve = subprocess.run([sys.executable, "-m", "noloco_jax.asynchronous.control", "--num_processes=4",
                               "--reserve_slot=3", f"--coordinator_address=127.0.0.1:{port}", "--standalone_service"],
                              env=launch_local.process_env(3, 4, 1, port), capture_output=True, text=True, timeout=240)
     assert reserve.returncode == 0, reserve.stdout + reserve.stderr
     assert procs[0].wait(timeout=240) == -9, _logs(out)
     with open(os.path.join(out, "logs", "process_3.log"), "w") as log:
-      new = subprocess.run([sys.executable, "-m", DEMO, *common, "--run_s", "6", "--join"],
+      new = subprocess.run([sys.executable, "-m", DEMO, *common, "--run_s", "3", "--join"],
                            env=launch_local.process_env(3, 4, 1, port), stdout=log, stderr=subprocess.STDOUT, timeout=240)
     assert new.returncode == 0, _logs(out)
     assert [p.wait(timeout=240) for p in procs[1:]] == [0, 0], _logs(out)

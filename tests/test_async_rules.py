@@ -102,3 +102,10 @@ def test_bad_input_names_the_field(kwargs, field):
   with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")) as e:
     async_rules.staleness_weights(**kwargs)
   assert "\n" not in str(e.value)
+
+
+def test_merged_progress_is_the_weighted_mean_and_exact_at_equal_progress():
+  q = async_rules.staleness_weights([40, 30], inner_steps=H, decay=np.log(2.0))  # [1, 0.5]
+  assert async_rules.merged_progress([40, 30], q) == pytest.approx((40 + 0.5 * 30) / 1.5)
+  assert async_rules.merged_progress([120, 120, 120], np.ones(3, np.float32)) == 120.0
+  assert async_rules.equal(np.ones(3)) and not async_rules.equal(q)

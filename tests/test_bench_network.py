@@ -100,8 +100,41 @@ def _quick(*flags, methods=("noloco", "diloco")):
   return results
 
 
+def test_async_summary_and_validation_loss_over_time():
+  """Two processes of an asynchronous job: process 0 two rounds of 0.4 s, process 1 four of 0.2 s with 0.1 s
+  of waiting in each; evaluations every round (the step-0 one at −inf)."""
+  from experiments.lib import async_runs  # pylint: disable=g-import-not-at-top
+  h = 2
+  traces = [_trace(0.0, 0.0, 0.2, 6, h, start=10.0), _trace(0.0, 0.1, 0.1, 12, h, start=10.0)]
+  rows = [[{"step": 0, "eval/loss": 5.0}, {"step": 2, "eval/loss": 4.0}, {"step": 4, "eval/loss": 3.0},
+           {"step": 6, "train/loss": 1.0, "comm/bytes_sent_per_replica": 100.0, "async/exchanged_rounds": 3}],
+          [{"step": 0, "eval/loss": 5.0}, {"step": 4, "eval/loss": 3.5},
+           {"step": 12, "train/loss": 1.0, "comm/bytes_sent_per_replica": 300.0, "async/exchanged_rounds": 5,
+            "async/skipped_rounds": 1}]]
+  pairings = [[{"status": "exchanged", "exchange_s": 0.01, "waited_s": 0.2}],
+              [{"status": "exchanged", "exchange_s": 0.03, "waited_s": 0.0},
+               {"status": "skipped", "exchange_s": 0.0, "waited_s": 0.1}]]
+  run = {"traces": traces, "rows": rows, "pairings": pairings}
+  out = async_runs.summarise(run, h, tokens_per_step=64)
+  assert out["idle_fraction"] == pytest.approx([0.0, 1 / 3])  # per round: 0.1 s waiting of 0.3 s
+  assert out["tokens_per_s"] == pytest.approx((4 + 10) * 64 / 1.5)  # steps after the first round / longest span
+  assert out["bytes_sent_per_replica"] == 200.0 and out["rounds"] == {"exchanged": 8, "skipped": 1, "failed": 0}
+  assert out["exchange_s_median"] == pytest.approx(0.02)
+  # Per round, from the second round on: in rounds 0 (process 0) and 0.1 s (process 1); waiting: the one
+  # row after each process's first, process 1's skip.
+  assert out["round_breakdown"]["round_s"] == pytest.approx(0.05) and out["round_breakdown"]["waiting_s"] == pytest.approx(0.1)
+  assert async_runs.origin(traces) == pytest.approx(10.2)  # both have finished their first step
+  curves = async_runs.curves(run)
+  assert [v for _, v in curves[0]] == [5.0, 4.0, 3.0] and [t for t, _ in curves[0]] == pytest.approx([-np.inf, 10.4, 10.8])
+  assert async_runs.loss_at(curves, 10.5) == pytest.approx((4.0 + 5.0) / 2)  # process 1's step 4 ends at 10.6
+  assert async_runs.loss_at(curves, 11.2) == pytest.approx((3.0 + 3.5) / 2)
+  assert async_runs.time_of_tokens(traces, 3) == pytest.approx(10.3)  # steps end at 10.1 (p1), 10.2 (p0), 10.3 (p1)
+  assert async_runs.time_of_tokens(traces, 100) is None
+
+
 def test_quick_straggler_its_partner_idles_and_the_model_says_half():
-  results = _quick()
+  results = _quick(methods=("noloco", "diloco", "async"))
+  assert results["runs"][-1]["rounds"]["exchanged"] > 0  # the asynchronous job paired its two processes
   for run in results["runs"]:
     idle = run["idle_fraction"]
     # Process 1 waits ≥ 0.2 s a round for the straggler on top of whatever the exchange costs both;

@@ -203,3 +203,18 @@ def test_barrier_schedule_refuses_bad_arguments(kwargs, message):
     latency.barrier_schedule([[[0, 1]]] * 3, np.ones((3, 2)), **kwargs)
   with pytest.raises(ValueError, match="do not cover"):
     latency.barrier_schedule([[[0]]] * 3, np.ones((3, 2)))
+
+
+def test_async_schedule_on_hand_computed_settings():
+  # Two processes, rounds of one step: process 0 2 s, process 1 1 s. Each round process 1 waits 1 s for its
+  # only partner (the budget is 10 s); process 0 never waits. 4 rounds each, the last ends at 8 s.
+  out = latency.async_schedule(latency.straggler_step_times(2, 4, 1.0, 2.0), 1, window_s=0.0, max_wait_s=10.0)
+  np.testing.assert_allclose(out["idle_fraction"], [0.0, 0.5])
+  assert out["rounds"] == [4, 4] and out["skips"] == [0, 0] and out["steps_per_s"] == pytest.approx(8 / 8.0)
+  # Four processes at one speed: every round (two steps of 1 s) all four are ready at once and pair at once;
+  # an exchange of 0.25 s is all they idle (0.25 of every 2.25 s).
+  out = latency.async_schedule(np.ones((6, 4)), 2, window_s=0.0, max_wait_s=1.0, exchange_s=0.25)
+  np.testing.assert_allclose(out["idle_fraction"], [1 / 9] * 4)
+  # A budget shorter than the straggler's lag: process 1 gives up after 0.5 s and trains on alone.
+  out = latency.async_schedule(latency.straggler_step_times(2, 4, 1.0, 2.0), 1, window_s=0.0, max_wait_s=0.5)
+  assert out["skips"][1] > 0

@@ -64,11 +64,27 @@ def test_a_process_killed_by_a_signal_is_named_and_exits_128_plus_n(tmp_path):
 
 def test_the_exit_status_is_the_process_that_failed_first(tmp_path):
   """A real job: process 1 SIGKILLed, process 0 then exits 1 because its peer died. The launcher exited 1 (the
-  first non-zero status in process order), hiding the SIGKILL (e.g. the OOM killer) that started it."""
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+  first non-zero status in process order), hiding the SIGKILL (e.g. the OOM killer) that started it. Process 1
+  kills itself only once process 0 handles SIGTERM (LAUNCH_EXIT_CHILD_DIR): at load 10 the launcher's SIGTERM
+  once reached process 0 still starting Python, which died of it ('process 0 was killed by signal 15')."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
+         "LAUNCH_EXIT_CHILD_DIR": str(tmp_path)}
   proc = subprocess.run([sys.executable, "-m", "noloco_jax.runtime.launch_local", "--num_processes=2",
                          "--module=launch_exit_child", "--grace_s=0", "--", "after:1", "kill"], env=env, cwd=REPO,
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 137, proc.stdout + proc.stderr
   assert ("launch_local: exit statuses [1, 137]: process 1 failed first; process 1 was killed by signal 9 (SIGKILL)"
           in proc.stdout), proc.stdout
+
+
+def test_keep_going_lets_the_others_run_after_a_failure(tmp_path):
+  """--keep_going (the asynchronous schedule's processes train on without a failed one): process 1 is
+  SIGKILLed, process 0 outlives it by 2 s after the launcher has reaped it and exits 0 on its own; without
+  --keep_going the launcher would stop it (SIGTERM, status 143). The exit status is still the failure's."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
+         "LAUNCH_EXIT_CHILD_DIR": str(tmp_path)}
+  proc = subprocess.run([sys.executable, "-m", "noloco_jax.runtime.launch_local", "--num_processes=2",
+                         "--module=launch_exit_child", "--grace_s=0", "--keep_going", "--", "outlive", "kill"],
+                        env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 137, proc.stdout + proc.stderr
+  assert proc.stdout.splitlines()[-1] == "launch_local: exit statuses [0, 137]: process 1 was killed by signal 9 (SIGKILL)", proc.stdout

@@ -111,6 +111,11 @@ def test_comm_figures_are_on_the_wire_and_the_operands(tmp_path):
       "topk_density": 0.03, "topk_bits": 2, "slow_codec": "int8", "pairing": "fresh", "overlap_steps": 0}),
     ({"kind": "epidemic_adam", "pairing": "round_robin"}, "pairing round_robin, messages float32",
      {"message_dtype": "float32", "pairing": "round_robin"}),
+    ({"schedule": "async", "max_wait_s": 2.0, "overlap_steps": 1},
+     "schedule async (partners at run time: max_wait_s=2, match_window_s=0.05, staleness_decay=0.693, match_odd=triple), "
+     "messages float32, overlap τ=1, λ=0.5",
+     {"message_dtype": "float32", "compression": "none", "schedule": "async", "max_wait_s": 2.0, "match_window_s": 0.05,
+      "staleness_decay": 0.693, "match_odd": "triple", "overlap_steps": 1, "overlap_mix": 0.5}),
     ({"kind": "diloco", "allreduce_algorithm": "tree"}, "all-reduce priced as tree", {"allreduce_algorithm": "tree"}),
     ({"kind": "none"}, "outer none: no outer step", {}),
 ])

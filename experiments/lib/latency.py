@@ -26,6 +26,9 @@ Sections, in order:
   8. Barriers on one concrete setting (a straggler or seeded per-step delays, the run's own
      groupings, a shared-bucket link): experiments/lib/barrier_sim.py, re-exported here; the model column
      of experiments/bench_network.py.
+  9. The asynchronous schedule on one setting (`async_schedule`): no barrier at all; the pairing law of
+     noloco_jax/asynchronous/law.py decides who meets whom and when; the model column of
+     bench_network.py's async runs.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from experiments.lib.alpha_beta import (  # noqa: F401
     tree_allreduce_alpha_beta)
 from experiments.lib.barrier_sim import (  # noqa: F401
     barrier_schedule, link_bytes, lognormal_step_times, per_barrier, straggler_step_times)
+from noloco_jax.asynchronous import law
 
 # ----------------------------------------------------------------------------------------------------
 # 2. Log-normal message times
@@ -368,3 +372,30 @@ def summary(ns: Sequence[int] = tuple(2 ** k for k in range(1, 13)), key_n: int 
       params_large=out["params"]["large"],
   )
   return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# 9. The asynchronous schedule on one setting
+# ----------------------------------------------------------------------------------------------------
+
+
+def async_schedule(step_times: np.ndarray, inner_steps: int, *, window_s: float, max_wait_s: float,
+                   exchange_s: float = 0.0, until_s: float | None = None, seed: int = 0, odd: str = "triple") -> dict:
+  """The asynchronous schedule (docs/async.md) on per-process compute times, as `barrier_schedule` for the others.
+
+  step_times [steps, P]: seconds of compute of each process's every step (straggler_step_times, or the
+  log-normal draws a run slept); rounds of `inner_steps` steps. Nobody waits for anyone but its partner:
+  law.simulate plays the pairing law (batches of ready processes, window_s, max_wait_s, groups drawn from
+  (seed, batch)) and each exchange costs `exchange_s`. With `until_s` no process starts a round after it
+  (so processes of different speeds cover the same wall time). Returns per process the idle fraction
+  (everything but compute: waiting for a partner, exchanging, waiting out a skip), rounds, exchanges
+  and skips, compute and end times, and steps/s of the job (Σ steps / the latest end).
+  """
+  durations = per_barrier(np.asarray(step_times, np.float64), inner_steps).T  # [P, rounds]
+  sim = law.simulate(durations, window_s=window_s, max_wait_s=max_wait_s, exchange_s=exchange_s, seed=seed,
+                     until_s=until_s, odd=odd)
+  end = np.maximum(sim.end_s, 1e-12)
+  return {"idle_fraction": [float(x) for x in (end - sim.busy_s) / end], "rounds": sim.rounds.tolist(),
+          "exchanges": sim.exchanges.tolist(), "skips": sim.skips.tolist(), "busy_s": sim.busy_s.tolist(),
+          "end_s": sim.end_s.tolist(), "steps_per_s": float(sim.rounds.sum() * inner_steps / end.max()),
+          "wall_s_per_round": float(np.median(end / np.maximum(sim.rounds, 1)))}

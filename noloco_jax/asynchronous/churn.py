@@ -27,12 +27,15 @@ keep Adam's bias correction right). `grow_from_peer` is that rule as a pure func
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from noloco_jax.asynchronous import transport as transport_lib
 from noloco_jax.asynchronous.control import KV
@@ -47,6 +50,14 @@ def grow_from_peer(peer_phi, peer_inner_state, delta_like):
   phi = jax.tree.map(jnp.array, peer_phi)
   delta = jax.tree.map(jnp.zeros_like, delta_like)
   return theta, phi, delta, peer_inner_state
+
+
+def digest(leaves) -> str:
+  """A short SHA-256 of arrays' bytes (what a donor served, what a joiner received: logged on both sides)."""
+  h = hashlib.sha256()
+  for x in leaves:
+    h.update(np.ascontiguousarray(np.asarray(x)).tobytes())
+  return h.hexdigest()[:16]
 
 
 def donor_order(live_slots, me: int, seed: int, incarnation: int) -> list[int]:
@@ -77,7 +88,8 @@ class Donor:
       self.kv.set(f"joinok/{joiner}/{tag}", json.dumps({"donor": self.slot, "incarnation": self.transport.incarnation,
                                                         "progress": int(progress),
                                                         "signature": transport_lib.signature(leaves)}))
-      self.served.append({"time": time.time(), "joiner": joiner, "incarnation": request["incarnation"], "tag": tag})
+      self.served.append({"time": time.time(), "joiner": joiner, "incarnation": request["incarnation"], "tag": tag,
+                          "digest": digest(leaves)})
     return len(fresh)
 
 
@@ -127,9 +139,13 @@ class EventLog:
     os.makedirs(directory, exist_ok=True)
     self.path = os.path.join(directory, f"membership_{slot}.jsonl")
     self._file = open(self.path, "a", buffering=1)
+    self._lock = threading.Lock()  # written by the heartbeat's thread and the round's
 
   def __call__(self, record: dict) -> None:
-    self._file.write(json.dumps(record) + "\n")
+    with self._lock:
+      if not self._file.closed:
+        self._file.write(json.dumps(record) + "\n")
 
   def close(self) -> None:
-    self._file.close()
+    with self._lock:
+      self._file.close()

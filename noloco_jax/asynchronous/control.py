@@ -4,9 +4,10 @@ Why this module exists: everything the asynchronous schedule needs to agree on (
 ready, who pairs with whom, where each transfer server listens) is a few hundred bytes, and JAX
 already runs a service that every process of a `jax.distributed` job talks to: the coordination
 service, whose key-value store is reachable from every process and linearised by the one process
-that serves it. Its client is private (`jax._src.distributed.global_state.client`); this module is
-the ONLY place that touches it (and the only place that starts the service by hand, see `serve`), so
-that a move of the private API is a one-file fix.
+that serves it. Its client is private (`jax._src.distributed.global_state.client`, or one made by
+`jax._src.lib._jax.get_distributed_runtime_client`); this module is the ONLY place that touches it
+(and the only place that starts the service by hand, see `serve`), so that a move of the private API
+is a one-file fix.
 
 What the store offers (measured with jax 0.10.2, docs/async.md):
 
@@ -18,20 +19,29 @@ What the store offers (measured with jax 0.10.2, docs/async.md):
 `MemoryKV` implements the same interface in one process (a dict and a lock): the matchmaker and the
 liveness tracker run unchanged on it in deterministic simulations and thread-level tests.
 
-Recoverability. Without `jax_enable_recoverability` the service tells every process to terminate
-when one dies ("shared fate"); with it the others keep running. It must be set before
-`jax.distributed.initialize`, which `initialize` here does.
+Two ways to join the service (both JAX's own client and service classes):
 
-Process 0. The service runs inside process 0 by default; when process 0 exits, every other process
-aborts (status 134), recoverability or not. `serve` runs the same service (JAX's own class) in a
-small process of its own: `python -m noloco_jax.asynchronous.control --port=PORT --num_processes=P`.
-The training processes then connect to it (`initialize(..., standalone_service=True)`), process 0
-binding its own, unused, in-process service to a spare port; process 0 can then die like any other.
+- `connect` (the trainer's asynchronous schedule, experiments/async_demo.py): the control plane only.
+  The client is not handed to JAX's backends, so the process's JAX sees only its own devices
+  (jax.process_count() == 1) and no program, collective or barrier can involve another process. The
+  service is started recoverable: when a client dies the others keep running (without it, the
+  service tells every process to terminate: "shared fate").
+- `initialize`: `jax.distributed.initialize` with `jax_enable_recoverability` set first (it must be
+  set before), for benchmarks that also run programs over several processes' devices
+  (experiments/bench_async_transport.py compares such a program with the transfer server).
+
+Process 0. The service runs inside process 0 (slot 0) by default; when that process exits, every other
+process aborts (status 134), recoverability or not: a limit of JAX's runtime. `serve` runs the same
+service in a small process of its own: `python -m noloco_jax.asynchronous.control --port=PORT
+--num_processes=P`. The training processes then connect to it (`standalone_service=True`); process 0
+can then die like any other. A spare slot for a process that joins later is reserved at start-up with
+`--reserve_slot=ID` (the service cannot start with a client missing, nor grow).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -148,13 +158,16 @@ def live_nodes(process_ids) -> dict[int, int]:
   return {int(k): int(v) for k, v in global_state.client.get_live_nodes(list(process_ids)).items()}
 
 
-def incarnation() -> int:
+def incarnation(client=None, slot: int | None = None) -> int:
   """This process's incarnation id as the coordination service knows it (new on every (re)start).
 
-  `live_nodes` over this process alone returns at once (over several processes it is a barrier).
+  `get_live_nodes` over this process alone returns at once (over several processes it is a barrier).
+  Without arguments: the client and process id of `jax.distributed` (`initialize`).
   """
-  me = jax.process_index()
-  return live_nodes([me])[me]
+  if client is None:
+    me = jax.process_index()
+    return live_nodes([me])[me]
+  return int(client.get_live_nodes([slot])[slot])
 
 
 # ---- In one process (simulations, thread-level tests) ----
@@ -250,6 +263,49 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
   return JaxKV()
 
 
+@dataclasses.dataclass
+class Connection:
+  """This process's place in the control plane (`connect`): its slot, its store, the service it may host."""
+  kv: JaxKV
+  slot: int
+  num_slots: int
+  incarnation: int
+  client: object  # JAX's DistributedRuntimeClient (kept alive: its heartbeats are our membership in the service)
+  service: object | None  # the coordination service, when this process hosts it (slot 0, not standalone)
+
+  @property
+  def hosts_service(self) -> bool:
+    return self.service is not None
+
+
+def connect(coordinator_address: str, num_slots: int, slot: int, *, heartbeat_timeout_s: int = 30,
+            initialization_timeout_s: int = 300, standalone_service: bool = False) -> Connection:
+  """Joins the control plane of an asynchronous job WITHOUT making JAX's compute runtime multi-process.
+
+  The same service and client as `jax.distributed.initialize` (JAX's own classes, the service
+  recoverable), but the client is not handed to JAX's backends: this process's JAX sees only its own
+  devices (jax.process_count() == 1). So no program, collective or barrier of the trainer (an
+  evaluation, orbax's saves, the start-up checks) can ever involve another process: the schedule's
+  only links between processes are the store and the transfer servers (docs/async.md §1). Slot 0
+  starts the service in-process unless it runs in a process of its own (`standalone_service`, `main`).
+
+  Like `jax.distributed`, the service takes `num_slots` clients and waits at start-up until all have
+  connected (`initialization_timeout_s`); a client that restarts reconnects with its slot and gets a
+  new incarnation (measured: accepted before or after the service noticed the old one's death).
+  """
+  from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top  (private: here only)
+  if not 0 <= slot < num_slots:
+    raise ValueError(f"process id {slot} is not valid: an integer in [0, {num_slots - 1}] (num_processes={num_slots}).")
+  service = None
+  if slot == 0 and not standalone_service:
+    port = int(coordinator_address.rsplit(":", 1)[1])
+    service = serve(port, num_slots, heartbeat_timeout_s=heartbeat_timeout_s)
+  client = _jax.get_distributed_runtime_client(coordinator_address, slot, init_timeout=initialization_timeout_s,
+                                               heartbeat_timeout=heartbeat_timeout_s, use_compression=True)
+  client.connect()
+  return Connection(JaxKV(client), slot, num_slots, incarnation(client, slot), client, service)
+
+
 def serve(port: int, num_processes: int, *, heartbeat_timeout_s: int = 30, shutdown_timeout_s: int = 30,
           bind_host: str = "[::]"):
   """Starts JAX's coordination service (recoverable) in this process; returns its handle (keep it alive)."""
@@ -263,15 +319,16 @@ def reserve_slot(coordinator_address: str, num_processes: int, process_id: int, 
                  standalone_service: bool = False) -> None:
   """Takes part in the job's start-up as `process_id`, then leaves: a spare slot for a process that joins later.
 
-  jax.distributed cannot start with fewer processes than `num_processes` (every process registers
+  The coordination service cannot start with fewer clients than `num_processes` (every client registers
   at start-up; measured: with one missing, the others abort after initialization_timeout_s), and
   cannot grow past it. So a job meant to grow starts its spare slots with this; a process that
-  joins later initialises with the same id (its new incarnation is accepted, recoverability on).
+  joins later connects with the same id (its new incarnation is accepted, recoverability on).
   """
-  initialize(coordinator_address, num_processes, process_id, heartbeat_timeout_s=heartbeat_timeout_s,
-             standalone_service=standalone_service)
-  jax.devices()  # the start-up exchange of device topologies needs every process's backend
-  JaxKV().set(f"live/{process_id}", f"{incarnation()}:left")  # liveness.py's "left": never a member
+  connection = connect(coordinator_address, num_processes, process_id, heartbeat_timeout_s=heartbeat_timeout_s,
+                       standalone_service=standalone_service)
+  # liveness.py's "left": never a member; and, as an earlier incarnation of the slot, it makes the process
+  # that takes the slot later join from a live peer (asynchronous/job.py).
+  connection.kv.set(f"live/{process_id}", f"{connection.incarnation}:left")
   logging.info("Slot %d reserved for a process that joins later.", process_id)
 
 

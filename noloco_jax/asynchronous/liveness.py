@@ -67,14 +67,14 @@ class LeaseTable:
         if seen is not None and seen.state == "alive":
           # Restarted before its old lease ran out: the old incarnation died without leaving.
           events.append(_event(slot, seen.incarnation, "lost"))
-        state = LEFT if tail == LEFT else "alive"
+        state = LEFT if is_left(tail) else "alive"
         self._seen[slot] = _Seen(inc, value, now, state)
         if state == "alive":
           events.append(_event(slot, inc, "joined"))
         continue
       if value != seen.value:
         seen.value, seen.changed_at = value, now
-        if tail == LEFT:
+        if is_left(tail):
           if seen.state != LEFT:
             seen.state = LEFT
             events.append(_event(slot, inc, "left"))
@@ -92,6 +92,12 @@ class LeaseTable:
     return {s: v.incarnation for s, v in self._seen.items() if v.state == "alive" or s == self.me}
 
 
+def is_left(tail: str) -> bool:
+  """Whether a lease value's part after the incarnation says "left" ("left", or "left:<counter>" from a
+  process that left the schedule but keeps beating until it exits: Liveness.leave(keep_beating=True))."""
+  return tail == LEFT or tail.startswith(LEFT + ":")
+
+
 def _event(slot: int, incarnation: int, kind: str) -> dict:
   return {"time": time.time(), "slot": slot, "incarnation": incarnation, "event": kind}
 
@@ -100,7 +106,11 @@ class Liveness:
   """This process's heartbeat (a daemon thread) and its view of the others (`poll`)."""
 
   def __init__(self, kv: KV, slot: int, incarnation: int, *, beat_s: float = 0.5, lease_s: float = 10.0,
-               on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic):
+               on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic,
+               observe: bool = False):
+    """`observe`: the heartbeat thread also reads every lease after each beat (`poll`), so that membership
+    events are seen from the start, also while the process is busy starting up (a restart of a peer
+    that happens then is still seen as that peer's loss and return)."""
     if not 0 < beat_s < lease_s:
       raise ValueError(f"beat_s={beat_s} is not valid with lease_s={lease_s}: need 0 < beat_s < lease_s "
                        "(a few beats per lease, so one late beat does not lose the lease).")
@@ -108,16 +118,31 @@ class Liveness:
     self.beat_s, self.lease_s, self._clock = beat_s, lease_s, clock
     self.table = LeaseTable(slot, lease_s)
     self.events: list[dict] = []
-    self._on_event = on_event
+    self.on_event = on_event  # may be set later (the session's membership log)
     self._counter = 0
+    self._left = False  # left the schedule, still beating (leave(keep_beating=True))
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._lock = threading.Lock()
+    self._observe = observe
+
+  def attach(self, on_event: Callable[[dict], None]) -> None:
+    """From now on every event goes to `on_event`, the ones seen so far first (none is lost in between)."""
+    with self._lock:
+      for e in self.events:
+        on_event(e)
+      self.on_event = on_event
+
+  def detach(self) -> None:
+    """No more events to `on_event` (its log is closing); the lease goes on."""
+    with self._lock:
+      self.on_event = None
 
   def beat(self) -> None:
     """Renews this process's lease once."""
     self._counter += 1
-    self.kv.set(f"{PREFIX}{self.slot}", f"{self.incarnation}:{self._counter}")
+    tail = f"{LEFT}:{self._counter}" if self._left else str(self._counter)
+    self.kv.set(f"{PREFIX}{self.slot}", f"{self.incarnation}:{tail}")
 
   def start(self) -> "Liveness":
     self.beat()
@@ -129,12 +154,23 @@ class Liveness:
     while not self._stop.wait(self.beat_s):
       try:
         self.beat()
+        if self._observe:
+          self.poll()
       except Exception as e:  # pylint: disable=broad-except  (the service is gone: nothing left to renew)
         logging.warning("Heartbeat of slot %d stopped: %s", self.slot, str(e).splitlines()[0])
         return
 
-  def leave(self) -> None:
-    """This process stops normally: the others see it gone at their next poll, not after a lease."""
+  def leave(self, keep_beating: bool = False) -> None:
+    """This process stops normally: the others see it gone at their next poll, not after a lease.
+
+    `keep_beating`: it leaves the schedule (never grouped again) but goes on beating as "left:<counter>"
+    until it exits, so that an observer can still tell a process finishing its run (saving, logging)
+    from a dead one (the process hosting the service waits for the first, not the second: job.py).
+    """
+    if keep_beating:
+      self._left = True
+      self.beat()
+      return
     self._stop.set()
     if self._thread is not None:
       self._thread.join(timeout=5 * self.beat_s)
@@ -154,7 +190,7 @@ class Liveness:
     for key, value in after.items():
       slot = int(key[len(PREFIX):])
       inc, _, tail = value.partition(":")
-      if slot != self.slot and tail != LEFT and before.get(key) != value:
+      if slot != self.slot and not is_left(tail) and before.get(key) != value:
         moved[slot] = int(inc)
     self.poll()
     return moved
@@ -168,6 +204,6 @@ class Liveness:
       for e in events:
         self.events.append(e)
         logging.info("Membership: slot %d (incarnation %d) %s.", e["slot"], e["incarnation"], e["event"])
-        if self._on_event is not None:
-          self._on_event(e)
+        if self.on_event is not None:
+          self.on_event(e)
       return self.table.alive()

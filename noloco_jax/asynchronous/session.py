@@ -25,6 +25,8 @@ import logging
 import os
 import time
 
+import jax
+
 from noloco_jax.asynchronous import churn, control, law, liveness, matchmaking
 from noloco_jax.asynchronous import transport as transport_lib
 
@@ -75,13 +77,19 @@ class RoundResult:
 
 class Session:
 
-  def __init__(self, kv: control.KV, slot: int, incarnation: int, options: Options, *, log_dir: str | None = None):
+  def __init__(self, kv: control.KV, slot: int, incarnation: int, options: Options, *, log_dir: str | None = None,
+               heartbeat: liveness.Liveness | None = None):
+    """`heartbeat`: this process's lease, already beating (started at connect time, so that a process still
+    starting up is not taken for dead: asynchronous/job.py); else one is started here."""
     options.check()
     self.kv, self.slot, self.incarnation, self.options = kv, slot, incarnation, options
     self._events = churn.EventLog(log_dir, slot) if log_dir else None
     self._pairings = open(os.path.join(log_dir, f"pairings_{slot}.jsonl"), "a", buffering=1) if log_dir else None
-    self.liveness = liveness.Liveness(kv, slot, incarnation, beat_s=options.beat_s, lease_s=options.lease_s,
-                                      on_event=self._events).start()
+    if heartbeat is None:
+      heartbeat = liveness.Liveness(kv, slot, incarnation, beat_s=options.beat_s, lease_s=options.lease_s).start()
+    if self._events is not None:
+      heartbeat.attach(self._events)  # what it has seen since it started, then every new event
+    self.liveness = heartbeat
     self.matchmaker = matchmaking.Matchmaker(
         kv, slot, incarnation, seed=options.seed, window_s=options.window_s, max_wait_s=options.max_wait_s,
         live=self.liveness.poll, odd=options.odd, close_grace_s=options.close_grace_s)
@@ -94,6 +102,13 @@ class Session:
     """For this process of a running jax.distributed job (control.initialize first)."""
     import jax  # pylint: disable=g-import-not-at-top
     return cls(control.JaxKV(), jax.process_index(), control.incarnation(), options, log_dir=log_dir)
+
+  @classmethod
+  def from_connection(cls, connection, options: Options, *, log_dir: str | None = None) -> "Session":
+    """For a process of the trainer's asynchronous schedule (asynchronous/job.Process: its store, slot,
+    incarnation and the heartbeat it started when it connected)."""
+    return cls(connection.kv, connection.slot, connection.incarnation, options, log_dir=log_dir,
+               heartbeat=connection.heartbeat)
 
   def round(self, message, progress: int) -> RoundResult:
     """Finds this round's group and exchanges `message` (a pytree of arrays) with it; see the module docstring."""
@@ -139,7 +154,7 @@ class Session:
                                         seed=self.options.seed, timeout_s=self.options.join_timeout_s)
     if self._events is not None:
       self._events({"time": time.time(), "slot": self.slot, "incarnation": self.incarnation, "event": "joined_from",
-                    "donor": donor, "donor_progress": progress})
+                    "donor": donor, "donor_progress": progress, "digest": churn.digest(jax.tree.leaves(state))})
     return state, donor, progress
 
   def others_alive(self) -> list[int]:
@@ -150,10 +165,12 @@ class Session:
             "transport": self.transport.stats.as_dict(), "failed_exchanges": self.failed,
             "membership": list(self.liveness.events)}
 
-  def close(self, linger_s: float = 0.0) -> None:
+  def close(self, linger_s: float = 0.0, keep_beating: bool = False) -> None:
     """Leaves (the others see it at once). `linger_s`: first wait up to this long for the others to be gone
-    (what the process hosting the coordination service must do, or its exit ends them)."""
-    self.liveness.leave()
+    (what the process hosting the coordination service must do, or its exit ends them). `keep_beating`: the
+    heartbeat goes on ("left", liveness.Liveness.leave) until the process exits (asynchronous/job.py)."""
+    self.liveness.leave(keep_beating=keep_beating)
+    self.liveness.detach()  # it may go on beating (and observing): not into the log closed below
     end = time.monotonic() + linger_s
     while linger_s > 0 and time.monotonic() < end and self.others_alive():
       time.sleep(min(self.options.beat_s, 0.5))

@@ -36,7 +36,9 @@ def check_across_sections(config: Config) -> None:
   if c.outer.overlap_steps and c.nan_policy == "skip_round":
     fail("outer.overlap_steps", c.outer.overlap_steps,
          "0 with nan_policy='skip_round' (a round undone at its end cannot take back an exchange in flight)")
-  if c.outer.kind in GROUPED_KINDS and c.num_replicas % c.outer.group_size:
+  if c.outer.schedule == "async":
+    _check_async(c)
+  if c.outer.kind in GROUPED_KINDS and c.num_replicas % c.outer.group_size and c.outer.schedule != "async":
     fail("outer.group_size", c.outer.group_size,
          f"a divisor of num_replicas={c.num_replicas} (the replicas are cut into equal groups)")
   if c.outer.kind == "epidemic" and c.outer.fanout >= c.num_replicas:
@@ -48,3 +50,17 @@ def check_across_sections(config: Config) -> None:
       valid = [f for f in range(1, n) if min(f, n - 1 - f) <= ORACLE_MAX_DEGREE]
       fail("outer.fanout", s, f"one of {valid} with outer.topology='oracle' and num_replicas={n} (the exact "
            f"s-regular draw needs min(s, N − 1 − s) ≤ {ORACLE_MAX_DEGREE}), or outer.topology='local'")
+
+
+def _check_async(c: Config) -> None:
+  """What the asynchronous schedule (docs/async.md) does not combine with. (Its layout, one replica per
+  process, is checked at start-up against the job's process count: asynchronous/job.check_layout.)"""
+  unsupported = lambda what: f"{what} with outer.schedule='async' (not supported by the asynchronous schedule)"
+  if c.num_stages != 1:
+    fail("num_stages", c.num_stages, unsupported("1"))
+  if c.nan_policy != "error":
+    fail("nan_policy", c.nan_policy, unsupported("'error'") + ": a round cannot be undone once a partner has "
+         "merged its message")
+  if c.checkpoint.elastic:
+    fail("checkpoint.elastic", c.checkpoint.elastic, "'' with outer.schedule='async' (a process that restarts "
+         "while the job runs takes its weights from a live peer by itself)")

@@ -34,6 +34,11 @@ KINDS: list[str] = ["noloco", "diloco", "gossip", "epidemic", "epidemic_adam", "
 MESSAGE_DTYPES = ("float32", "bfloat16")
 STATE_DTYPES = ("", "float32", "bfloat16")
 PAIRINGS = ("fresh", "round_robin", "fixed")
+# How rounds are scheduled (noloco_jax/training/rounds/): every replica in lock-step, or each process at
+# its own pace, paired at run time with whoever is ready (docs/async.md).
+SCHEDULES = ("lockstep", "async")
+ASYNC_KINDS = ("noloco", "gossip")  # the kinds the asynchronous schedule runs
+MATCH_ODD = ("triple", "leave_out")  # an odd batch of ready processes (noloco_jax/asynchronous/law.py)
 GROUP_KINDS = ("noloco", "gossip")  # the NoLoCo-update kinds: compressed messages exist for these
 # The kinds that average within random groups of group_size (outer/pairing.py draws the groups).
 GROUPED_KINDS: list[str] = [*GROUP_KINDS, "epidemic_adam"]
@@ -155,10 +160,37 @@ class OuterConfig(Section):
   allreduce_algorithm: str = "ring"
   # Streaming overlap (noloco, gossip, any compression; docs/method.md §13): τ inner steps run
   # while a round's exchange is in flight; its group mean is merged after step tH + τ. 0 = wait for it.
+  # With outer.schedule='async': up to τ inner steps run while the round finds its partner and exchanges;
+  # it is merged after the first step by which it is done (docs/async.md §3).
   overlap_steps: int = 0  # τ, in [0, inner_steps)
   # λ of the delayed merge θ ← λ·θ_local + (1 − λ)·φ_new (Streaming DiLoCo's mixing factor; 0.5 there):
   # the share of the τ in-flight steps' progress a replica keeps. 0 discards it; 1 never pulls θ to φ.
   overlap_mix: float = 0.5
+  # The round schedule (docs/async.md): "lockstep" = every replica runs round r together (a compiled
+  # program over the mesh); "async" = one replica per process, each process trains at its own pace and,
+  # after its H inner steps, is paired at run time with another process that is ready (noloco, gossip).
+  schedule: str = "lockstep"
+  # async: seconds a ready process may wait for a partner; none by then: the exchange is skipped
+  # (counted: async/skipped_rounds), the replica trains on.
+  max_wait_s: float = 5.0
+  # async: a batch of ready processes stays open this long for more to arrive before it is grouped
+  # (noloco_jax/asynchronous/law.py); 0 pairs the first two that are ready.
+  match_window_s: float = 0.05
+  # async: λ of the staleness-weighted update (outer/async_rules.py): a member's message counts
+  # exp(−λ · lag) with lag its progress behind the group's front-runner, in rounds. 0 = no discount;
+  # ln 2 ≈ 0.693 halves a message per round behind.
+  staleness_decay: float = 0.693
+  # async: an exchange that has not completed after this many seconds fails (counted: async/failed_rounds)
+  # and the state stays as it was: the partner died, stalled or gave up.
+  exchange_timeout_s: float = 30.0
+  # async: a process whose heartbeat (every lease_s / 10 s) has not moved for this long is held dead:
+  # never paired again, logged as lost.
+  lease_s: float = 10.0
+  # async: an odd batch of ready processes: "triple" (one group of three) or "leave_out" (one waits on).
+  match_odd: str = "triple"
+  # async: how long a (re)started process waits for the live peer it asked for its state (the peer
+  # serves it at its next round boundary) before it asks another.
+  join_timeout_s: float = 300.0
 
   def __post_init__(self):
     # Unset per-kind fields take the kind's paper value (module docstring); which ones did is kept
@@ -230,6 +262,7 @@ class OuterConfig(Section):
       fail("outer.topology", self.topology, f"'oracle' (the default) with outer.kind={self.kind!r} (a topology "
            "is Epidemic Learning's: outer.kind='epidemic')")
     self._check_overlap()
+    self._check_schedule()
     if self.kind == "noloco":
       if not self.consensus_weight > 0:
         fail("outer.consensus_weight", self.consensus_weight, "a number > 0")
@@ -245,3 +278,34 @@ class OuterConfig(Section):
     if self.overlap_steps and self.kind not in GROUP_KINDS:
       fail("outer.overlap_steps", self.overlap_steps,
            f"0 with outer.kind={self.kind!r} (the overlapped exchange exists for noloco and gossip)")
+
+  def _check_schedule(self) -> None:
+    one_of("outer.schedule", self.schedule, SCHEDULES)
+    if self.schedule != "async":
+      return
+    with_async = lambda what: f"{what} with outer.schedule='async'"
+    if self.kind not in ASYNC_KINDS:
+      fail("outer.schedule", self.schedule, f"'lockstep' with outer.kind={self.kind!r} (the asynchronous schedule "
+           f"runs {' and '.join(ASYNC_KINDS)}: pairs found at run time, no all-reduce)")
+    if self.group_size != 2:
+      fail("outer.group_size", self.group_size, with_async("2") + " (ready processes are paired; an odd one "
+           "out joins a pair, outer.match_odd)")
+    if self.pairing != "fresh":
+      fail("outer.pairing", self.pairing, with_async("'fresh'") + " (the partners are found at run time among "
+           "the processes that are ready)")
+    for name, value, default in (("compression", self.compression, "none"), ("offload", self.offload, False)):
+      if value != default:
+        fail(f"outer.{name}", value, with_async(repr(default)) + " (not supported by the asynchronous schedule)")
+    if not self.max_wait_s > 0:
+      fail("outer.max_wait_s", self.max_wait_s, "a number of seconds > 0")
+    if not self.match_window_s >= 0:
+      fail("outer.match_window_s", self.match_window_s, "a number of seconds ≥ 0")
+    if not self.staleness_decay >= 0:
+      fail("outer.staleness_decay", self.staleness_decay, "a number ≥ 0 (0 turns the staleness discount off)")
+    if not self.exchange_timeout_s > 0:
+      fail("outer.exchange_timeout_s", self.exchange_timeout_s, "a number of seconds > 0")
+    if not self.lease_s >= 1:
+      fail("outer.lease_s", self.lease_s, "a number of seconds ≥ 1 (several heartbeats per lease)")
+    one_of("outer.match_odd", self.match_odd, MATCH_ODD)
+    if not self.join_timeout_s > 0:
+      fail("outer.join_timeout_s", self.join_timeout_s, "a number of seconds > 0")

@@ -292,6 +292,12 @@ def _none() -> OuterMethod:
       make_round=None, bytes_per_round=lambda params: 0, bytes_per_step=lambda params: 0)
 
 
+def _inflight_buffer(o: OuterConfig) -> bool:
+  """Whether the state holds streaming overlap's in-flight mean: lock-step overlap only (the asynchronous
+  schedule merges a round in flight from the round driver, training/rounds/asynchronous.py)."""
+  return o.overlap_steps > 0 and o.schedule == "lockstep"
+
+
 def make_codec(o: OuterConfig):
   """How `outer` sends NoLoCo / gossip messages: a cast to message_dtype, or `outer.compression`'s codec."""
   if o.compression == "none":
@@ -307,9 +313,9 @@ def make_codec(o: OuterConfig):
 Factory = Callable[[OuterConfig, "optax.GradientTransformation | None"], OuterMethod]
 _REGISTRY: dict[str, Factory] = {
     "noloco": lambda o, opt: _noloco(o.outer_momentum, o.outer_lr, o.consensus_weight, o.group_size, make_codec(o),
-                                     "noloco", overlap=o.overlap_steps > 0),
+                                     "noloco", overlap=_inflight_buffer(o)),
     # The momentum ablation: pure pairwise averaging of the fast weights, φ ← mean_G θ.
-    "gossip": lambda o, opt: _noloco(0.0, 1.0, 1.0, o.group_size, make_codec(o), "gossip", overlap=o.overlap_steps > 0),
+    "gossip": lambda o, opt: _noloco(0.0, 1.0, 1.0, o.group_size, make_codec(o), "gossip", overlap=_inflight_buffer(o)),
     "epidemic": lambda o, opt: _epidemic(o.fanout, MESSAGE_DTYPES[o.message_dtype], regular=o.topology == "oracle"),
     "epidemic_adam": lambda o, opt: _epidemic_adam(o.group_size, MESSAGE_DTYPES[o.message_dtype], opt),
     "diloco": lambda o, opt: _diloco(o.outer_lr, o.outer_momentum, o.nesterov),

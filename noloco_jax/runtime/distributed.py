@@ -52,6 +52,7 @@ ENV = {
     "heartbeat_timeout_s": "NOLOCO_HEARTBEAT_TIMEOUT_S",
     "initialization_timeout_s": "NOLOCO_INITIALIZATION_TIMEOUT_S",
     "shutdown_timeout_s": "NOLOCO_SHUTDOWN_TIMEOUT_S",
+    "standalone_service": "NOLOCO_STANDALONE_SERVICE",
 }
 MODES = ("auto", "on", "off")
 PEER_WATCH_GRACE_S = 5.0  # after a failed collective, how long the peer watch may take to name a dead peer
@@ -72,6 +73,9 @@ class Options:
   heartbeat_timeout_s: int = 60
   initialization_timeout_s: int = 300  # how long processes wait for each other at start-up
   shutdown_timeout_s: int = 120  # how long a finished process waits for the others at exit
+  # The asynchronous schedule (docs/async.md): the coordination service runs in a process of its own
+  # (python -m noloco_jax.asynchronous.control --port=PORT) at coordinator_address, not in process 0.
+  standalone_service: int = 0
 
 
 def define_flags() -> None:
@@ -87,6 +91,10 @@ def define_flags() -> None:
                        f"({ENV['initialization_timeout_s']}; default {Options.initialization_timeout_s}).")
   flags.DEFINE_integer("shutdown_timeout_s", None, f"Seconds a finished process waits for the others "
                        f"({ENV['shutdown_timeout_s']}; default {Options.shutdown_timeout_s}).")
+  flags.DEFINE_integer("standalone_service", None, "outer.schedule='async': 1 = the coordination service runs in "
+                       "a process of its own at --coordinator_address (python -m noloco_jax.asynchronous.control "
+                       f"--port=PORT --num_processes=P), so that process 0 may die like any other "
+                       f"({ENV['standalone_service']}; default 0).")
 
 
 def resolve_options(environ=None, **given) -> Options:
@@ -116,6 +124,25 @@ def options_from_flags(flag_values) -> Options:
                               for f in dataclasses.fields(Options)})
   except ValueError as e:
     cli.exit_usage(str(e))
+
+
+def process_coordinates(options: Options) -> tuple[str, int, int]:
+  """(coordinator address, process count, process id) of a job whose processes do not form one
+  jax.distributed job (the asynchronous schedule): from flags and environment, else from the cluster
+  as JAX detects it (SLURM, Open MPI, TPU); one line and exit status 2 when they cannot be found."""
+  address, count, pid = options.coordinator_address, options.num_processes, options.process_id
+  if None in (address, count, pid) and detect_cluster() is not None:
+    try:
+      from jax._src import clusters  # pylint: disable=g-import-not-at-top  (what jax.distributed uses)
+      address, count, pid, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+          address, count, pid, None, None, options.initialization_timeout_s)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("cluster auto-detection failed: %s", e)
+  if None in (address, count, pid):
+    cli.exit_usage(f"config.outer.schedule='async' needs the job's --coordinator_address, --num_processes and "
+                   f"--process_id ({ENV['coordinator_address']}, {ENV['num_processes']}, {ENV['process_id']}), or a "
+                   f"cluster JAX can detect (SLURM, Open MPI, TPU); got {address}, {count}, {pid}.")
+  return address, int(count), int(pid)
 
 
 def detect_cluster() -> tuple[str, int] | None:

@@ -11,9 +11,11 @@ NOLOCO_PROCESS_ID=i, JAX_NUM_CPU_DEVICES=devices_per_process and JAX_PLATFORMS=c
 prefixed with `[i]`, or written to LOG_DIR/process_i.log with --log_dir.
 
 If one process fails, the launcher gives the others --grace_s seconds to exit on their own (they should:
-see distributed.py) and then kills them; its exit status is that of the process that failed first (its
-peers then fail because of it), a process killed by signal N counting as 128 + N (137 for SIGKILL), as a
-shell reports it: a job whose process 1 was SIGKILLed (the OOM killer) exits 137, not process 0's 1.
+see distributed.py) and then kills them (with --keep_going it lets them run: the asynchronous
+schedule's processes train on without the failed one, docs/async.md); its exit status is that of the
+process that failed first (its peers then fail because of it), a process killed by signal N counting as
+128 + N (137 for SIGKILL), as a shell reports it: a job whose process 1 was SIGKILLed (the OOM killer)
+exits 137, not process 0's 1.
 
 SIGTERM, SIGINT (Ctrl-C) and SIGHUP sent to the launcher are passed on to every process, and the launcher
 waits for them to exit before it does (its last line then names the signal): on SIGTERM each saves a
@@ -101,12 +103,14 @@ class Job:
       if p.poll() is None:
         p.send_signal(signum)
 
-  def wait(self, timeout_s: float | None = None, grace_s: float = 60.0) -> list[int]:
-    """Waits for all processes; after the first failure, or past `timeout_s`, the rest get `grace_s`."""
+  def wait(self, timeout_s: float | None = None, grace_s: float = 60.0, keep_going: bool = False) -> list[int]:
+    """Waits for all processes; after the first failure (unless `keep_going`), or past `timeout_s`, the
+    rest get `grace_s`."""
     deadline = None if timeout_s is None else time.time() + timeout_s
     while any(p.poll() is None for p in self.procs):
       self._note_failure()
-      if self.first_failure is not None or (deadline is not None and time.time() > deadline):
+      failed = not keep_going and self.first_failure is not None
+      if failed or (deadline is not None and time.time() > deadline):
         self._stop_rest(grace_s)
         break
       time.sleep(0.1)
@@ -178,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--timeout_s", type=float, default=None, help="kill the job after this long")
   parser.add_argument("--grace_s", type=float, default=60.0,
                       help="after a process fails, how long the others may take to exit before being killed")
+  parser.add_argument("--keep_going", action="store_true",
+                      help="a failed process does not stop the others (outer.schedule=async: they train on)")
   opts = parser.parse_args(own)
   # Installed before the processes start, so no signal can end the launcher and leave them running;
   # one that arrives while they are being started is passed on once they all exist.
@@ -203,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     job.forward(signum)
   print(f"launch_local: {opts.num_processes} processes × {opts.devices_per_process} CPU devices, coordinator "
         f"127.0.0.1:{job.port}, pids {[p.pid for p in job.procs]}", flush=True)
-  codes = job.wait(opts.timeout_s, opts.grace_s)
+  codes = job.wait(opts.timeout_s, opts.grace_s, keep_going=opts.keep_going)
   names = ", ".join(dict.fromkeys(signal.Signals(n).name for n in received))
   why = f"stopped by {names} (passed on to every process); " if received else ""
   print(f"launch_local: {why}{describe(codes, job.first_failure)}", flush=True)

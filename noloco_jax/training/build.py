@@ -59,7 +59,13 @@ class Setup:
   # Per-leaf NamedShardings of the state where it lives between steps (replica, fsdp; φ and δ in host
   # memory with outer.offload).
   state_shardings: Any = None
+<<<<<<< HEAD
   replica_map: str = "vmap"  # how each device runs its replicas: vmap or sequential (inner/replicas.py)
+=======
+  # A process of an asynchronous job (asynchronous/job.Process: its slot, the job's replica it holds, its
+  # control plane), set by train_and_evaluate; None: this run is the whole job.
+  process: Any = None
+>>>>>>> async-driver
 
   def outer_round(self, round_: int) -> tuple[Callable, np.ndarray]:
     """(jitted round function, route) for round `round_`, compiled on first use (the loop compiles ahead)."""
@@ -97,8 +103,9 @@ def build(config, mesh=None, vocab_size: int | None = None,
   optimizer = inner.make_optimizer(config.inner, config.num_steps, clip=not pipelined)
   # epidemic_adam's round takes one more step of this optimizer, unclipped (outer/epidemic_adam.py).
   method = outer_lib.make_method(config.outer, inner.make_optimizer(config.inner, config.num_steps, clip=False))
+  # The asynchronous schedule pairs processes at run time (asynchronous/): no schedule of groupings.
   schedule = (outer_lib.make_schedule(config.outer, seed=config.seed, num_replicas=config.num_replicas)
-              if method.uses_pairing else None)
+              if method.uses_pairing and config.outer.schedule == "lockstep" else None)
   num_replicas = config.num_replicas
 
   def init_all():

@@ -27,14 +27,16 @@ from noloco_jax.training import run as run_lib
 from noloco_jax.training import summary as summary_lib
 
 
-def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(config, workdir: str, process=None) -> dict[str, Any]:
   """Trains `config.num_replicas` replicas for `config.num_steps` steps; returns the final metrics.
 
   `config`: the typed config (config.load), or a ConfigDict, parsed here. One run per workdir: the
-  workdir is locked for the whole run (runtime/workdir_lock.py).
+  workdir is locked for the whole run (runtime/workdir_lock.py). `process`: this run is one process of
+  an asynchronous job (asynchronous/job.Process; `config` and `workdir` are then the process's own).
   """
   start_time = time.time()
   setup = build_lib.build(config)
+  setup.process = process
   os.makedirs(workdir, exist_ok=True)
   with workdir_lock.hold(workdir), contextlib.ExitStack() as cleanup:
     run = run_lib.open_run(setup, workdir, cleanup)

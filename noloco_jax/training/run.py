@@ -44,8 +44,11 @@ class StepRate:
     self._time, self._step = now, step
     return {"perf/steps_per_s": steps_per_s, "perf/tokens_per_s": steps_per_s * self._tokens_per_step}
 
-  def restart(self) -> None:
+  def restart(self, step: int | None = None) -> None:
+    """From now (after an evaluation), or from `step` now (the loop jumped there: an asynchronous join)."""
     self._time = time.time()
+    if step is not None:
+      self._step = step
 
 
 @dataclasses.dataclass
@@ -106,17 +109,21 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
   config, mesh, n = setup.config, setup.mesh, setup.config.num_replicas
   close = lambda closer: on_exit(cleanup, closer)
   local_ids = mesh_lib.local_replica_ids(mesh, n)  # each process reads only the replicas its devices hold
-  data = data_lib.make_train_iterator(config.data, seed=config.seed, replica_ids=local_ids, num_replicas=n,
+  data_ids, data_n = local_ids, n
+  if setup.process is not None:  # a process of an asynchronous job: its replica's shard of the job's data
+    data_ids, data_n = list(setup.process.replica_ids), setup.process.num_replicas
+  data = data_lib.make_train_iterator(config.data, seed=config.seed, replica_ids=data_ids, num_replicas=data_n,
                                       vocab_size=setup.model.vocab_size)
   close(lambda failed: data.close())
   # The validation sample is drawn with a fixed seed, not config.seed, so that runs with different
   # seeds (e.g. compare_methods.py) are scored on the same sequences.
   eval_batches = jax.device_put(data_lib.make_eval_batches(config.data, seed=0, vocab_size=setup.model.vocab_size),
                                 mesh_lib.replicated(mesh))
+  where = (f"process {jax.process_index()} of {jax.process_count()}" if setup.process is None else
+           f"process {setup.process.slot} of an asynchronous job of {setup.process.num_replicas}")
   logging.info("Global batch: %d replicas × %d sequences × %d tokens; %d devices (%d replicas each, %s); "
-               "process %d of %d holds replicas %s.", n, config.data.batch_size, config.data.seq_len,
-               mesh.devices.size, mesh_lib.replicas_per_device(mesh, n), setup.replica_map, jax.process_index(),
-               jax.process_count(), local_ids)
+               "%s holds replicas %s.", n, config.data.batch_size, config.data.seq_len,
+               mesh.devices.size, mesh_lib.replicas_per_device(mesh, n), setup.replica_map, where, data_ids)
 
   state = setup.init_state()
   # All processes agree on config/seed/layout, share the workdir, and every replica starts bit-identical
@@ -142,6 +149,6 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
   run = Run(setup=setup, workdir=workdir, state=state, loop=loop, data=data, eval_batches=eval_batches,
             writer=writer, checkpointer=checkpointer, on_exit=close,
             start_step=loop.step, traffic_per_round=per_round, traffic_per_step=per_step,
-            faults=faults.from_env(),
+            faults=faults.from_env(None if setup.process is None else setup.process.slot),
             rate=StepRate(loop.step, n * config.data.batch_size * config.data.seq_len))
   return run

@@ -54,7 +54,10 @@ def exchange_in_force(config) -> dict[str, Any]:
   The hyperparameters of `outer_in_force` say what the update computes; these say what a round sends and
   to whom, which changes the result too (EL-Oracle against EL-Local, a fixed pairing, an overlap window, a
   codec): message dtype and codec (its parameters where it has them), the pairing mode, the epidemic
-  graph, the overlap window, and for all-reduces the algorithm the wire figures assume.
+  graph, the overlap window, and for all-reduces the algorithm the wire figures assume. With the
+  asynchronous schedule (docs/async.md) partners are found at run time among the processes that are
+  ready: the schedule and what shapes its pairing and update (wait budget, batching window, staleness
+  decay, odd batches) are named instead of a pairing mode that no longer draws the groups.
   """
   o = config.outer
   if o.kind in ("diloco", "ddp"):
@@ -70,7 +73,11 @@ def exchange_in_force(config) -> dict[str, Any]:
       out.update(topk_density=o.topk_density, topk_bits=o.topk_bits, slow_codec=o.slow_codec)
   if o.kind == "epidemic":
     out["topology"] = o.topology
-  out["pairing"] = o.pairing
+  if o.schedule == "async":
+    out.update(schedule="async", max_wait_s=o.max_wait_s, match_window_s=o.match_window_s,
+               staleness_decay=o.staleness_decay, match_odd=o.match_odd)
+  else:
+    out["pairing"] = o.pairing
   if o.kind in ("noloco", "gossip"):
     out["overlap_steps"] = o.overlap_steps
     if o.overlap_steps:
@@ -97,6 +104,10 @@ def _outer_line(config, in_force: dict[str, Any]) -> str:
     cells.append(f"graph {TOPOLOGY_NAMES[exchange['topology']]} (topology={exchange['topology']})")
   if "pairing" in exchange:
     cells.append(f"pairing {exchange['pairing']}")
+  if exchange.get("schedule") == "async":
+    cells.append(f"schedule async (partners at run time: max_wait_s={exchange['max_wait_s']:g}, "
+                 f"match_window_s={exchange['match_window_s']:g}, staleness_decay={exchange['staleness_decay']:g}, "
+                 f"match_odd={exchange['match_odd']})")
   if "message_dtype" in exchange:
     codec = exchange.get("compression", "none")
     details = [f"{k}={exchange[k]:g}" if isinstance(exchange[k], float) else f"{k}={exchange[k]}"

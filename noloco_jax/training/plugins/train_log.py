@@ -94,6 +94,9 @@ class TrainLog(Plugin):
         "outer/round": loop.round,
         **run.rate.since_last_log(step),
     }
+    # The round schedule's own cumulative counters, if it keeps any (the asynchronous schedule's exchanged,
+    # skipped and failed rounds, its waits: training/rounds/asynchronous.py).
+    scalars.update(loop.history.get("schedule", {}))
     if config.nan_policy == "skip_round":
       scalars["outer/skipped_rounds"] = len(loop.history.get("skipped_rounds", []))
     if rounds:

@@ -10,6 +10,7 @@ import logging
 
 from noloco_jax.io.checkpoint import guard as guard_lib
 from noloco_jax.training.rounds import wrappers
+from noloco_jax.training.rounds.asynchronous import AsyncRounds
 from noloco_jax.training.rounds.base import NoRounds, RoundDriver
 from noloco_jax.training.rounds.lockstep import LockstepRounds
 from noloco_jax.training.rounds.overlapped import OverlappedRounds, threaded_exchange_is_safe
@@ -21,6 +22,8 @@ def make_driver(setup, run) -> RoundDriver:
   o = config.outer
   if not method.has_rounds:
     driver = NoRounds()
+  elif o.schedule == "async":  # one process of an asynchronous job (asynchronous/job.py)
+    driver = AsyncRounds(setup, setup.process)
   elif o.overlap_steps:
     threaded = threaded_exchange_is_safe(fsdp=config.fsdp, num_stages=config.num_stages)
     logging.info("Streaming overlap: τ=%d steps, λ=%s; the exchange is called %s.", o.overlap_steps, o.overlap_mix,
@@ -37,4 +40,4 @@ def make_driver(setup, run) -> RoundDriver:
   return driver
 
 
-__all__ = ["LockstepRounds", "NoRounds", "OverlappedRounds", "RoundDriver", "make_driver"]
+__all__ = ["AsyncRounds", "LockstepRounds", "NoRounds", "OverlappedRounds", "RoundDriver", "make_driver"]

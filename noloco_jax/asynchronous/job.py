@@ -1,0 +1,183 @@
+"""One process of an asynchronous job (`outer.schedule='async'`): its slot, its own run, its start-up.
+
+Why every process is a JAX program of its own. In the lock-step schedule the P processes form one
+`jax.distributed` job: one mesh over all devices, and every evaluation, checkpoint and start-up check
+is a program or barrier that all processes run together. A process that trains at its own pace can
+take part in none of those. So here each process connects to the job's coordination service for the
+control plane only (`control.connect`: JAX's own service and client, recoverable) and otherwise runs
+the ordinary single-process trainer on its own devices, in its own workdir, with its own replica:
+
+    WORKDIR/process_<slot>/         its run: checkpoints/, metrics.jsonl, config.json, run.lock, ...
+                    pairings_<slot>.jsonl, membership_<slot>.jsonl   (asynchronous/session.py)
+
+A process saves, restores, evaluates and logs exactly as a one-process run does, with no barrier
+across processes (none exists); whoever reads the job merges the per-process files
+(asynchronous/logs.py). The only links between processes are the store and the transfer servers.
+
+The layout is one replica per process: replica `slot` of the job's `num_replicas` (= processes), which
+decides the replica's share of the data (io/data: replica `slot` of N, as in lock-step).
+
+A process that starts while its slot has been used before in this service's lifetime (it was
+restarted, or its slot was reserved at start-up: control.reserve_slot) is *rejoining*: its round
+driver takes its weights from a live peer before training (training/rounds/asynchronous.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+
+from noloco_jax import config as config_lib
+from noloco_jax.asynchronous import control, liveness
+from noloco_jax.asynchronous import session as session_lib
+from noloco_jax.runtime import failures
+
+CONFIG_KEY = "config/"  # config/<slot>: the config each process started with (compared at start-up)
+DONE = "done/"  # done/<slot> = incarnation: that process is exiting (Process.finish)
+
+
+class ConfigMismatch(failures.ReportedError, RuntimeError):
+  """This process's config differs from another process's of the same job."""
+
+
+@dataclasses.dataclass
+class Process:
+  """What a process of an asynchronous job knows about its place in it (`start`)."""
+  connection: control.Connection
+  heartbeat: liveness.Liveness  # its lease, beating from connect on (a process starting up is alive)
+  num_replicas: int  # the job's: one per slot
+  rejoining: bool  # its slot was used before in this job: take the weights from a live peer
+
+  @property
+  def kv(self) -> control.JaxKV:
+    return self.connection.kv
+
+  @property
+  def slot(self) -> int:
+    return self.connection.slot
+
+  @property
+  def incarnation(self) -> int:
+    return self.connection.incarnation
+
+  @property
+  def replica_ids(self) -> tuple[int, ...]:
+    """The job's replicas this process holds (their data shards): its own."""
+    return (self.slot,)
+
+  def workdir(self, job_workdir: str) -> str:
+    return os.path.join(job_workdir, f"process_{self.slot}")
+
+  def finish(self, *, lease_s: float, poll_s: float = 0.5, grace_s: float = 1.0) -> None:
+    """At the very end of this process (main.py exits right after). It says so (`done/<slot>`). The
+    process hosting the coordination service first waits until every other process has said so or has
+    died (its heartbeat still for `lease_s`): when it exits, the service goes, and every process still
+    connected aborts (a limit of JAX's runtime, docs/async.md). A process that left the rounds keeps
+    beating while it saves (liveness.Liveness.leave(keep_beating=True)), so it is waited for."""
+    kv = self.connection.kv
+    try:
+      kv.set(f"{DONE}{self.slot}", str(self.incarnation))
+    except Exception as e:  # pylint: disable=broad-except  (the service is gone: nobody is left to tell)
+      logging.warning("Process %d could not say it is done: %s", self.slot, str(e).splitlines()[0])
+      return
+    if not self.connection.hosts_service:
+      return
+    self.heartbeat.leave(keep_beating=True)
+    last: dict[int, tuple[str, float]] = {}  # slot -> (lease value, when it last changed, by our clock)
+    waiting_for = None
+    while True:
+      now, done = time.monotonic(), kv.dir(DONE)
+      running = []
+      for key, value in sorted(kv.dir(liveness.PREFIX).items()):
+        slot = int(key[len(liveness.PREFIX):])
+        if slot == self.slot:
+          continue
+        inc, _, tail = value.partition(":")
+        if last.get(slot, ("", 0.0))[0] != value:
+          last[slot] = (value, now)
+        dead = tail == liveness.LEFT or now - last[slot][1] > lease_s  # ("left" without beating: a reserved slot)
+        if not dead and done.get(f"{DONE}{slot}") != inc:
+          running.append(slot)
+      if not running:
+        time.sleep(grace_s)  # the last ones to say "done" are exiting now
+        return
+      if running != waiting_for:
+        waiting_for = running
+        logging.info("Process %d hosts the coordination service: it waits for processes %s to finish (its exit "
+                     "would end them).", self.slot, running)
+      time.sleep(poll_s)
+
+
+def session_options(config: config_lib.Config) -> session_lib.Options:
+  """The engine's options from config.outer (a heartbeat about ten times per lease)."""
+  o = config.outer
+  return session_lib.Options(seed=config.seed, window_s=o.match_window_s, max_wait_s=o.max_wait_s,
+                             exchange_timeout_s=o.exchange_timeout_s, odd=o.match_odd,
+                             beat_s=min(0.5, o.lease_s / 10), lease_s=o.lease_s, join_timeout_s=o.join_timeout_s)
+
+
+def check_layout(config: config_lib.Config, num_processes: int | None) -> None:
+  """One line naming the field when the job's process count does not fit the config (ConfigError)."""
+  if num_processes is None or num_processes < 2:
+    config_lib.fields.fail("outer.schedule", "async", "'lockstep' in a job of one process (the asynchronous "
+                           "schedule pairs processes: start several, e.g. python -m noloco_jax.runtime.launch_local "
+                           "--num_processes=4 --devices_per_process=1 -- ...)")
+  if config.num_replicas != num_processes:
+    config_lib.fields.fail("num_replicas", config.num_replicas, f"{num_processes}, the number of processes, with "
+                           "outer.schedule='async' (one replica per process)")
+
+
+def process_config(config: config_lib.Config) -> config_lib.Config:
+  """The config a process runs: the job's, with its one replica on its own devices."""
+  return dataclasses.replace(config, num_replicas=1, num_devices=0)
+
+
+def start(config: config_lib.Config, coordinator_address: str, num_processes: int, process_id: int, *,
+          heartbeat_timeout_s: int, initialization_timeout_s: int, standalone_service: bool = False) -> Process:
+  """Connects this process to the job's control plane and checks that it runs the job's config."""
+  check_layout(config, num_processes)
+  connection = control.connect(coordinator_address, num_processes, process_id, heartbeat_timeout_s=heartbeat_timeout_s,
+                               initialization_timeout_s=initialization_timeout_s, standalone_service=standalone_service)
+  kv = connection.kv
+  # Whoever used this slot before (an earlier incarnation's heartbeat, or control.reserve_slot's "left")
+  # left its lease key: this process then rejoins a running job.
+  rejoining = kv.get(f"{liveness.PREFIX}{process_id}") is not None
+  # The lease starts now, not when training starts: a process still starting up (a minute on a loaded
+  # machine) is alive, and the process hosting the service waits for it before it leaves.
+  options = session_options(config)
+  heartbeat = liveness.Liveness(kv, process_id, connection.incarnation, beat_s=options.beat_s,
+                                lease_s=options.lease_s, observe=True).start()
+  _check_same_config(kv, process_id, config)
+  logging.info("Asynchronous job: process %d of %d (incarnation %d), %s; coordination service %s.", process_id,
+               num_processes, connection.incarnation, "rejoining a running job" if rejoining else "starting",
+               "in this process" if connection.hosts_service else f"at {coordinator_address}")
+  return Process(connection, heartbeat, config.num_replicas, rejoining)
+
+
+def _check_same_config(kv: control.KV, slot: int, config: config_lib.Config) -> None:
+  """Posts this process's config, then compares it with every one posted. No process waits for another:
+  of two that start together at least the one that reads second sees the other's (posted before reading)."""
+  mine = json.loads(config.to_json(sort_keys=True))
+  kv.set(f"{CONFIG_KEY}{slot}", json.dumps(mine, sort_keys=True))
+  for key, raw in sorted(kv.dir(CONFIG_KEY).items()):
+    other = int(key[len(CONFIG_KEY):])
+    if other == slot:
+      continue
+    differ = _differences(json.loads(raw), mine)
+    if differ:
+      raise ConfigMismatch(f"process {slot} runs another config than process {other} of this asynchronous job: "
+                           f"{'; '.join(differ[:6])}. Start every process with the same config and overrides.")
+
+
+def _differences(theirs: dict, mine: dict, prefix: str = "") -> list[str]:
+  out = []
+  for key in sorted(set(theirs) | set(mine)):
+    a, b = theirs.get(key), mine.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _differences(a, b, f"{prefix}{key}.")
+    elif a != b:
+      out.append(f"config.{prefix}{key} is {b!r} here, {a!r} there")
+  return out

@@ -1,0 +1,259 @@
+"""The asynchronous schedule in the trainer (outer.schedule='async'; training/rounds/asynchronous.py).
+
+In one process: the config's one-line errors, the job layout check, and the driver's round against the
+lock-step round (a group of three, equal progress: bit for bit). On real processes through the command
+line (python -m noloco_jax.main under launch_local), each job on the smoke model:
+
+- two processes at equal speed: the job equals the lock-step schedule's (to float32 round-off), and run
+  again from its checkpoint of step 6, each process resumes exactly (bit for bit, logs included);
+- three processes training while their rounds find partners (outer.overlap_steps), one killed mid-run
+  (NOLOCO_FAULTS): the others train on without a restart and never pair with it again; started again,
+  it takes its state from a live peer and pairs with them.
+
+Each job takes 30–90 s on a loaded 2-core machine, most of it starting JAX in every process.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import default
+from noloco_jax import config as config_lib
+from noloco_jax import training
+from noloco_jax.asynchronous import job as job_lib
+from noloco_jax.asynchronous import logs as async_logs
+from noloco_jax.asynchronous import session as session_lib
+from noloco_jax.io.checkpoint import read as read_lib
+from noloco_jax.outer import exchange, methods
+from noloco_jax.runtime import launch_local
+from noloco_jax.training import build as build_lib
+from noloco_jax.training.rounds.asynchronous import AsyncRounds
+
+ASYNC = ["--config.outer.schedule=async"]
+
+
+def _smoke(**overrides):
+  cfg = default.get_config("smoke")
+  for key, value in overrides.items():
+    node = cfg
+    *path, last = key.split(".")
+    for part in path:
+      node = node[part]
+    node[last] = value
+  return cfg
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"outer.kind": "diloco"}, "config.outer.schedule='async' is not valid: 'lockstep' with outer.kind='diloco'"),
+    ({"outer.kind": "ddp"}, "config.outer.schedule='async' is not valid: 'lockstep' with outer.kind='ddp'"),
+    ({"outer.kind": "epidemic"}, "config.outer.schedule='async' is not valid: 'lockstep' with outer.kind='epidemic'"),
+    ({"num_stages": 2, "model.num_layers": 2}, "config.num_stages=2 is not valid"),
+    ({"outer.overlap_steps": 3}, "config.outer.overlap_steps=3 is not valid"),  # τ < H (smoke: H = 3)
+    ({"outer.compression": "int8"}, "config.outer.compression='int8' is not valid"),
+    ({"outer.pairing": "round_robin"}, "config.outer.pairing='round_robin' is not valid"),
+    ({"outer.group_size": 4}, "config.outer.group_size=4 is not valid"),
+    ({"nan_policy": "skip_round"}, "config.nan_policy='skip_round' is not valid"),
+    ({"outer.max_wait_s": 0.0}, "config.outer.max_wait_s=0.0 is not valid"),
+    ({"outer.schedule": "eventually"}, "config.outer.schedule='eventually' is not valid"),
+])
+def test_unsupported_combinations_are_one_line_naming_the_field(overrides, field):
+  cfg = _smoke(**{"outer.schedule": "async", "num_replicas": 4, **overrides})
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.load(cfg)
+  assert str(e.value).startswith(field) and "\n" not in str(e.value), str(e.value)
+
+
+def test_gossip_and_noloco_are_accepted():
+  for kind in ("noloco", "gossip"):
+    assert config_lib.load(_smoke(**{"outer.schedule": "async", "outer.kind": kind, "num_replicas": 3})).outer.schedule == "async"
+
+
+def test_the_layout_is_one_replica_per_process():
+  config = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 4}))
+  job_lib.check_layout(config, 4)
+  with pytest.raises(config_lib.ConfigError, match=r"config.num_replicas=4 is not valid: 3, the number of processes"):
+    job_lib.check_layout(config, 3)
+  with pytest.raises(config_lib.ConfigError, match=r"config.outer.schedule='async' is not valid: 'lockstep' in a job of one"):
+    job_lib.check_layout(config, 1)
+  local = job_lib.process_config(config)
+  assert (local.num_replicas, local.num_devices, local.outer.schedule) == (1, 0, "async")
+
+
+def test_the_command_line_refuses_a_layout_that_is_not_one_replica_per_process(tmp_path):
+  """Before it connects to anything: one line naming the field, exit status 2."""
+  env = launch_local.process_env(0, 2, 1, 1)  # a coordinator port nobody serves: it must not get that far
+  done = subprocess.run([sys.executable, "-m", "noloco_jax.main", "--config=configs/default.py:smoke",
+                         f"--workdir={tmp_path}", *ASYNC, "--config.num_replicas=3"], env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 2, done.stderr[-2000:]
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith("noloco_jax: config.num_replicas=3 is not valid: 2, the number of processes"), last
+
+
+def test_train_and_evaluate_alone_refuses_the_async_schedule_in_one_line(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match=r"^config.outer.schedule='async' is not valid: 'lockstep' outside"):
+    training.train_and_evaluate(_smoke(**{"outer.schedule": "async", "num_replicas": 2}), str(tmp_path))
+
+
+class _Process:
+  def __init__(self, slot):
+    self.slot = slot
+
+
+def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit():
+  """Three replicas in one group, lock-step (exchange.group_mean on one device) and asynchronous (each
+  member's own AsyncRounds._apply with the others' messages as the transport delivers them)."""
+  cfg = _smoke(**{"num_replicas": 3, "outer.group_size": 3, "num_devices": 1})
+  setup = build_lib.build(cfg)
+  parts = setup.method.parts
+  state = setup.init_state()
+  # Three different replicas: θ moved apart by seeded noise (φ still the common start).
+  keys = jax.random.split(jax.random.key(7), len(jax.tree.leaves(state.params)))
+  noisy = [x + 0.01 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(jax.tree.leaves(state.params), keys)]
+  state = state.replace(params=jax.tree.unflatten(jax.tree.structure(state.params), noisy))
+  states, own, payload, _ = parts.message(state)
+  # The lock-step round program (message, exchange, merge in one program) for the grouping (0, 1, 2).
+  lockstep, _ = jax.jit(methods.round_of(parts)((((0, 1, 2),),), 1))(state, np.asarray(0, np.int32))
+  async_cfg = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 3}))
+  local = build_lib.build(job_lib.process_config(async_cfg))
+  for me in range(3):
+    driver = AsyncRounds(local, _Process(me))
+    one = lambda tree, i: jax.tree.map(lambda x: x[i:i + 1], tree)
+    others = [s for s in range(3) if s != me]
+    result = session_lib.RoundResult("exchanged", 0, (0, 1, 2), (0, 0, 0),
+                                     [one(payload, me)] + [one(payload, s) for s in others], [30, 30, 30])
+    new_state, progress = driver._apply(one(states, me), one(own, me), result)  # pylint: disable=protected-access
+    assert progress == 30.0
+    for got, want in zip(jax.tree.leaves(new_state), jax.tree.leaves(one(lockstep, me))):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ---- On real processes ----
+
+
+def _job_logs(root):
+  d = os.path.join(root, "logs")
+  return "\n".join(f"--- {n}\n" + open(os.path.join(d, n)).read()[-4000:] for n in sorted(os.listdir(d))
+                   if os.path.isfile(os.path.join(d, n)))
+
+
+def _jsonl(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _final(process_dir):
+  snapshot = read_lib.read(process_dir)
+  rows = _jsonl(os.path.join(process_dir, "metrics.jsonl"))
+  return snapshot, [{k: v for k, v in r.items() if not k.startswith("perf/") and "_s" not in k} for r in rows]
+
+
+def test_equal_speeds_are_lockstep_noloco_and_each_process_resumes_exactly(tmp_path):
+  """Two processes at equal speed: every round pairs them at equal progress, so the job is deterministic.
+  Run once to the end, then again from a copy of its workdir holding only the checkpoint of step 6: each
+  process resumes from its own checkpoint, and the second run ends bit for bit where the first did, its
+  logs included. Both match the lock-step schedule's run of the same config to float32 round-off (the
+  update is the same bit for bit, tests above; a one-replica program on one device and the lock-step's
+  program over a two-device mesh are compiled differently and differ in the last bits)."""
+  root = str(tmp_path)
+  first_dir, second_dir = os.path.join(root, "first"), os.path.join(root, "second")
+  flags = lambda workdir: ["--config=configs/default.py:smoke", f"--workdir={workdir}", *ASYNC, "--config.num_replicas=2",
+                           "--config.checkpoint_every=6", "--config.outer.max_wait_s=120"]
+  first = launch_local.Job(2, 1, flags(first_dir), log_dir=os.path.join(root, "logs"))
+  assert first.wait(timeout_s=600, grace_s=30) == [0, 0], _job_logs(root)
+  shutil.copytree(first_dir, second_dir)
+  for slot in (0, 1):
+    shutil.rmtree(os.path.join(second_dir, f"process_{slot}", "checkpoints", "12"))
+  second = launch_local.Job(2, 1, flags(second_dir), log_dir=os.path.join(root, "logs", "again"))
+  assert second.wait(timeout_s=600, grace_s=30) == [0, 0], _job_logs(root) + _job_logs(os.path.join(root, "logs"))
+  reference = training.train_and_evaluate(_smoke(**{"num_replicas": 2, "num_devices": 2}), os.path.join(root, "lockstep"))
+  for slot in (0, 1):
+    (snapshot, rows), (again, rows_again) = (_final(os.path.join(d, f"process_{slot}")) for d in (first_dir, second_dir))
+    assert snapshot.step == again.step == 12
+    for got, want in zip(jax.tree.leaves((again.params, again.slow)), jax.tree.leaves((snapshot.params, snapshot.slow))):
+      np.testing.assert_array_equal(got, want)  # resumed exactly
+    assert rows_again == rows  # every row once, the same values (the resume dropped the rows after step 6)
+    for got, want in zip(jax.tree.leaves((snapshot.params, snapshot.slow)),
+                         jax.tree.leaves((reference["state"].params, reference["state"].outer["slow"]))):
+      np.testing.assert_allclose(got[0], np.asarray(want)[slot], rtol=1e-4, atol=1e-6)
+    pairings = _jsonl(os.path.join(first_dir, f"process_{slot}", f"pairings_{slot}.jsonl"))
+    assert [(p["status"], p["group"], p["progress"]) for p in pairings] == [("exchanged", [0, 1], s) for s in (3, 6, 9, 12)]
+    train = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train] == [3, 6, 9, 12]
+    assert train[-1]["async/exchanged_rounds"] == 4 and train[-1]["async/skipped_rounds"] == 0
+
+
+def _wait_for(predicate, timeout_s, what):
+  end = time.time() + timeout_s
+  while time.time() < end:
+    if predicate():
+      return
+    time.sleep(1.0)
+  raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_a_killed_process_is_left_behind_and_rejoins_from_a_live_peer(tmp_path):
+  root = str(tmp_path)
+  workdir = os.path.join(root, "run")
+  flags = ["--config=configs/default.py:smoke", f"--workdir={workdir}", *ASYNC, "--config.num_replicas=3",
+           "--config.num_steps=100000", "--config.eval_every=0", "--config.log_every=3", "--config.outer.lease_s=3",
+           "--config.outer.max_wait_s=2", "--config.outer.exchange_timeout_s=10",
+           "--config.outer.overlap_steps=2"]  # rounds on their own thread while the steps go on (τ = 2 of H = 3)
+  slow = "delay:seconds=0.1"
+  job = launch_local.Job(3, 1, flags, log_dir=os.path.join(root, "logs"), env={"NOLOCO_FAULTS": f"{slow};kill:process=2,step=9"})
+  procs = list(job.procs)
+  pairings = lambda s: _jsonl(os.path.join(workdir, f"process_{s}", f"pairings_{s}.jsonl"))
+  try:
+    assert procs[2].wait(timeout=600) == -9, _job_logs(root)
+    old = pairings(2)[-1]
+    killed_at = time.time()
+    env = launch_local.process_env(2, 3, 1, job.port, {"NOLOCO_FAULTS": slow})
+    with open(os.path.join(root, "logs", "process_2_again.log"), "w") as log:
+      procs.append(subprocess.Popen([sys.executable, "-m", "noloco_jax.main", *flags], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT))
+    new_exchanged = lambda: [p for s in (0, 1) for p in pairings(s)
+                             if p["status"] == "exchanged" and 2 in p["group"] and old["incarnation"] not in p["incarnations"]]
+    _wait_for(lambda: len(new_exchanged()) >= 2, 400, "the restarted process to exchange with the others")
+    for p in procs[:2] + procs[3:]:  # SIGTERM: each saves and stops; process 0 then waits for the others
+      p.send_signal(signal.SIGTERM)
+    assert [p.wait(timeout=300) for p in procs[:2] + procs[3:]] == [0, 0, 0], _job_logs(root)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  new = pairings(2)[-1]["incarnation"]
+  for slot in (0, 1):
+    events = [(e["slot"], str(e["incarnation"]), e["event"])
+              for e in _jsonl(os.path.join(workdir, f"process_{slot}", f"membership_{slot}.jsonl")) if "incarnation" in e]
+    assert (2, old["incarnation"], "lost") in events and (2, new, "joined") in events, events
+    mine = pairings(slot)
+    # Never grouped with the dead incarnation after its death (its lease ran out); trained on meanwhile.
+    after = [p for p in mine if p["time"] > killed_at + 3 + 1]
+    assert after and all(old["incarnation"] not in p["incarnations"] for p in after)
+    rows = [r for r in _jsonl(os.path.join(workdir, f"process_{slot}", "metrics.jsonl")) if "train/loss" in r]
+    assert [r["step"] for r in rows] == list(range(3, 3 * len(rows) + 1, 3))  # every row, no restart, nothing lost
+  # The restarted process took a live peer's state and step, and trained on from there.
+  joined = [json.loads(line) for line in open(os.path.join(workdir, "process_2", "membership_2.jsonl"))
+            if '"joined_from"' in line]
+  assert joined and joined[-1]["donor"] in (0, 1)
+  # What it received is bit for bit what the donor served it (θ, φ, δ, the inner optimiser state and step).
+  served = [e for e in _jsonl(os.path.join(workdir, f"process_{joined[-1]['donor']}",
+                                           f"membership_{joined[-1]['donor']}.jsonl"))
+            if e.get("event") == "served_join" and str(e["incarnation"]) == new]
+  assert [e["digest"] for e in served] == [joined[-1]["digest"]]
+  rows = [r for r in _jsonl(os.path.join(workdir, "process_2", "metrics.jsonl")) if "train/loss" in r]
+  assert rows and rows[0]["step"] > 9, rows  # its first row after the donor's step (not after step 0)
+  # Whoever reads the job merges the per-process logs.
+  merged = async_logs.merge(workdir)
+  assert merged["processes"] == [0, 1, 2] and {r["process"] for r in merged["metrics"]} == {0, 1, 2}
+  text = "\n".join(async_logs.summary(merged))
+  assert "slot 2 lost" in text and "slot 2 joined from slot" in text, text
