@@ -59,13 +59,10 @@ class Setup:
   # Per-leaf NamedShardings of the state where it lives between steps (replica, fsdp; φ and δ in host
   # memory with outer.offload).
   state_shardings: Any = None
-<<<<<<< HEAD
   replica_map: str = "vmap"  # how each device runs its replicas: vmap or sequential (inner/replicas.py)
-=======
   # A process of an asynchronous job (asynchronous/job.Process: its slot, the job's replica it holds, its
   # control plane), set by train_and_evaluate; None: this run is the whole job.
   process: Any = None
->>>>>>> async-driver
 
   def outer_round(self, round_: int) -> tuple[Callable, np.ndarray]:
     """(jitted round function, route) for round `round_`, compiled on first use (the loop compiles ahead)."""
