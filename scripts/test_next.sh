@@ -9,6 +9,9 @@ NOLOCO_EXTRAS=test source "$(dirname "${BASH_SOURCE[0]}")/env_next.sh"
 python -c "import sys, jax, flax, optax, orbax.checkpoint as o; print(f'test_next: Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, orbax-checkpoint {o.__version__}')"
 SMOKE_DIR="$(mktemp -d)"
 trap 'rm -rf "$SMOKE_DIR"' EXIT
+# The tests share one fresh compilation cache, as in scripts/test.sh (a hit only saves time).
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$SMOKE_DIR/jax_cache}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
 python -m noloco_jax.main --config=configs/default.py:smoke --workdir="$SMOKE_DIR/smoke" 2>&1 | tail -n 9
 python -m pytest -n "${NOLOCO_TEST_WORKERS:-2}" --durations=5 \
   tests/test_outer.py tests/test_inner.py tests/test_model.py tests/test_model_interface.py tests/test_losses.py \

@@ -8,6 +8,60 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402  (after the environment above, which must precede any JAX import)
 
+# The exhaustive tier: tests the default run (`bash scripts/test.sh`, what CI runs) leaves out and
+# `bash scripts/test.sh --all` (NOLOCO_TESTS=all) runs, so that the default run stays within CI's time
+# on a 2-core machine. A test is here only when what it proves is also proved in the default run by a
+# cheaper test: the benchmarks' and notebooks' quick modes beyond one of each kind (the scripts' parts
+# have unit tests; bench_network's straggler, notebook 02 and compare_methods stay in), and
+# the extra dtype of a kernel-equivalence test whose float32 case stays in. Keys are test ids or their
+# prefixes (every parametrization of a test).
+EXHAUSTIVE = {
+    **{f"tests/test_notebooks.py::test_notebook_runs_in_smoke_mode[{name}]": "a notebook end to end (notebook "
+       "02 stays in: the same experiment library, sweeps, tables and figures)"
+       for name in ("01_group_size_and_H.ipynb", "03_pairing_dtype_momentum.ipynb", "04_compression.ipynb")},
+    "tests/test_notebooks.py::test_compare_methods_smoke_json": "compare_methods end to end: "
+    "tests/test_compare_methods.py runs it too",
+    "tests/test_bench_network.py::test_quick_lognormal_the_model_sees_the_delays_the_run_slept": "a second "
+    "quick mode of bench_network (the straggler one stays in)",
+    "tests/test_bench_network.py::test_quick_bandwidth_limit_the_exchange_waits_for_the_link": "a third quick "
+    "mode of bench_network",
+    "tests/test_overlap.py::test_bench_overlap_quick_mode_reports_both_settings": "bench_overlap's quick mode "
+    "(overlap's behaviour: the rest of test_overlap.py)",
+    "tests/test_bench_mfu.py::test_bench_prints_the_fields_on_a_tiny_model": "bench_mfu end to end (its "
+    "FLOP count: the other tests of the file)",
+    "tests/test_attention.py::test_xla_equals_einsum_values_and_gradients[bfloat16": "bfloat16 case (float32 "
+    "stays in)",
+    "tests/test_attention.py::test_model_logits_do_not_depend_on_the_kernel[bfloat16": "bfloat16 case "
+    "(float32 stays in)",
+    "tests/test_losses.py::test_model_loss_and_all_parameter_gradients_match_with_chunks[bfloat16": "bfloat16 "
+    "case (float32 stays in)",
+}
+
+
+def _exhaustive_reason(nodeid: str) -> str | None:
+  return next((why for key, why in EXHAUSTIVE.items() if nodeid.startswith(key)), None)
+
+
+def pytest_collection_modifyitems(config, items):
+  if os.environ.get("NOLOCO_TESTS", "").lower() == "all":
+    return
+  # A file named on the command line runs whole (`pytest tests/test_notebooks.py` runs every notebook).
+  named = {os.path.abspath(arg.split("::")[0]) for arg in config.args if arg.split("::")[0].endswith(".py")}
+  kept, left = [], []
+  for item in items:
+    left_out = _exhaustive_reason(item.nodeid) and os.path.abspath(str(item.path)) not in named
+    (left if left_out else kept).append(item)
+  if left:
+    config.hook.pytest_deselected(items=left)
+    items[:] = kept
+
+
+def pytest_report_header(config):
+  if os.environ.get("NOLOCO_TESTS", "").lower() == "all":
+    return "noloco_jax: every test, the exhaustive tier included (NOLOCO_TESTS=all)"
+  return ("noloco_jax: the default run; the exhaustive tier (tests/conftest.py EXHAUSTIVE) is deselected: "
+          "`bash scripts/test.sh --all` runs it")
+
 
 @pytest.fixture
 def compile_cache(tmp_path):
