@@ -10,8 +10,8 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
   export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
 fi
-# --all: the exhaustive tier too (tests/conftest.py EXHAUSTIVE: more quick modes of the benchmarks and
-# notebooks, bfloat16 cases); the default run is what CI runs.
+# --all: the exhaustive tier too (tests/conftest.py EXHAUSTIVE: the benchmarks' quick modes, three
+# notebooks, bfloat16 and sibling cases); the default run is what CI runs.
 if [ "${1:-}" = "--all" ]; then
   shift
   export NOLOCO_TESTS=all

@@ -11,20 +11,27 @@ import pytest  # noqa: E402  (after the environment above, which must precede an
 # The exhaustive tier: tests the default run (`bash scripts/test.sh`, what CI runs) leaves out and
 # `bash scripts/test.sh --all` (NOLOCO_TESTS=all) runs, so that the default run stays within CI's time
 # on a 2-core machine. A test is here only when what it proves is also proved in the default run by a
-# cheaper test: the benchmarks' and notebooks' quick modes beyond one of each kind (the scripts' parts
-# have unit tests; bench_network's straggler, notebook 02 and compare_methods stay in), and
-# the extra dtype of a kernel-equivalence test whose float32 case stays in. Keys are test ids or their
-# prefixes (every parametrization of a test).
+# cheaper test: the benchmarks' quick modes (each script's parts have unit tests), three of the four
+# notebooks (notebook 02 and compare_methods stay in), the bfloat16 case of a kernel-equivalence test
+# whose float32 case stays in, and end-to-end variants whose sibling case stays in. Keys are test ids or
+# their prefixes (every parametrization of a test).
 EXHAUSTIVE = {
     **{f"tests/test_notebooks.py::test_notebook_runs_in_smoke_mode[{name}]": "a notebook end to end (notebook "
        "02 stays in: the same experiment library, sweeps, tables and figures)"
        for name in ("01_group_size_and_H.ipynb", "03_pairing_dtype_momentum.ipynb", "04_compression.ipynb")},
     "tests/test_notebooks.py::test_compare_methods_smoke_json": "compare_methods end to end: "
     "tests/test_compare_methods.py runs it too",
-    "tests/test_bench_network.py::test_quick_lognormal_the_model_sees_the_delays_the_run_slept": "a second "
-    "quick mode of bench_network (the straggler one stays in)",
-    "tests/test_bench_network.py::test_quick_bandwidth_limit_the_exchange_waits_for_the_link": "a third quick "
-    "mode of bench_network",
+    **{f"tests/test_bench_network.py::test_quick_{name}": "bench_network's quick modes (its summaries, the "
+       "latency model's column and the async summaries: the file's unit tests; the async schedule itself: "
+       "tests/test_async_driver.py)"
+       for name in ("straggler", "lognormal", "bandwidth")},
+    "tests/test_elastic.py::test_killed_job_resumed_by_the_survivor_trains_to_the_end[recreate": "recreate "
+    "through the command line (drop and grow stay, and recreate from inside an overlap window)",
+    "tests/test_checkpoint.py::test_restore_onto_fewer_devices_continues_the_same_run": "training on after "
+    "a restore onto fewer devices (the restore: test_restore_onto_two_devices_is_bitwise; several replicas "
+    "per device: tests/test_train.py's simulator test)",
+    "tests/test_compression.py::test_coded_mesh_and_simulator_paths_agree_bitwise[topk": "top-k's mesh path "
+    "against the simulator (int4's stays, and top-k's round against NumPy)",
     "tests/test_overlap.py::test_bench_overlap_quick_mode_reports_both_settings": "bench_overlap's quick mode "
     "(overlap's behaviour: the rest of test_overlap.py)",
     "tests/test_bench_mfu.py::test_bench_prints_the_fields_on_a_tiny_model": "bench_mfu end to end (its "

@@ -9,6 +9,7 @@ order across processes (≈ 6e-8 relative). The NoLoCo state itself only moves t
 the weights are bitwise equal.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -240,9 +241,9 @@ def test_start_up_problems_before_jax_distributed_are_one_line(monkeypatch, caps
   import socket  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv("NOLOCO_NUM_PROCESSES", "two")
-  flag_values = types.SimpleNamespace(**{f: None for f in ("distributed", "coordinator_address", "num_processes",
-                                                            "process_id", "heartbeat_timeout_s",
-                                                            "initialization_timeout_s", "shutdown_timeout_s")})
+  # Every flag unset (main.py's flags, one per field of distributed.Options; `mode` is --distributed).
+  flag_values = types.SimpleNamespace(**{("distributed" if f.name == "mode" else f.name): None
+                                         for f in dataclasses.fields(distributed.Options)})
   with pytest.raises(SystemExit) as usage:
     distributed.options_from_flags(flag_values)
   assert usage.value.code == 2
