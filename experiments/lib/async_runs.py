@@ -14,7 +14,6 @@ one row per step with its end time).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -30,19 +29,8 @@ from noloco_jax.runtime import launch_local
 
 def read_traces(trace_dir: str, processes: int) -> list[list[dict]]:
   """Each process's trace rows so far (a partly written last line is left out)."""
-  out = []
-  for p in range(processes):
-    path = os.path.join(trace_dir, f"trace_{p}.jsonl")
-    rows = []
-    if os.path.exists(path):
-      with open(path) as f:
-        for line in f:
-          try:
-            rows.append(json.loads(line))
-          except json.JSONDecodeError:
-            break
-    out.append(rows)
-  return out
+  return [metrics_lib.read_jsonl(os.path.join(trace_dir, f"trace_{p}.jsonl"), missing_ok=True, skip_damaged=True)
+          for p in range(processes)]
 
 
 def origin(traces: list[list[dict]]) -> float | None:
@@ -77,7 +65,7 @@ def run_job(flags: list[str], processes: int, workdir: str, env: dict, stop: Cal
         p.kill()
   codes = [p.wait() for p in job.procs]
   process_dirs = [os.path.join(workdir, f"process_{p}") for p in range(processes)]
-  read = lambda path: metrics_lib.read_jsonl(path) if os.path.exists(path) else []
+  read = lambda path: metrics_lib.read_jsonl(path, missing_ok=True)
   return {"traces": read_traces(trace_dir, processes), "codes": codes,
           "rows": [read(os.path.join(d, "metrics.jsonl")) for p, d in enumerate(process_dirs)],
           "pairings": [read(os.path.join(d, f"pairings_{p}.jsonl")) for p, d in enumerate(process_dirs)],

@@ -21,19 +21,13 @@ import os
 import re
 import sys
 
+from noloco_jax.io import metrics as metrics_lib
+
 _PROCESS = re.compile(r"process_(\d+)$")
 
 
 def _jsonl(path: str) -> list[dict]:
-  rows = []
-  if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        try:
-          rows.append(json.loads(line))
-        except json.JSONDecodeError:
-          pass  # a line cut by a crash: the rows before it stand
-  return rows
+  return metrics_lib.read_jsonl(path, missing_ok=True, skip_damaged=True)  # a line cut by a crash is left out
 
 
 def processes(workdir: str) -> list[int]:

@@ -63,6 +63,20 @@ def make_writer(workdir: str, config=None) -> writers.MetricWriter:
   return writers.MultiWriter(chosen)
 
 
-def read_jsonl(path: str) -> list[dict]:
+def read_jsonl(path: str, *, missing_ok: bool = False, skip_damaged: bool = False) -> list[dict]:
+  """The rows of a JSONL log. `missing_ok`: no file (yet) is no rows. `skip_damaged`: a line that is not
+  JSON is left out instead of raising — the last line of a log being written, or one cut by a crash
+  (the rows before and after it stand)."""
+  if missing_ok and not os.path.exists(path):
+    return []
+  rows = []
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    for line in f:
+      if not line.strip():
+        continue
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        if not skip_damaged:
+          raise
+  return rows
