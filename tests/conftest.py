@@ -25,8 +25,9 @@ EXHAUSTIVE = {
        "latency model's column and the async summaries: the file's unit tests; the async schedule itself: "
        "tests/test_async_driver.py)"
        for name in ("straggler", "lognormal", "bandwidth")},
-    "tests/test_elastic.py::test_killed_job_resumed_by_the_survivor_trains_to_the_end[recreate": "recreate "
-    "through the command line (drop and grow stay, and recreate from inside an overlap window)",
+    **{f"tests/test_elastic.py::test_killed_job_resumed_by_the_survivor_trains_to_the_end[{mode}": f"{mode} "
+       "after a killed job, through the command line (grow stays, and drop and recreate from inside an "
+       "overlap window)" for mode in ("drop", "recreate")},
     "tests/test_checkpoint.py::test_restore_onto_fewer_devices_continues_the_same_run": "training on after "
     "a restore onto fewer devices (the restore: test_restore_onto_two_devices_is_bitwise; several replicas "
     "per device: tests/test_train.py's simulator test)",

@@ -66,9 +66,10 @@ def test_greedy_decoding_equals_the_argmax_of_the_model_on_the_whole_prefix_with
   prompt = [3, 7, 11, 2, 5]
   got = sample.generate(model, params, prompt, length=14, temperature=0.0)  # 19 tokens > 16: the window slides
   seq = list(prompt)
+  apply = jax.jit(model.apply)  # the model on each whole window (one compile per window length, not op by op)
   for _ in range(14):
     window = np.asarray(seq[-16:], np.int32)[None]
-    seq.append(int(np.argmax(np.asarray(model.apply(params, window))[0, -1])))
+    seq.append(int(np.argmax(np.asarray(apply(params, window))[0, -1])))
   assert got.tolist() == [seq[len(prompt):]]
 
 

@@ -53,7 +53,10 @@ def _check_against_exact(mc, exact, rounds_to_check):
     for j, (a, b) in enumerate([(0, 0), (0, 1), (1, 1)]):
       mean = mc[t, j].mean()
       se = mc[t, j].std(ddof=1) / np.sqrt(TRIALS)
-      assert abs(mean - exact[t, a, b]) <= 4 * se + 1e-6 * abs(exact[t, a, b]), (t, (a, b), mean, exact[t, a, b], se)
+      # Beside the sampling error, float32 round-off of a few ulps of the moments' own scale: an entry
+      # that is exactly 0 (α = 0 makes φ and δ uncorrelated) is estimated from products of O(1) values.
+      rounding = 1e-6 * np.abs(exact[t]).max()
+      assert abs(mean - exact[t, a, b]) <= 4 * se + rounding, (t, (a, b), mean, exact[t, a, b], se)
 
 
 @pytest.mark.parametrize("alpha,gamma,group_size", [(0.5, 0.7, 2), (0.9, 0.3, 2), (0.9, 0.7, 4)])
