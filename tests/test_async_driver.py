@@ -137,6 +137,24 @@ def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit():
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_the_message_program_reads_theta_and_phi_and_writes_the_message_once():
+  """Bytes the driver's message program reads and writes (XLA's cost analysis) in model copies: c from θ and φ
+  (3) and the norm ‖φ − θ‖ (2). It donates the state it returns (undonated, XLA copied every leaf: 17) and
+  returns the float32 payload once, as the own term too."""
+  from noloco_jax.outer import rounds as rounds_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.tools import hlo as hlo_lib  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 2, "model.d_model": 256}))
+  local = build_lib.build(job_lib.process_config(cfg))
+  driver = AsyncRounds(local, _Process(0))
+  state = rounds_lib.abstract(local.init_state())
+  _, own, payload, _ = jax.eval_shape(driver._message_fn, state)  # pylint: disable=protected-access
+  assert own is None and jax.tree.structure(payload) == jax.tree.structure(state.params)
+  compiled = driver._message_fn.lower(state).compile()  # pylint: disable=protected-access
+  copies = hlo_lib.bytes_accessed(compiled) / methods.tree_bytes(state.params)
+  assert 5 - 0.05 <= copies <= 5 + 0.05, copies
+  assert hlo_lib.parameter_copies(compiled.as_text()) == 0
+
+
 # ---- On real processes ----
 
 

@@ -39,3 +39,15 @@ def test_stablehlo_permute_bytes():
   text = ('%0 = "stablehlo.collective_permute"(%arg0) <{source_target_pairs = dense<[[0, 1]]> : tensor<1x2xi64>}> '
           ': (tensor<1x17xbf16>) -> tensor<1x17xbf16>')
   assert hlo.stablehlo_collective_bytes(text) == 34
+
+
+def test_parameter_copies_counts_copied_parameters_only():
+  text = """ENTRY %main (p.0: f32[4], p.1: f32[2]) -> (f32[4], f32[4], f32[2]) {
+  %p.0 = f32[4]{0} parameter(0)
+  %p.1 = f32[2]{0} parameter(1)
+  %add = f32[4]{0} add(%p.0, %p.0)
+  %copy = f32[4]{0} copy(%add)
+  %copy.1 = f32[2]{0} copy(%p.1)
+  ROOT %tuple = (f32[4]{0}, f32[4]{0}, f32[2]{0}) tuple(%add, %copy, %copy.1)
+}"""
+  assert hlo.parameter_copies(text) == 8  # p.1 copied (2 × f32); the copy of a computed value is not

@@ -178,9 +178,10 @@ def test_send_then_merge_with_no_steps_between_and_mix_0_is_the_plain_round_bitw
   plain, _ = rounds_lib.make_round_fn(method, mesh, key)(make(), route)
   programs = rounds_lib.SplitPrograms(method, mesh, schedule, mix=0.0)
   state = make()
-  own_struct, payload_struct = programs.message_structs(rounds_lib.abstract(state))
-  state, own, payload, _ = programs.message(state)
-  mean = programs.build_exchange(key)(own, payload, route)
+  programs.message_structs(rounds_lib.abstract(state))
+  state, sent, _ = programs.message(state)
+  assert len(sent) == 1  # the float32 payload is the own term: sent once, read as both
+  mean = programs.build_exchange(key)(*sent, route)
   split = programs.merge(state.replace(outer={**state.outer, "inflight": mean}))
   pick = lambda s: (s.params, s.outer["slow"], s.outer["momentum"])  # the in-flight buffer: the plain round's is unused
   for a, b in zip(jax.tree.leaves(pick(plain)), jax.tree.leaves(pick(split))):
@@ -197,8 +198,9 @@ def test_overlapped_send_moves_the_bytes_counted_per_round(message_dtype):
   key, route = programs.plan(0)
   state = jax.device_put(TrainState(step=np.zeros(N, np.int32), params=params, opt_state=(),
                                     outer=method.init(params)), mesh_lib.replica_sharding(mesh))
-  own, payload = programs.message_structs(rounds_lib.abstract(state))
-  lowered = programs.build_exchange(key).lower(own, payload, route)
+  sent = programs.message_structs(rounds_lib.abstract(state))
+  assert len(sent) == (1 if message_dtype == "float32" else 2)  # a bfloat16 payload is not the own term
+  lowered = programs.build_exchange(key).lower(*sent, route)
   hlo = lowered.compile().as_text()
   counted = method.bytes_per_round(jax.tree.map(lambda x: x[0], params))
   itemsize = 2 if message_dtype == "bfloat16" else 4

@@ -75,6 +75,11 @@ class RoundParts:
   # (states_k, mean_k, mix) -> states_k: the rule. mix None: θ ← φ (the round at once); else the delayed
   # merge θ ← mix·θ_local + (1 − mix)·φ_new (docs/method.md §13).
   merge: Callable
+  # Whether the payload is the own term itself, bit for bit (the plain codec in float32: its cast is the
+  # identity). A program that would hand on both (streaming overlap's message, outer/rounds.SplitPrograms)
+  # then hands on the payload alone: XLA gives every output its own buffer, so the same values returned
+  # twice cost a copy (two model copies of memory traffic a round, read and written).
+  own_is_payload: bool = False
 
   def make_exchange(self, pool, num_devices: int) -> Callable:
     """exchange(own_k, payload_k, route) -> mean_G(c)_k: the routes and `combine` in one program."""
@@ -209,7 +214,9 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, codec, kin
                                      outer[INFLIGHT], outer["slow"])
     return params, outer
 
-  parts = RoundParts(message=message, own=own, make_routes=make_routes, combine=combine, merge=merge)
+  own_is_payload = isinstance(codec, exchange.PlainCodec) and jnp.dtype(codec.dtype) == jnp.float32
+  parts = RoundParts(message=message, own=own, make_routes=make_routes, combine=combine, merge=merge,
+                     own_is_payload=own_is_payload)
   return OuterMethod(
       kind=kind, has_rounds=True, uses_pairing=True, init=init, reduce_grads=None, make_round=round_of(parts),
       bytes_per_round=lambda params: (group_size - 1) * codec.payload_bytes(params),

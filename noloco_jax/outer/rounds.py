@@ -268,7 +268,13 @@ class Rounds:
 class SplitPrograms:
   """The three programs of a round given in parts (methods.RoundParts): message, exchange (one per
   grouping key), and merge, which reads the group mean from the state's in-flight buffer
-  (methods.INFLIGHT) and mixes θ with the overlap's λ."""
+  (methods.INFLIGHT) and mixes θ with the overlap's λ.
+
+      message(state) -> (state, sent, metrics)   sent: what the exchange reads, (own, payload), or
+                                                 (payload,) when the payload is the own term bit for bit
+      exchange[key](*sent, route) -> mean_G(c)   one per grouping key; donates sent[0]
+      merge(state) -> state
+  """
 
   def __init__(self, method: OuterMethod, mesh, schedule, state_shardings=None, mix: float | None = None):
     parts = method.parts
@@ -276,12 +282,19 @@ class SplitPrograms:
       raise ValueError(f"outer.kind={method.kind!r} has no round in parts (noloco and gossip do).")
     self._parts, self._mesh, self.schedule = parts, mesh, schedule
     self._state_sh = state_shardings
+
+    def message(states):
+      states, own, payload, metrics = parts.message(states)
+      # The plain float32 codec's payload is the own term itself: sent once, the exchange reads it as
+      # both (the same values, so the same group mean bit for bit), and the message program writes one
+      # model copy instead of two (XLA would copy it into a second output buffer).
+      return states, ((payload,) if parts.own_is_payload else (own, payload)), metrics
+
     replicas = mesh_lib.replica_sharding(mesh)
-    message_local = mesh_lib.replica_map(parts.message, mesh, in_specs=(P(REPLICA),),
-                                         out_specs=(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA)))
+    message_local = mesh_lib.replica_map(message, mesh, in_specs=(P(REPLICA),),
+                                         out_specs=(P(REPLICA), P(REPLICA), P(REPLICA)))
     merge_local = mesh_lib.replica_map(lambda s: (parts.merge(s, s.outer[methods.INFLIGHT], mix),), mesh,
                                        in_specs=(P(REPLICA),), out_specs=(P(REPLICA),))
-    self._message_local = message_local
     # `message` donates the state and returns it (only the codec's residual changes), so the next inner
     # step takes it without a copy. `merge` donates the state too.
     self._message_sharded = _outer_on_device(message_local, state_shardings)
@@ -290,35 +303,43 @@ class SplitPrograms:
     self.merge = jax.jit(lambda s: _outer_on_device(merge_local, state_shardings)(s)[0], donate_argnums=0,
                          out_shardings=state_shardings)
 
-  def message_structs(self, abstract_state) -> tuple[Any, Any]:
-    """Jits the message program for this state and returns its (own, payload) ShapeDtypeStructs with
-    shardings: the exchange programs' arguments. The own float32 term lives where θ does (split over fsdp
-    like θ); so does a payload of θ's shapes (the plain codec's cast), while a compressed payload (chunks
-    of flattened leaves) is split over `replica` only."""
-    _, own, payload, _ = jax.eval_shape(self._message_sharded, abstract_state)
+  def message_structs(self, abstract_state) -> tuple:
+    """Jits the message program for this state and returns the ShapeDtypeStructs, with shardings, of what
+    it sends: (own, payload) or (payload,) (the exchange programs' arguments). The own float32 term lives
+    where θ does (split over fsdp like θ); so does a payload of θ's shapes (the plain codec's cast), while a
+    compressed payload (chunks of flattened leaves) is split over `replica` only."""
+    _, sent, _ = jax.eval_shape(self._message_sharded, abstract_state)
     params_sh = (self._state_sh.params if self._state_sh is not None else
                  jax.tree.map(lambda _: self._replicas, abstract_state.params))
-    payload_sh = _payload_shardings(payload, own, params_sh, self._replicas)
-    self.message = jax.jit(self._message_sharded, donate_argnums=0,
-                           out_shardings=(self._state_sh, params_sh, payload_sh, self._replicas))
+    payload_sh = _payload_shardings(sent[-1], abstract_state.params, params_sh, self._replicas)
+    sent_sh = (payload_sh,) if len(sent) == 1 else (params_sh, payload_sh)
+    # Every output's layout is given, the state's too (its home, or split over `replica` as a hand-built
+    # state is): JAX gives a donated buffer to the first output of its shape and layout, so a state left
+    # unplaced would lose θ's buffers to a payload of θ's shapes, and XLA would copy every leaf over.
+    state_sh = (self._state_sh if self._state_sh is not None else
+                jax.tree.map(lambda _: self._replicas, abstract_state))
+    self.message = jax.jit(self._message_sharded, donate_argnums=0, out_shardings=(state_sh, sent_sh, self._replicas))
     self._params_sh = params_sh
-    return _with_shardings(own, params_sh), _with_shardings(payload, payload_sh)
+    return tuple(_with_shardings(x, sh) for x, sh in zip(sent, sent_sh))
 
   def plan(self, round_: int) -> tuple[Any, np.ndarray]:
     """(program key, route) of round `round_`, as Rounds.plan."""
     return self.schedule.plan(round_, self._mesh.shape[REPLICA])
 
   def build_exchange(self, key) -> Callable:
-    """jitted (own [N, ...] float32, payload, route) -> mean_G(c) for the groupings of `key`; donates `own`."""
-    exchange_local = self._parts.make_exchange(key, self._mesh.shape[REPLICA])
-    sharded = mesh_lib.replica_map(exchange_local, self._mesh, in_specs=(P(REPLICA), P(REPLICA), P()),
-                                   out_specs=P(REPLICA))
+    """jitted (*sent, route) -> mean_G(c) for the groupings of `key` (sent: `message_structs`); donates
+    sent[0], the own float32 term (or the payload that is it), whose buffer the mean takes."""
+    exchange = self._parts.make_exchange(key, self._mesh.shape[REPLICA])
+    single = self._parts.own_is_payload
+    exchange_local = (lambda payload, route: exchange(payload, payload, route)) if single else exchange
+    sent_specs = (P(REPLICA),) if single else (P(REPLICA), P(REPLICA))
+    sharded = mesh_lib.replica_map(exchange_local, self._mesh, in_specs=(*sent_specs, P()), out_specs=P(REPLICA))
     return jax.jit(sharded, donate_argnums=0, out_shardings=self._params_sh)
 
-  def ahead(self, message_structs, last_round: int | None = None) -> ahead_lib.RoundPrograms:
-    """Exchange programs compiled one round ahead (outer/ahead.py), for the message program's (own,
-    payload) outputs (`message_structs`); none for a round after `last_round`."""
-    own, payload = message_structs
+  def ahead(self, sent_structs, last_round: int | None = None) -> ahead_lib.RoundPrograms:
+    """Exchange programs compiled one round ahead (outer/ahead.py), for the message program's outputs
+    (`message_structs`); none for a round after `last_round`."""
     return ahead_lib.RoundPrograms(
-        self.plan, lambda key: self.build_exchange(key).lower(own, payload, route_struct(self.schedule, key, self._mesh)),
+        self.plan,
+        lambda key: self.build_exchange(key).lower(*sent_structs, route_struct(self.schedule, key, self._mesh)),
         last_round=last_round)

@@ -107,6 +107,27 @@ def bytes_accessed(compiled) -> float:
   return float((cost or {}).get("bytes accessed", 0.0))
 
 
+def parameter_copies(hlo_text: str) -> int:
+  """Bytes of the program's parameters that it copies (`copy` instructions of the entry computation whose
+  operand is an entry parameter): buffers XLA could not update in place, typically a donated input still
+  read after the output that reuses its buffer is written. Each costs its bytes twice in `bytes_accessed`
+  (read and written) for no arithmetic. Copies of computed values (a value returned as two outputs, such as
+  θ ← φ) are not counted: every output has a buffer of its own."""
+  entry = hlo_text[hlo_text.index("ENTRY"):] if "ENTRY" in hlo_text else hlo_text
+  opcode, total = {}, 0
+  for line in entry.splitlines():
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name, shape, op = m.groups()
+    opcode[name.lstrip("%")] = op
+    if op == "copy":
+      operand = re.findall(r"%?([\w.\-]+)", _operand_text(line, m.end() - 1))
+      if operand and opcode.get(operand[0]) == "parameter":
+        total += shape_bytes(shape)
+  return total
+
+
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 

@@ -105,12 +105,13 @@ class OverlappedRounds(RoundDriver):
   def _send(self, run, step: int) -> None:
     if self.sent_at:
       raise RuntimeError(f"step {step}: the exchange sent at step {self.sent_at} has not been merged.")
-    run.state, own, payload, round_metrics = self._local.get("message")(run.state)
+    # `sent`: (own, payload), or the payload alone when it is the own term (rounds.SplitPrograms).
+    run.state, sent, round_metrics = self._local.get("message")(run.state)
     exchange_fn, route = self._exchanges.program(run.loop.round)  # also announces the next round's
     if self._executor is not None:
-      self._pending = self._executor.submit(exchange_fn, own, payload, route)
+      self._pending = self._executor.submit(exchange_fn, *sent, route)
     else:
-      self._pending = exchange_fn(own, payload, route)
+      self._pending = exchange_fn(*sent, route)
     self.sent_at = run.loop.inflight_step = step
     run.loop.add_round(step, round_metrics, self._traffic, applied=False)
 
