@@ -52,6 +52,15 @@ def _operand_text(line: str, start: int) -> str:
   return line[start + 1:]
 
 
+def _instructions(hlo_text: str):
+  """(name without %, result shape, opcode, operand text) of each instruction line of HLO text."""
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m:
+      name, shape, opcode = m.groups()
+      yield name.lstrip("%"), shape, opcode, _operand_text(line, m.end() - 1)
+
+
 def collective_ops(hlo_text: str, op: str) -> list[int]:
   """Operand bytes of each `op` instruction (or `op-start`) in optimized HLO text, in program order.
 
@@ -60,14 +69,10 @@ def collective_ops(hlo_text: str, op: str) -> list[int]:
   printed with their shape (older printers) are read directly.
   """
   result_shape, found = {}, []
-  for line in hlo_text.splitlines():
-    m = _INSTRUCTION.match(line)
-    if not m:
-      continue
-    name, shape, opcode = m.groups()
-    result_shape[name.lstrip("%")] = shape
+  for name, shape, opcode, operands in _instructions(hlo_text):
+    result_shape[name] = shape
     if opcode in (op, op + "-start"):
-      found.append(_operand_text(line, m.end() - 1))
+      found.append(operands)
   sizes = []
   for operands in found:
     if _SHAPE.search(operands):
@@ -115,14 +120,10 @@ def parameter_copies(hlo_text: str) -> int:
   θ ← φ) are not counted: every output has a buffer of its own."""
   entry = hlo_text[hlo_text.index("ENTRY"):] if "ENTRY" in hlo_text else hlo_text
   opcode, total = {}, 0
-  for line in entry.splitlines():
-    m = _INSTRUCTION.match(line)
-    if not m:
-      continue
-    name, shape, op = m.groups()
-    opcode[name.lstrip("%")] = op
+  for name, shape, op, operands in _instructions(entry):
+    opcode[name] = op
     if op == "copy":
-      operand = re.findall(r"%?([\w.\-]+)", _operand_text(line, m.end() - 1))
+      operand = re.findall(r"%?([\w.\-]+)", operands)
       if operand and opcode.get(operand[0]) == "parameter":
         total += shape_bytes(shape)
   return total
