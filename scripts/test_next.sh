@@ -13,10 +13,7 @@ trap 'rm -rf "$SMOKE_DIR"' EXIT
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$SMOKE_DIR/jax_cache}"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
 python -m noloco_jax.main --config=configs/default.py:smoke --workdir="$SMOKE_DIR/smoke" 2>&1 | tail -n 9
-# The tests compile at XLA:CPU's backend optimisation level 0 (LLVM's cheapest passes): compiling is most
-# of a test's time here, and level 0 compiles about 40% faster (a cold smoke run: 22 s -> 16 s). The code is
-# the same arithmetic, but some transcendental functions round differently in the last bit, so the golden
-# test (tests/test_golden.py) runs its smoke job at the default level, as a user's run compiles.
+# Compiled at XLA:CPU's optimisation level 0, as in scripts/test.sh (which says why).
 export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_backend_optimization_level=${NOLOCO_TEST_XLA_OPT_LEVEL:-0}"
 python -m pytest -n "${NOLOCO_TEST_WORKERS:-2}" --dist loadfile --durations=5 \
   tests/test_outer.py tests/test_inner.py tests/test_model.py tests/test_model_interface.py tests/test_losses.py \
