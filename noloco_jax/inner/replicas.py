@@ -4,7 +4,8 @@
                 replica axis (k times larger matmuls, softmaxes, Adam passes).
     sequential  `jax.lax.map`: a loop inside the same compiled program, whose body is ONE replica's
                 computation at the one-replica shapes. Each replica's result equals what the plain
-                single-replica program computes, to float32 rounding (tests/test_inner.py).
+                single-replica program computes, to float32 rounding (tests/test_inner.py). The inner
+                step loops only over the gradient and vmaps the optimizer update (inner/step.py).
     auto        `sequential` on CPU, `vmap` on every other backend (GPU, TPU), when k > 1.
 
 With one replica per device (k = 1, e.g. the default job: 8 replicas on 8 devices) both are the same
@@ -14,15 +15,15 @@ this choice existed.
 Why `auto` loops on CPU (measured; experiments/RESULTS.md, "Replicas that vmap well"): on XLA:CPU the
 vmapped step of 8 tiny-Llama replicas on one device runs at 0.55-0.66 of the throughput of 8
 separate single-replica steps (issue 26 traced most of the loss to attention under vmap). The loop
-needs no operation to vmap well: its body is the one-replica program, and it runs at about the
-throughput of the k separate calls (0.86-1.06 wall-clock, 0.95-1.03 in CPU time, on a loaded 2-core
-machine), 1.4-1.5x vmap's.
+needs no operation to vmap well: its body is one replica's forward and backward, and the step runs at
+1.02-1.03x the throughput of the k separate calls on a quiet 2-core machine (1.10x vmap's; 1.4-1.5x
+vmap's on a loaded one).
 
 Why `auto` batches elsewhere (expected, NOT measured: no GPU was available): an accelerator is fed by
 few large kernels, and a small replica's kernels leave most of it idle; vmap gives each kernel k times
 the work. A loop also serialises the replicas on the device. Its one advantage there is memory: the
 loop holds one replica's activations at a time, vmap k replicas' (set `sequential` when k replicas'
-activations do not fit).
+activations do not fit; both hold the k replicas' gradients at once, for the batched update).
 """
 
 from __future__ import annotations

@@ -104,23 +104,20 @@ def make_inner_step(loss_of, optimizer: optax.GradientTransformation,
   """Returns step(states_k, batches_k) -> (states_k, metrics) over the k replicas of one device.
 
   `microbatches` > 1 accumulates each replica's gradient over that many slices of its batch.
-  `replica_map` is a resolved mode of inner/replicas.py (`vmap` or `sequential`). A `sequential` step
-  without `reduce_grads` loops over each replica's whole step (gradient and update in one body: the
-  single-replica step itself); otherwise gradients and updates are mapped apart, and `reduce_grads`
-  sees every local replica's gradients in between.
+  `replica_map` is a resolved mode of inner/replicas.py (`vmap` or `sequential`); it maps the gradient
+  (the model's forward and backward), the one part whose speed depends on it. The update is vmapped in
+  both modes: it is elementwise work plus one norm per replica, which batches at full speed, and in the
+  loop it would slice each replica's parameters and both Adam moments out of the stacked state and
+  write them back (three model copies in and out per replica; 9% of the loop's step on the tiny model,
+  experiments/RESULTS.md). `reduce_grads` sits between the two: the data-parallel baseline averages
+  gradients across replicas there; every other method passes None and the step stays free of
+  communication.
   """
-
-  def one_replica(state, batch):
-    loss, grads = accumulate_grads(state.params, batch, loss_of, microbatches)
-    return apply_grads(state, grads, optimizer), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-
   grads_k = replicas.over_replicas(lambda params, batch: accumulate_grads(params, batch, loss_of, microbatches),
                                    replica_map)
-  apply_k = replicas.over_replicas(lambda state, grads: apply_grads(state, grads, optimizer), replica_map)
+  apply_k = jax.vmap(lambda state, grads: apply_grads(state, grads, optimizer))
 
   def step(states: TrainState, batches_kxBxL1):
-    if replica_map == "sequential" and reduce_grads is None:
-      return replicas.over_replicas(one_replica, replica_map)(states, batches_kxBxL1)
     loss_k, grads = grads_k(states.params, batches_kxBxL1)
     grad_norm_k = jax.vmap(optax.tree.norm)(grads)
     if reduce_grads is not None:
