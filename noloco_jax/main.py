@@ -11,15 +11,14 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+# Only what defines and checks the command line is imported here (no JAX): a mistyped flag, config
+# field or value is answered in about 0.3 s. JAX and everything built on it are imported in main(),
+# once the config is known to be valid (tests/test_config.py pins that a bad command line imports no JAX).
 from noloco_jax.runtime import failures
 from noloco_jax import config as config_lib
-from noloco_jax.asynchronous import job as async_job
 from noloco_jax.config import cli
-from noloco_jax.runtime import distributed, peer_watch
-from noloco_jax.runtime import compile_cache, preemption
-from noloco_jax.tools import dryrun
-from noloco_jax import training
-from noloco_jax.training import build as build_lib
+from noloco_jax.outer import stability
+from noloco_jax.runtime import options as options_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for metrics, TensorBoard events, checkpoints and the config.")
@@ -33,7 +32,7 @@ flags.DEFINE_string("compile_cache", None, "Directory of JAX's persistent compil
                     "$NOLOCO_COMPILE_CACHE, else ~/.cache/noloco_jax/jax_compile_cache); '' or 'off' disables. "
                     "See noloco_jax/runtime/compile_cache.py.")
 flags.mark_flags_as_required(["config"])
-distributed.define_flags()
+options_lib.define_flags()
 
 
 def _fake_cpu_devices(num_replicas: int, multi_process: bool) -> None:
@@ -55,11 +54,17 @@ def main(argv):
   try:  # an invalid config is one line and exit status 2, before anything starts
     # Parsed and checked once: the schema, then NoLoCo's stability (α, γ, n, N) unless outer.allow_unstable.
     # Everything below receives this typed config (or its sections), never the ConfigDict.
-    config = build_lib.load_config(FLAGS.config)
+    # (training/build.py's load_config, without importing it: the schema, then the stability check.)
+    config = config_lib.load(FLAGS.config)
+    stability.check_config(config)
   except config_lib.ConfigError as e:
     cli.exit_usage(str(e))
   if not FLAGS.workdir and not FLAGS.dry_run:
     cli.exit_usage("--workdir is required (except with --dry_run).")
+  options = options_lib.options_from_flags(FLAGS)
+  # pylint: disable=g-import-not-at-top  (the command line is valid: now JAX and what is built on it)
+  from noloco_jax.runtime import compile_cache
+  from noloco_jax.tools import dryrun
   # A restarted job loads its compiled programs instead of compiling them again.
   cache_dir = compile_cache.enable(FLAGS.compile_cache)
   logging.info("Persistent compilation cache: %s", cache_dir or "off")
@@ -71,8 +76,9 @@ def main(argv):
     except dryrun.DoesNotFit as e:
       raise SystemExit(f"noloco_jax dry run: {e}") from None
     return
+  from noloco_jax import training
+  from noloco_jax.runtime import distributed, peer_watch, preemption
   # Before anything starts JAX's backends: jax.distributed must come first.
-  options = distributed.options_from_flags(FLAGS)
   if config.outer.schedule == "async":
     return _run_async_process(config, options)
   multi_process = distributed.initialize(options)
@@ -100,6 +106,10 @@ def _run_async_process(config, options) -> None:
   """One process of an asynchronous job: a JAX program of its own on the job's control plane, trained in
   WORKDIR/process_<i> (noloco_jax/asynchronous/job.py says why). The process hosting the coordination
   service stays until the others have left: its exit would end them."""
+  # pylint: disable=g-import-not-at-top  (see the imports at the top)
+  from noloco_jax import training
+  from noloco_jax.asynchronous import job as async_job
+  from noloco_jax.runtime import distributed, preemption
   address, count, pid = distributed.process_coordinates(options)
   try:
     process = async_job.start(config, address, count, pid, heartbeat_timeout_s=options.heartbeat_timeout_s,

@@ -25,14 +25,12 @@ hangs on a dead process for longer than about heartbeat_timeout_s.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
 import os
 import socket
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,88 +40,15 @@ from noloco_jax.config import cli
 from noloco_jax.runtime import job_checks
 from noloco_jax.runtime import peer_watch
 from noloco_jax.runtime import failures
+from noloco_jax.runtime.options import ENV, MODES, Options  # pylint: disable=unused-import  (re-exported)
+from noloco_jax.runtime.options import define_flags, options_from_flags, resolve_options  # pylint: disable=unused-import
 from noloco_jax.parallel import mesh as mesh_lib
 
-ENV = {
-    "mode": "NOLOCO_DISTRIBUTED",
-    "coordinator_address": "NOLOCO_COORDINATOR_ADDRESS",
-    "num_processes": "NOLOCO_NUM_PROCESSES",
-    "process_id": "NOLOCO_PROCESS_ID",
-    "heartbeat_timeout_s": "NOLOCO_HEARTBEAT_TIMEOUT_S",
-    "initialization_timeout_s": "NOLOCO_INITIALIZATION_TIMEOUT_S",
-    "shutdown_timeout_s": "NOLOCO_SHUTDOWN_TIMEOUT_S",
-    "standalone_service": "NOLOCO_STANDALONE_SERVICE",
-}
-MODES = ("auto", "on", "off")
 PEER_WATCH_GRACE_S = 5.0  # after a failed collective, how long the peer watch may take to name a dead peer
 
 
 class ConsistencyError(failures.ReportedError, RuntimeError):
   """The processes of one job disagree (config, seed, layout), or replicas start from different states."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-  mode: str = "auto"
-  coordinator_address: str | None = None  # "host:port" of process 0's coordinator service
-  num_processes: int | None = None
-  process_id: int | None = None
-  # A process that sends no heartbeat for this long is declared dead and the job is ended
-  # (JAX's default is 100 s; shorter here so a lost process ends the job sooner).
-  heartbeat_timeout_s: int = 60
-  initialization_timeout_s: int = 300  # how long processes wait for each other at start-up
-  shutdown_timeout_s: int = 120  # how long a finished process waits for the others at exit
-  # The asynchronous schedule (docs/async.md): the coordination service runs in a process of its own
-  # (python -m noloco_jax.asynchronous.control --port=PORT) at coordinator_address, not in process 0.
-  standalone_service: int = 0
-
-
-def define_flags() -> None:
-  """Registers the flags above on absl's FLAGS (called once by noloco_jax.main)."""
-  from absl import flags
-  flags.DEFINE_enum("distributed", None, MODES, f"Multi-process job: auto | on | off ({ENV['mode']}; default auto).")
-  flags.DEFINE_string("coordinator_address", None, f"host:port of process 0 ({ENV['coordinator_address']}).")
-  flags.DEFINE_integer("num_processes", None, f"Processes in the job ({ENV['num_processes']}).")
-  flags.DEFINE_integer("process_id", None, f"This process's index, 0 … num_processes−1 ({ENV['process_id']}).")
-  flags.DEFINE_integer("heartbeat_timeout_s", None, f"Seconds before a silent process is declared dead "
-                       f"({ENV['heartbeat_timeout_s']}; default {Options.heartbeat_timeout_s}).")
-  flags.DEFINE_integer("initialization_timeout_s", None, f"Seconds to wait for all processes at start-up "
-                       f"({ENV['initialization_timeout_s']}; default {Options.initialization_timeout_s}).")
-  flags.DEFINE_integer("shutdown_timeout_s", None, f"Seconds a finished process waits for the others "
-                       f"({ENV['shutdown_timeout_s']}; default {Options.shutdown_timeout_s}).")
-  flags.DEFINE_integer("standalone_service", None, "outer.schedule='async': 1 = the coordination service runs in "
-                       "a process of its own at --coordinator_address (python -m noloco_jax.asynchronous.control "
-                       f"--port=PORT --num_processes=P), so that process 0 may die like any other "
-                       f"({ENV['standalone_service']}; default 0).")
-
-
-def resolve_options(environ=None, **given) -> Options:
-  """Options from explicit values (None = not given), then NOLOCO_* environment variables, then defaults."""
-  environ = os.environ if environ is None else environ
-  values: dict[str, Any] = {}
-  for field in dataclasses.fields(Options):
-    value = given.get(field.name)
-    if value is None and environ.get(ENV[field.name], "") != "":
-      raw = environ[ENV[field.name]]
-      try:
-        value = raw if field.name in ("mode", "coordinator_address") else int(raw)
-      except ValueError:
-        raise ValueError(f"{ENV[field.name]}={raw!r} is not valid: an integer is needed.") from None
-    if value is not None:
-      values[field.name] = value
-  options = Options(**values)
-  if options.mode not in MODES:
-    raise ValueError(f"distributed mode {options.mode!r} is not valid; choose one of {MODES}.")
-  return options
-
-
-def options_from_flags(flag_values) -> Options:
-  """main.py's options; an invalid value (e.g. NOLOCO_NUM_PROCESSES=two) is one line and exit status 2."""
-  try:
-    return resolve_options(**{f.name: getattr(flag_values, "distributed" if f.name == "mode" else f.name)
-                              for f in dataclasses.fields(Options)})
-  except ValueError as e:
-    cli.exit_usage(str(e))
 
 
 def process_coordinates(options: Options) -> tuple[str, int, int]:
