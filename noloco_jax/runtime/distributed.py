@@ -25,6 +25,7 @@ hangs on a dead process for longer than about heartbeat_timeout_s.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -43,6 +44,7 @@ from noloco_jax.runtime import failures
 from noloco_jax.runtime.options import ENV, MODES, Options  # pylint: disable=unused-import  (re-exported)
 from noloco_jax.runtime.options import define_flags, options_from_flags, resolve_options  # pylint: disable=unused-import
 from noloco_jax.parallel import mesh as mesh_lib
+from noloco_jax.parallel import sharding as sharding_lib
 
 PEER_WATCH_GRACE_S = 5.0  # after a failed collective, how long the peer watch may take to name a dead peer
 
@@ -268,27 +270,26 @@ def _leaf_checksums(x_NxD: jax.Array) -> jax.Array:
   return jnp.stack([jnp.sum(words * w1, axis=1), jnp.sum(words * w2, axis=1)], axis=1)
 
 
+@functools.cache
+def replica_checksum_fn(mesh):
+  """Jitted state -> [N, 2] uint32: a checksum of every replica's full state (all leaves, optimizer
+  counters included), replicated so that every process reads every replica's sums.
+
+  One function per mesh for the start-up check below and every checkpoint's checksums
+  (io/checkpoint/checksum.py): the same program, compiled once a run; a save compiles nothing.
+  """
+  def checksum(state):
+    state = sharding_lib.device_view(state)  # φ, δ may live in host memory (outer.offload)
+    terms = [_leaf_checksums(x) * jnp.uint32(2 * j + 1) for j, x in enumerate(jax.tree.leaves(state))]
+    return functools.reduce(jnp.add, terms)
+
+  # Each device sums its own replicas; the [N, 2] result is replicated (one tiny all-gather).
+  return jax.jit(checksum, out_shardings=mesh_lib.replicated(mesh))
+
+
 def replica_checksums(mesh, state) -> np.ndarray:
-  """[N, 2] uint32: a checksum of every replica's full state (all leaves, optimizer counters included)."""
-
-  # Leaves kept in host memory between rounds (outer.offload) are brought to device memory first:
-  # arithmetic runs on the devices. Leaves already there are left alone (moves = None).
-  default_kind = mesh.devices.flat[0].default_memory().kind
-  moves = [x.sharding.with_memory_kind(default_kind)
-           if getattr(x.sharding, "memory_kind", None) not in (None, default_kind) else None
-           for x in jax.tree.leaves(state)]
-
-  def checksum(tree):
-    total = None
-    leaves = [x if m is None else jax.device_put(x, m) for x, m in zip(jax.tree.leaves(tree), moves)]
-    for j, leaf in enumerate(leaves):
-      term = _leaf_checksums(leaf) * jnp.uint32(2 * j + 1)
-      total = term if total is None else total + term
-    return total
-
-  # Each device sums its own replicas; the [N, 2] result is replicated so that every process can read
-  # every replica's checksum (one tiny all-gather, once per run).
-  return np.asarray(jax.jit(checksum, out_shardings=mesh_lib.replicated(mesh))(state))
+  """[N, 2] uint32: a checksum of every replica's full state (`replica_checksum_fn`)."""
+  return np.asarray(replica_checksum_fn(mesh)(state))
 
 
 def log_layout(config, mesh) -> None:

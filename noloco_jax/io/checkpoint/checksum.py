@@ -6,8 +6,9 @@ item therefore carries one checksum per replica of the whole state (every leaf, 
 computed from the arrays being saved; restore computes it again from the arrays read and treats a
 mismatch like any unreadable step (quarantined, the previous step taken, a warning).
 
-The per-leaf sums are those of the start-up check (runtime/distributed.py: changing any word of a
-replica's leaf changes them), combined over leaves with odd weights. They are computed on the
+The sums are the start-up check's, by the same jitted function (runtime/distributed.py's
+`replica_checksum_fn`: changing any word of a replica's leaf changes them), combined over leaves with
+odd weights. They are computed on the
 devices, each replica where it lives, layout-independent: a checkpoint restored onto another device
 or process count checks out. Cost: one jitted reduction per save, ~20 ms for the default job's 79 MB
 state on a 2-core CPU (experiments/RESULTS.md).
@@ -23,19 +24,12 @@ Checkpoints written before digests were stored (format /1) are read as they are.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from noloco_jax.inner.state import TrainState
 from noloco_jax.runtime import distributed
-from noloco_jax.parallel import mesh as mesh_lib
-from noloco_jax.parallel import sharding as sharding_lib
 
 
 class StateChecksumError(ValueError):
@@ -95,23 +89,9 @@ def verify_items(meta: dict, data_files: dict[str, Any], step: int, digests_requ
                               f"{item.get('process_index')} of {item.get('process_count')})")
 
 
-@functools.cache
-def _replica_checksum_fn(mesh):
-  """Jitted state → [N, 2] uint32, replicated so that every process reads every replica's sums.
-
-  Cached per mesh: a save must not compile anything.
-  """
-  def checksum(state):
-    state = sharding_lib.device_view(state)  # φ, δ may live in host memory (outer.offload)
-    terms = [distributed._leaf_checksums(x) * jnp.uint32(2 * j + 1)  # pylint: disable=protected-access
-             for j, x in enumerate(jax.tree.leaves(state))]
-    return functools.reduce(jnp.add, terms)
-  return jax.jit(checksum, out_shardings=mesh_lib.replicated(mesh))
-
-
 def state_checksums(state: TrainState, mesh) -> list[str]:
   """One hex checksum per replica of the whole state."""
-  return [row.tobytes().hex() for row in np.asarray(_replica_checksum_fn(mesh)(state))]
+  return [row.tobytes().hex() for row in distributed.replica_checksums(mesh, state)]
 
 
 def verify(meta: dict, state: TrainState, mesh) -> None:
