@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +28,19 @@ DEMO = "experiments.async_demo"
 def _jsonl(path):
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def _wait_for_event(out, slots, event, timeout_s):
+  """Until every process of `slots` has logged `event` (slot, name) in its membership_<slot>.jsonl."""
+  end = time.monotonic() + timeout_s
+  while True:
+    paths = {slot: os.path.join(out, f"membership_{slot}.jsonl") for slot in slots}
+    seen = {slot: [(e["slot"], e["event"]) for e in _jsonl(path) if "slot" in e] if os.path.exists(path) else []
+            for slot, path in paths.items()}
+    if all(event in events for events in seen.values()):
+      return
+    assert time.monotonic() < end, f"after {timeout_s} s, {event} not logged by every one of {slots}: {seen}"
+    time.sleep(0.5)
 
 
 def _result(out, slot):
@@ -87,6 +101,9 @@ def test_process_0_can_die_and_a_new_process_joins_through_a_reserved_slot(tmp_p
                              env=launch_local.process_env(3, 4, 1, port), capture_output=True, text=True, timeout=240)
     assert reserve.returncode == 0, reserve.stdout + reserve.stderr
     assert procs[0].wait(timeout=240) == -9, _logs(out)
+    # The survivors see process 0 lost (its lease, 4 s, runs out) before the newcomer comes: on a quiet
+    # machine the newcomer could join, run and finish (which ends the survivors) within the lease.
+    _wait_for_event(out, (1, 2), (0, "lost"), timeout_s=120)
     with open(os.path.join(out, "logs", "process_3.log"), "w") as log:
       new = subprocess.run([sys.executable, "-m", DEMO, *common, "--run_s", "3", "--join"],
                            env=launch_local.process_env(3, 4, 1, port), stdout=log, stderr=subprocess.STDOUT, timeout=240)
