@@ -323,7 +323,8 @@ def run_async(args, p: int, seed: int, faults: str, root: str, budget_s: float |
     tail = "".join(open(path).read()[-2000:] for path in run["log_paths"])
     raise RuntimeError(f"async P={p} failed {run['codes']}:\n{tail}")
   survivors = [q for q in range(p) if q not in killed]
-  out = async_runs.summarise(run, args.inner_steps, TOKENS_PER_STEP, survivors)
+  out = async_runs.summarise(run, args.inner_steps, TOKENS_PER_STEP, survivors,
+                             overlapped=args.async_overlap_steps > 0)
   out.update(processes_count=p, label=label, seed=seed, groups=None, killed=killed, survivors=survivors)
   step_times = _step_times(args, p, steps_cap)
   common = dict(window_s=args.match_window_s, max_wait_s=args.max_wait_s, until_s=out["measured_s"], seed=seed,

@@ -123,6 +123,11 @@ def test_async_summary_and_validation_loss_over_time():
   # Per round, from the second round on: in rounds 0 (process 0) and 0.1 s (process 1); waiting: the one
   # row after each process's first, process 1's skip.
   assert out["round_breakdown"]["round_s"] == pytest.approx(0.05) and out["round_breakdown"]["waiting_s"] == pytest.approx(0.1)
+  assert out["round_breakdown"]["other_s"] is not None and not out["round_breakdown"]["overlapped"]
+  # Rounds on their own thread: their waiting and exchange overlap the steps, so nothing is left to call
+  # "other" (subtracting them gave a negative time).
+  overlapped = async_runs.summarise(run, h, tokens_per_step=64, overlapped=True)["round_breakdown"]
+  assert overlapped["other_s"] is None and overlapped["round_s"] == pytest.approx(0.05)
   assert async_runs.origin(traces) == pytest.approx(10.2)  # both have finished their first step
   curves = async_runs.curves(run)
   assert [v for _, v in curves[0]] == [5.0, 4.0, 3.0] and [t for t, _ in curves[0]] == pytest.approx([-np.inf, 10.4, 10.8])

@@ -114,8 +114,12 @@ def time_of_tokens(traces: list[list[dict]], steps: int) -> float | None:
   return ends[steps - 1] if len(ends) >= steps else None
 
 
-def summarise(run: dict, inner_steps: int, tokens_per_step: int, processes: list[int] | None = None) -> dict:
+def summarise(run: dict, inner_steps: int, tokens_per_step: int, processes: list[int] | None = None,
+              overlapped: bool = False) -> dict:
   """bench_network.summarise's figures for an asynchronous job (`tokens_per_step`: one replica's).
+
+  `overlapped`: the job ran its rounds on their own thread (outer.overlap_steps > 0), so a round's
+  waiting and exchange went on while the steps did, and are not parts of the time the loop spent in it.
 
   Idle: the time in rounds (finding a partner, the exchange, the update, a skipped round's wait) over
   all time, each process from its second round on. Tokens/s: every process's steps from its second
@@ -140,14 +144,16 @@ def summarise(run: dict, inner_steps: int, tokens_per_step: int, processes: list
   mean = lambda key: float(np.mean([r.get(key, 0.0) for r in last]))
   exchange = [x["exchange_s"] for p in processes for x in run["pairings"][p] if x["status"] == "exchanged"]
   rounds = [max(pp["steps"] // inner_steps, 1) for pp in per_process]
-  # Where a round's time goes, per round, mean over processes (from the second round on): ready until
-  # grouped (or given up), the exchange, and the rest (the message and update programs, store calls, logs).
+  # Where a round's time goes, per round, mean over processes (from the second round on): the loop's time
+  # in it (round_s), ready until grouped or given up (waiting_s), the exchange, and, with the round on the
+  # loop's own thread, the rest (the message and update programs, store calls, logs). With the round on its
+  # own thread, waiting and exchange overlap the steps: no rest can be subtracted (other_s is None).
   pairing_rows = [x for p in processes for x in run["pairings"][p][1:]]
   in_rounds = float(np.mean([pp["wait_s"] / r for pp, r in zip(per_process, rounds)]))
   waiting = float(np.mean([x["waited_s"] for x in pairing_rows])) if pairing_rows else 0.0
   exchanging = float(np.mean([x["exchange_s"] for x in pairing_rows])) if pairing_rows else 0.0
   breakdown = {"round_s": in_rounds, "waiting_s": waiting, "exchange_s": exchanging,
-               "other_s": in_rounds - waiting - exchanging}
+               "other_s": None if overlapped else in_rounds - waiting - exchanging, "overlapped": overlapped}
   return {"method": "async", "wall_s_per_round": float(np.median([s / r for s, r in zip(spans, rounds)])),
           "longest_round_s_median": float("nan"), "tokens_per_s": steps * tokens_per_step / max(spans),
           "bytes_sent_per_replica": mean("comm/bytes_sent_per_replica"),
