@@ -226,7 +226,7 @@ def _run_job(args, argv, num_processes: int) -> dict:
 
 def _table(runs: list[dict]) -> tuple[str, dict]:
   rows = ["| processes × devices | noloco round (ms) | diloco round (ms) | round ratio N/D | noloco exchange (ms) "
-          "| all-reduce = ddp step (ms) | exchange ratio N/D | bytes/replica noloco | diloco | ddp per step |",
+          "| all-reduce = ddp step (ms) | exchange ratio N/D | collective operand bytes/replica: noloco | diloco | ddp per step |",
           "|---|---|---|---|---|---|---|---|---|---|"]
   ratios = {}
   for run in runs:
