@@ -226,16 +226,23 @@ def plot(results: dict, path: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   labels = list(dict.fromkeys(run.get("label", "") for run in results["runs"]))
   counts = sorted({run["processes_count"] for run in results["runs"]})
-  fig, axes = plt.subplots(len(labels), len(counts), figsize=(5.2 * len(counts), 2.9 * len(labels)), squeeze=False)
+  # Panels at least 7 in. wide, so that the title fits above one column; the legend sits under each panel,
+  # not over its bars.
+  fig, axes = plt.subplots(len(labels), len(counts), figsize=(max(5.2 * len(counts), 7.0), 3.8 * len(labels)),
+                           squeeze=False)
   for row, label in enumerate(labels):
     for col, p in enumerate(counts):
       ax = axes[row][col]
       runs = [run for run in results["runs"] if (run["processes_count"], run.get("label", "")) == (p, label)]
       width = 0.8 / max(len(runs), 1)
+      # With several seeds, each bar names its seed.
+      seeds = ({id(run): f", seed {run.get('seed', 0)}" for run in runs}
+               if len({run.get("seed", 0) for run in runs}) > 1 else {})
       for i, run in enumerate(runs):
         x = np.arange(p) + i * width
         ax.bar(x, run["idle_fraction"], width,
-               label=f"{run['method']}: {run['wall_s_per_round']:.2f} s/round (model {run['model']['wall_s_per_round']:.2f})")
+               label=f"{run['method']}{seeds.get(id(run), '')}: {run['wall_s_per_round']:.2f} s/round "
+                     f"(model {run['model']['wall_s_per_round']:.2f})")
         ax.plot(x, run["model"]["idle_fraction"], "kx", markersize=5)
         ax.plot(x, run["model_fitted"]["idle_fraction"], "k.", markersize=6)
       ax.set_title(f"P = {p}, {label}", fontsize=9)
@@ -243,8 +250,8 @@ def plot(results: dict, path: str) -> None:
       ax.set_xlabel("process", fontsize=8)
       ax.set_ylabel("idle fraction", fontsize=8)
       ax.set_ylim(0, 1)
-      ax.legend(fontsize=6, loc="upper left")
-  fig.suptitle("Measured idle fraction (bars); latency.py's model: exchange cost 0 (x), α fitted (dots)", fontsize=10)
+      ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)
+  fig.suptitle("Measured idle fraction (bars)\nlatency.py's model: exchange cost 0 (x), α fitted (dots)", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
 
