@@ -12,7 +12,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 # Only what defines and checks the command line is imported here (no JAX): a mistyped flag, config
-# field or value is answered in about 0.3 s. JAX and everything built on it are imported in main(),
+# field or value is answered in about 0.2 s. JAX and everything built on it are imported in main(),
 # once the config is known to be valid (tests/test_config.py pins that a bad command line imports no JAX).
 from noloco_jax.runtime import failures
 from noloco_jax import config as config_lib

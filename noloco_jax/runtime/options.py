@@ -12,6 +12,8 @@ import dataclasses
 import os
 from typing import Any
 
+from absl import flags
+
 from noloco_jax.config import cli
 
 ENV = {
@@ -45,7 +47,6 @@ class Options:
 
 def define_flags() -> None:
   """Registers the flags above on absl's FLAGS (called once by noloco_jax.main)."""
-  from absl import flags
   flags.DEFINE_enum("distributed", None, MODES, f"Multi-process job: auto | on | off ({ENV['mode']}; default auto).")
   flags.DEFINE_string("coordinator_address", None, f"host:port of process 0 ({ENV['coordinator_address']}).")
   flags.DEFINE_integer("num_processes", None, f"Processes in the job ({ENV['num_processes']}).")
