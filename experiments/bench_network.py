@@ -235,13 +235,12 @@ def plot(results: dict, path: str) -> None:
       ax = axes[row][col]
       runs = [run for run in results["runs"] if (run["processes_count"], run.get("label", "")) == (p, label)]
       width = 0.8 / max(len(runs), 1)
-      # With several seeds, each bar names its seed.
-      seeds = ({id(run): f", seed {run.get('seed', 0)}" for run in runs}
-               if len({run.get("seed", 0) for run in runs}) > 1 else {})
+      several_seeds = len({run.get("seed", 0) for run in runs}) > 1  # then each bar names its seed
       for i, run in enumerate(runs):
         x = np.arange(p) + i * width
+        seed = f", seed {run.get('seed', 0)}" if several_seeds else ""
         ax.bar(x, run["idle_fraction"], width,
-               label=f"{run['method']}{seeds.get(id(run), '')}: {run['wall_s_per_round']:.2f} s/round "
+               label=f"{run['method']}{seed}: {run['wall_s_per_round']:.2f} s/round "
                      f"(model {run['model']['wall_s_per_round']:.2f})")
         ax.plot(x, run["model"]["idle_fraction"], "kx", markersize=5)
         ax.plot(x, run["model_fitted"]["idle_fraction"], "k.", markersize=6)

@@ -44,7 +44,8 @@ RESULT_TAG = "BENCH_OUTER_RESULT "
 
 def _worker(args, cfg) -> None:
   from noloco_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
-  multi = distributed.initialize(distributed.resolve_options())
+  from noloco_jax.runtime import options as options_lib  # pylint: disable=g-import-not-at-top
+  multi = distributed.initialize(options_lib.resolve_options())
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top

@@ -54,9 +54,7 @@ def main(argv):
   try:  # an invalid config is one line and exit status 2, before anything starts
     # Parsed and checked once: the schema, then NoLoCo's stability (α, γ, n, N) unless outer.allow_unstable.
     # Everything below receives this typed config (or its sections), never the ConfigDict.
-    # (training/build.py's load_config, without importing it: the schema, then the stability check.)
-    config = config_lib.load(FLAGS.config)
-    stability.check_config(config)
+    config = stability.load_config(FLAGS.config)
   except config_lib.ConfigError as e:
     cli.exit_usage(str(e))
   if not FLAGS.workdir and not FLAGS.dry_run:

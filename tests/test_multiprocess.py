@@ -25,6 +25,7 @@ import pytest
 
 from configs import default
 from noloco_jax.runtime import distributed
+from noloco_jax.runtime import options as options_lib
 from noloco_jax.runtime import launch_local
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.io import metrics as metrics_lib
@@ -203,14 +204,14 @@ def test_mismatched_processes_fail_the_start_up_check(tmp_path):
 
 def test_options_resolve_flags_then_environment_then_defaults():
   env = {"NOLOCO_COORDINATOR_ADDRESS": "10.0.0.1:1234", "NOLOCO_NUM_PROCESSES": "4", "NOLOCO_PROCESS_ID": "3"}
-  opts = distributed.resolve_options(env, process_id=2)
+  opts = options_lib.resolve_options(env, process_id=2)
   assert (opts.coordinator_address, opts.num_processes, opts.process_id) == ("10.0.0.1:1234", 4, 2)
-  assert opts.heartbeat_timeout_s == distributed.Options.heartbeat_timeout_s
+  assert opts.heartbeat_timeout_s == options_lib.Options.heartbeat_timeout_s
   assert distributed.plan(opts)[0]
-  assert not distributed.plan(distributed.resolve_options({}, num_processes=1))[0]
-  assert not distributed.plan(distributed.resolve_options({"NOLOCO_DISTRIBUTED": "off"}, num_processes=4))[0]
+  assert not distributed.plan(options_lib.resolve_options({}, num_processes=1))[0]
+  assert not distributed.plan(options_lib.resolve_options({"NOLOCO_DISTRIBUTED": "off"}, num_processes=4))[0]
   with pytest.raises(ValueError, match="NOLOCO_NUM_PROCESSES"):
-    distributed.resolve_options({"NOLOCO_NUM_PROCESSES": "two"})
+    options_lib.resolve_options({"NOLOCO_NUM_PROCESSES": "two"})
 
 
 def test_a_slurm_job_with_several_tasks_is_detected(monkeypatch):
@@ -218,9 +219,9 @@ def test_a_slurm_job_with_several_tasks_is_detected(monkeypatch):
                      "SLURM_PROCID": "5", "SLURM_LOCALID": "5"}.items():
     monkeypatch.setenv(key, value)
   assert distributed.detect_cluster() == ("SlurmCluster", 16)
-  assert distributed.plan(distributed.resolve_options({})) == (True, "SlurmCluster detected with 16 processes")
+  assert distributed.plan(options_lib.resolve_options({})) == (True, "SlurmCluster detected with 16 processes")
   monkeypatch.setenv("SLURM_NTASKS", "1")  # a single-task step stays a single-process job
-  assert not distributed.plan(distributed.resolve_options({}))[0]
+  assert not distributed.plan(options_lib.resolve_options({}))[0]
 
 
 def test_replica_checksums_tell_replicas_apart():
@@ -241,11 +242,11 @@ def test_start_up_problems_before_jax_distributed_are_one_line(monkeypatch, caps
   import socket  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv("NOLOCO_NUM_PROCESSES", "two")
-  # Every flag unset (main.py's flags, one per field of distributed.Options; `mode` is --distributed).
+  # Every flag unset (main.py's flags, one per field of options_lib.Options; `mode` is --distributed).
   flag_values = types.SimpleNamespace(**{("distributed" if f.name == "mode" else f.name): None
-                                         for f in dataclasses.fields(distributed.Options)})
+                                         for f in dataclasses.fields(options_lib.Options)})
   with pytest.raises(SystemExit) as usage:
-    distributed.options_from_flags(flag_values)
+    options_lib.options_from_flags(flag_values)
   assert usage.value.code == 2
   assert capsys.readouterr().err == "noloco_jax: NOLOCO_NUM_PROCESSES='two' is not valid: an integer is needed.\n"
   port = launch_local.free_port()  # nobody listens there

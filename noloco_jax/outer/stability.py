@@ -35,6 +35,7 @@ import math
 
 import numpy as np
 
+from noloco_jax import config as config_lib
 from noloco_jax.config.fields import ConfigError
 
 
@@ -130,3 +131,15 @@ def check_config(config) -> None:
   if problem and problem not in _WARNED:  # once per process: main.py and training/build.py both check
     _WARNED.add(problem)
     logging.warning("outer.allow_unstable=True: %s.", problem)
+
+
+def load_config(config):
+  """The typed config, parsed and checked once: the schema's checks (config/), then the stability of
+  NoLoCo's (α, γ, n, N) (`check_config`; refused unless outer.allow_unstable). A typed config is taken as
+  it is: whoever made it (main.py) has checked it already. Here, not in training/build.py (which
+  re-exports it), so that main.py can check a command line without importing JAX."""
+  if isinstance(config, config_lib.Config):
+    return config
+  config = config_lib.load(config)
+  check_config(config)
+  return config

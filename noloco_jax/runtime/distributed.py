@@ -41,8 +41,7 @@ from noloco_jax.config import cli
 from noloco_jax.runtime import job_checks
 from noloco_jax.runtime import peer_watch
 from noloco_jax.runtime import failures
-from noloco_jax.runtime.options import ENV, MODES, Options  # pylint: disable=unused-import  (re-exported)
-from noloco_jax.runtime.options import define_flags, options_from_flags, resolve_options  # pylint: disable=unused-import
+from noloco_jax.runtime.options import ENV, Options
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
 

@@ -3,7 +3,7 @@
 Kept apart from distributed.py (which starts `jax.distributed` and imports JAX) so that main.py can
 define and check its command line before importing JAX: a mistyped flag or config field is answered
 in a fraction of a second, not after the seconds JAX, Orbax and the data libraries take to import.
-distributed.py re-exports every name here; its docstring says where the values come from.
+distributed.py uses them; its docstring says where the values come from.
 """
 
 from __future__ import annotations

@@ -32,15 +32,7 @@ from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.parallel.mesh import REPLICA
 
 
-def load_config(config) -> config_lib.Config:
-  """The typed config, parsed and checked once: the schema's checks (config/), then the stability of
-  NoLoCo's (α, γ, n, N) (outer/stability.py; refused unless outer.allow_unstable). A typed config is
-  taken as it is: whoever made it (main.py) has checked it already."""
-  if isinstance(config, config_lib.Config):
-    return config
-  config = config_lib.load(config)
-  stability.check_config(config)
-  return config
+load_config = stability.load_config  # the typed, checked config (outer/stability.py says why it lives there)
 
 
 @dataclasses.dataclass
