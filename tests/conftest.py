@@ -50,9 +50,30 @@ def _exhaustive_reason(nodeid: str) -> str | None:
   return next((why for key, why in EXHAUSTIVE.items() if nodeid.startswith(key)), None)
 
 
+def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", "real: runs a real component (SLURM, etcd, shaped links in network namespaces) that the test "
+      "starts and stops itself, as root; the tier of its own that `bash scripts/test_real.sh` runs (CI runs it)")
+
+
+def _tier() -> str:
+  return os.environ.get("NOLOCO_TESTS", "").lower()
+
+
 def pytest_collection_modifyitems(config, items):
-  if os.environ.get("NOLOCO_TESTS", "").lower() == "all":
+  # The real-component tier runs on its own (scripts/test_real.sh: NOLOCO_TESTS=real), or with every test.
+  if _tier() == "real":
+    left = [item for item in items if item.get_closest_marker("real") is None]
+    items[:] = [item for item in items if item.get_closest_marker("real") is not None]
+    if left:
+      config.hook.pytest_deselected(items=left)
     return
+  if _tier() == "all":
+    return
+  real = [item for item in items if item.get_closest_marker("real") is not None]
+  if real:
+    config.hook.pytest_deselected(items=real)
+    items[:] = [item for item in items if item.get_closest_marker("real") is None]
   # A file named on the command line runs whole (`pytest tests/test_notebooks.py` runs every notebook).
   named = {os.path.abspath(arg.split("::")[0]) for arg in config.args if arg.split("::")[0].endswith(".py")}
   kept, left = [], []
@@ -65,10 +86,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-  if os.environ.get("NOLOCO_TESTS", "").lower() == "all":
+  if _tier() == "real":
+    return "noloco_jax: the real-component tier only (tests marked `real`: SLURM, etcd, shaped links)"
+  if _tier() == "all":
     return "noloco_jax: every test, the exhaustive tier included (NOLOCO_TESTS=all)"
   return ("noloco_jax: the default run; the exhaustive tier (tests/conftest.py EXHAUSTIVE) is deselected: "
-          "`bash scripts/test.sh --all` runs it")
+          "`bash scripts/test.sh --all` runs it; the real-component tier: `bash scripts/test_real.sh`")
 
 
 @pytest.fixture
