@@ -21,6 +21,7 @@ import pytest
 from noloco_jax import training
 from noloco_jax.io import checkpoint
 from noloco_jax.runtime import workdir_lock
+from noloco_jax.io.checkpoint import checksum
 from noloco_jax.io.checkpoint import data_item
 from noloco_jax.io.checkpoint import logs
 from test_checkpoint import (FLAGS, REPO, START_TIMEOUT_S, cache, checkpoint_steps, launch, rows,  # noqa: F401
@@ -77,6 +78,48 @@ def test_an_error_while_a_save_is_in_flight_completes_that_save(cache, tmp_path)
   assert "the save of step 4, in flight when the run failed, was completed" in "\n".join(lines)
   assert not [l for l in lines if "cannot schedule new futures" in l]
   assert lines[-1].startswith("noloco_jax: error: the run failed with ValueError: token id 99999"), lines[-1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 33, 0: a slow JSON write of a save raced the loop's next appends to the history it saved.
+# ---------------------------------------------------------------------------------------------------
+
+# main.py with every JSON item of every save (meta and data) written 1 s late, as on a loaded machine,
+# while the loop trains on, logs and evaluates (appending to its history) meanwhile.
+_SLOW_JSON_WRITES = textwrap.dedent("""
+    import asyncio, runpy, sys
+    import orbax.checkpoint as ocp
+    real_save_fn = ocp.JsonCheckpointHandler._save_fn
+    async def _save_fn(self, x, directory):
+      await asyncio.sleep(1)
+      return await real_save_fn(self, x, directory)
+    ocp.JsonCheckpointHandler._save_fn = _save_fn
+    sys.argv[0] = "noloco_jax.main"
+    runpy.run_module("noloco_jax.main", run_name="__main__", alter_sys=True)
+""")
+
+
+def test_a_slow_save_writes_what_it_digested_not_what_the_loop_did_next(cache, tmp_path):
+  """Before: the meta item held the loop's live history, digested at once but serialised by orbax's
+  thread a second later, after evaluations were appended to it: 11 of the smoke run's 12 saves failed
+  their own digest, and a resume set a valid checkpoint aside as corrupt (ItemChecksumError)."""
+  proc, lines, workdir = _run_main(_SLOW_JSON_WRITES, tmp_path, cache, "--config.num_steps=12")
+  assert proc.returncode == 0, lines[-30:]
+  steps = checkpoint_steps(workdir)
+  assert steps, os.listdir(os.path.join(workdir, "checkpoints"))
+  for step in steps:  # each step's meta on disk is the record digested at its save, of its own step
+    with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
+      meta = json.load(f)
+    assert meta["digest"] == checksum.digest(meta), f"step {step}: the meta item changed after its digest"
+    assert [e["step"] for e in meta["history"]["eval"]] == list(range(0, step + 1, 6)), (step, meta["history"])
+  # What the user meets: the same command again resumes from the last step, setting nothing aside.
+  again = subprocess.run([sys.executable, "-m", "noloco_jax.main", "--config=configs/default.py:smoke",
+                          f"--workdir={workdir}", *FLAGS, "--config.num_steps=12"], cwd=REPO, env=cache, capture_output=True, text=True,
+                         timeout=START_TIMEOUT_S)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "not readable" not in again.stderr, again.stderr[-3000:]
+  assert f"resumed from step {steps[-1]}" in again.stderr, again.stderr[-3000:]
+  assert not os.path.exists(os.path.join(workdir, checkpoint.CORRUPT_DIR))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -185,12 +228,13 @@ _SMALL_DISK = textwrap.dedent("""
 """)
 
 
-def _run_main(script: str, tmp_path, env) -> tuple[subprocess.CompletedProcess, list[str], str]:
-  """Runs `script` (main.py with something injected) on the smoke job: (process, its output lines, workdir)."""
+def _run_main(script: str, tmp_path, env, *flags) -> tuple[subprocess.CompletedProcess, list[str], str]:
+  """Runs `script` (main.py with something injected) on the smoke job, FLAGS then `flags`: (process, its
+  output lines, workdir)."""
   workdir, log = str(tmp_path / "run"), str(tmp_path / "run.log")
   with open(log, "w") as out:
     proc = subprocess.run(
-        [sys.executable, "-c", script, "--config=configs/default.py:smoke", f"--workdir={workdir}", *FLAGS],
+        [sys.executable, "-c", script, "--config=configs/default.py:smoke", f"--workdir={workdir}", *FLAGS, *flags],
         # PYTHONPATH: the injected scripts import helpers of tests/test_checkpoint.py.
         cwd=REPO, env={**env, "PYTHONPATH": os.path.join(REPO, "tests")}, stdout=out, stderr=subprocess.STDOUT,
         timeout=START_TIMEOUT_S)

@@ -2,7 +2,10 @@
 
 One module per job:
 
-  manager.py     the Checkpointer: save, restore, warm start, compatibility checks (orbax)
+  manager.py     the Checkpointer: one run's orbax manager, shared by its saving and its restoring
+  saving.py      a step's three items, the NaN checks before, a failed or unfinished write after
+  restoring.py   the latest readable step (verified, else set aside), else a warm start, else fresh
+  compatibility.py  whether a readable checkpoint fits this run (or another replica count, by request)
   records.py     what the meta item holds (loop state, pairing, shapes, config) and its JSON forms
   data_item.py   the per-process data item (stream positions of each process's replicas)
   logs.py        metrics.jsonl / pairings.jsonl / elastic.jsonl: durable rows, each once after a resume
@@ -32,7 +35,7 @@ outer method (`outer.kind`) or pairing schedule is an error naming the config fi
 not a fallback; another replica count is resumed only by request (`config.checkpoint.elastic`,
 resize.py, docs/elastic.md). Another device count or process count is fine: arrays are resharded on restore.
 A failed save (disk full) is one error naming the step, the cause and the intact previous step; a
-save in flight when the loop raises is completed first (`Checkpointer.settle_after_error`); a SIGINT
+save in flight when the loop raises is completed first (`Saver.settle_after_error`); a SIGINT
 during a save is raised once the save is usable (runtime/preemption.py).
 """
 
@@ -44,11 +47,11 @@ from noloco_jax.io.checkpoint.guard import check_finite
 from noloco_jax.io.checkpoint.guard import nonfinite_replicas
 from noloco_jax.io.checkpoint.logs import LOG_FILES
 from noloco_jax.io.checkpoint.logs import JsonlLog
-from noloco_jax.io.checkpoint.manager import CHECKPOINT_DIR
-from noloco_jax.io.checkpoint.manager import CheckpointSaveError
+from noloco_jax.io.checkpoint.compatibility import IncompatibleCheckpointError
 from noloco_jax.io.checkpoint.manager import Checkpointer
-from noloco_jax.io.checkpoint.manager import IncompatibleCheckpointError
-from noloco_jax.io.checkpoint.manager import NoReadableCheckpointError
+from noloco_jax.io.checkpoint.restoring import CHECKPOINT_DIR
+from noloco_jax.io.checkpoint.restoring import NoReadableCheckpointError
+from noloco_jax.io.checkpoint.saving import CheckpointSaveError
 from noloco_jax.io.checkpoint.quarantine import CORRUPT_DIR
 from noloco_jax.io.checkpoint.records import FORMAT
 from noloco_jax.io.checkpoint.records import pending_from_host

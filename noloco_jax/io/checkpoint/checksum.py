@@ -54,7 +54,14 @@ def digest(item: dict[str, Any]) -> str:
 
 
 def with_digest(item: dict[str, Any]) -> dict[str, Any]:
-  return {**item, DIGEST: digest(item)}
+  """A snapshot of `item` as its JSON reads back (sharing no object with it), with its digest.
+
+  A snapshot, not `item` itself: orbax writes a JSON item later, on a thread of its own, while the
+  training loop goes on adding to the objects it was built from (the history). Written live, a save
+  under load held a later history than it digested and failed its own check (issue 33).
+  """
+  body = json.loads(json.dumps(item))
+  return {**body, DIGEST: digest(body)}
 
 
 def _check_digest(name: str, item: Any, required: bool) -> None:
