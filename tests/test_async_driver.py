@@ -99,6 +99,20 @@ def test_the_command_line_refuses_a_layout_that_is_not_one_replica_per_process(t
   assert last.startswith("noloco_jax: config.num_replicas=3 is not valid: 2, the number of processes"), last
 
 
+@pytest.mark.parametrize("kind", ["noloco", "gossip"])
+def test_the_command_line_refuses_an_async_job_of_one_replica(tmp_path, kind):
+  """Issue 33, 3. Before: a one-process job with num_replicas=1 died in the stability analysis
+  (ZeroDivisionError in outer/stability.averaging_shrink: N − 1 = 0), a traceback instead of the refusal
+  that num_replicas=2 gets."""
+  done = subprocess.run([sys.executable, "-m", "noloco_jax.main", "--config=configs/default.py:smoke",
+                         f"--workdir={tmp_path}", *ASYNC, "--config.num_replicas=1", f"--config.outer.kind={kind}"],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert "Traceback" not in done.stderr, done.stderr[-2000:]
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith("noloco_jax: config.num_replicas=1 is not valid: an integer ≥ 2 with outer.schedule='async'"), last
+
+
 def test_train_and_evaluate_alone_refuses_the_async_schedule_in_one_line(tmp_path):
   with pytest.raises(config_lib.ConfigError, match=r"^config.outer.schedule='async' is not valid: 'lockstep' outside"):
     training.train_and_evaluate(_smoke(**{"outer.schedule": "async", "num_replicas": 2}), str(tmp_path))
