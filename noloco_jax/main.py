@@ -115,16 +115,25 @@ def _run_async_process(config, options) -> None:
                               standalone_service=bool(options.standalone_service))
   except config_lib.ConfigError as e:
     cli.exit_usage(str(e))
+  except async_job.ConfigMismatch as e:  # connected: every process of the job has said so and left
+    _leave_async_job(cli.USAGE_ERROR, f"noloco_jax: {e}")
   preemption.install_preemption_handler()  # SIGTERM: this process saves and stops; the others train on
   with failures.exit_on_failure(FLAGS.workdir):
     training.train_and_evaluate(async_job.process_config(config), process.workdir(FLAGS.workdir), process)
   process.finish(lease_s=config.outer.lease_s)
-  # Leave without the interpreter's finalisers: the control-plane client's destructor would say goodbye to
-  # a service that may be gone by now (it then aborts the process); the run is saved and its logs closed.
+  _leave_async_job(0)
+
+
+def _leave_async_job(status: int, last_line: str | None = None) -> None:
+  """Exits a process of an asynchronous job without the interpreter's finalisers: the control-plane
+  client's destructor would say goodbye to a service that may be gone by now (it then aborts the process).
+  The caller has saved the run and closed its logs, or never started one."""
+  if last_line:
+    print(last_line, file=sys.stderr)
   logging.flush()
   for stream in (sys.stdout, sys.stderr):
     stream.flush()
-  os._exit(0)  # pylint: disable=protected-access
+  os._exit(status)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

@@ -34,9 +34,11 @@ from noloco_jax import config as config_lib
 from noloco_jax.asynchronous import control, liveness
 from noloco_jax.asynchronous import session as session_lib
 from noloco_jax.runtime import failures
+from noloco_jax.runtime import job_checks
 
 CONFIG_KEY = "config/"  # config/<slot>: the config each process started with (compared at start-up)
 DONE = "done/"  # done/<slot> = incarnation: that process is exiting (Process.finish)
+CONFIG_WAIT_S = 30.0  # at start-up, how long a process waits for the others to post their configs
 
 
 class ConfigMismatch(failures.ReportedError, RuntimeError):
@@ -137,7 +139,10 @@ def process_config(config: config_lib.Config) -> config_lib.Config:
 
 def start(config: config_lib.Config, coordinator_address: str, num_processes: int, process_id: int, *,
           heartbeat_timeout_s: int, initialization_timeout_s: int, standalone_service: bool = False) -> Process:
-  """Connects this process to the job's control plane and checks that it runs the job's config."""
+  """Connects this process to the job's control plane and checks that it runs the job's config.
+
+  Raises ConfigMismatch (one line) when it does not: by then this process has said it is done and, if it
+  hosts the service, the others have left, so that the caller can exit without ending anybody."""
   check_layout(config, num_processes)
   connection = control.connect(coordinator_address, num_processes, process_id, heartbeat_timeout_s=heartbeat_timeout_s,
                                initialization_timeout_s=initialization_timeout_s, standalone_service=standalone_service)
@@ -150,34 +155,40 @@ def start(config: config_lib.Config, coordinator_address: str, num_processes: in
   options = session_options(config)
   heartbeat = liveness.Liveness(kv, process_id, connection.incarnation, beat_s=options.beat_s,
                                 lease_s=options.lease_s, observe=True).start()
-  _check_same_config(kv, process_id, config)
+  process = Process(connection, heartbeat, config.num_replicas, rejoining)
+  try:
+    _check_same_config(kv, process_id, num_processes, config)
+  except ConfigMismatch:
+    process.finish(lease_s=options.lease_s)  # the process hosting the service waits: its exit would end the others
+    raise
   logging.info("Asynchronous job: process %d of %d (incarnation %d), %s; coordination service %s.", process_id,
                num_processes, connection.incarnation, "rejoining a running job" if rejoining else "starting",
                "in this process" if connection.hosts_service else f"at {coordinator_address}")
-  return Process(connection, heartbeat, config.num_replicas, rejoining)
+  return process
 
 
-def _check_same_config(kv: control.KV, slot: int, config: config_lib.Config) -> None:
-  """Posts this process's config, then compares it with every one posted. No process waits for another:
-  of two that start together at least the one that reads second sees the other's (posted before reading)."""
-  mine = json.loads(config.to_json(sort_keys=True))
+def _check_same_config(kv: control.KV, slot: int, num_slots: int, config: config_lib.Config,
+                       wait_s: float = CONFIG_WAIT_S) -> None:
+  """Posts this process's config, waits until every slot has posted its own (or is a reserved one, which
+  trains nothing), and compares them all: so every process of a job started with different configs
+  refuses, each saying which fields differ on which processes. The processes have all connected by now
+  (the service starts only with every slot), so the wait is for the few milliseconds between a peer's
+  connecting and its posting; after `wait_s` the configs posted so far are compared."""
+  mine = job_checks.flatten_config(config)
   kv.set(f"{CONFIG_KEY}{slot}", json.dumps(mine, sort_keys=True))
-  for key, raw in sorted(kv.dir(CONFIG_KEY).items()):
-    other = int(key[len(CONFIG_KEY):])
-    if other == slot:
-      continue
-    differ = _differences(json.loads(raw), mine)
-    if differ:
-      raise ConfigMismatch(f"process {slot} runs another config than process {other} of this asynchronous job: "
-                           f"{'; '.join(differ[:6])}. Start every process with the same config and overrides.")
-
-
-def _differences(theirs: dict, mine: dict, prefix: str = "") -> list[str]:
-  out = []
-  for key in sorted(set(theirs) | set(mine)):
-    a, b = theirs.get(key), mine.get(key)
-    if isinstance(a, dict) and isinstance(b, dict):
-      out += _differences(a, b, f"{prefix}{key}.")
-    elif a != b:
-      out.append(f"config.{prefix}{key} is {b!r} here, {a!r} there")
-  return out
+  deadline = time.monotonic() + wait_s
+  while True:
+    posted = {int(k[len(CONFIG_KEY):]): json.loads(v) for k, v in kv.dir(CONFIG_KEY).items()}
+    reserved = {int(k[len(liveness.PREFIX):]) for k, v in kv.dir(liveness.PREFIX).items()
+                if liveness.is_left(v.partition(":")[2]) and int(k[len(liveness.PREFIX):]) not in posted}
+    if set(posted) | reserved >= set(range(num_slots)) or time.monotonic() > deadline:
+      break
+    time.sleep(0.05)
+  others = sorted(s for s, flat in posted.items() if s != slot and flat != mine)
+  if others:
+    differ = job_checks.config_differences(dict(sorted(posted.items())))
+    raise ConfigMismatch(
+        f"process {slot} of this asynchronous job runs another config than "
+        f"{f'process {others[0]}' if len(others) == 1 else f'processes {others}'}: "
+        f"{' | '.join(differ[:6])}{f' (and {len(differ) - 6} more fields)' if len(differ) > 6 else ''}. "
+        "Start every process with the same config and overrides.")

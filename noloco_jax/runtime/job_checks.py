@@ -62,12 +62,14 @@ def flatten_config(config) -> dict[str, str]:
   return flat
 
 
-def config_differences(flat_configs: list[dict[str, str]]) -> list[str]:
-  """One line per field on which the processes disagree: 'inner.lr: processes [0] have 0.003; ...'."""
+def config_differences(flat_configs: list[dict[str, str]] | dict[int, dict[str, str]]) -> list[str]:
+  """One line per field on which the processes disagree: 'inner.lr: processes [0] have 0.003; ...'.
+  `flat_configs`: in process order, or {process: flat config} (an asynchronous job's posted configs)."""
+  by_process = flat_configs if isinstance(flat_configs, dict) else dict(enumerate(flat_configs))
   lines = []
-  for field in sorted(set().union(*flat_configs)):
+  for field in sorted(set().union(*by_process.values())):
     by_value: dict[str, list[int]] = {}
-    for p, flat in enumerate(flat_configs):
+    for p, flat in by_process.items():
       by_value.setdefault(flat.get(field, "(absent)"), []).append(p)
     if len(by_value) > 1:
       lines.append(f"{field}: " + "; ".join(f"processes {procs} have {value}" for value, procs in by_value.items()))
