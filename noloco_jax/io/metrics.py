@@ -55,12 +55,15 @@ def make_writer(workdir: str, config=None) -> writers.MetricWriter:
   set); log lines only on the others."""
   if jax.process_index() != 0:
     return writers.LoggingWriter()
-  chosen = [writers.LoggingWriter(), writers.TensorBoardWriter(workdir),
-            writers.JsonlWriter(os.path.join(workdir, "metrics.jsonl"))]
+  chosen = [writers.LoggingWriter(), writers.TensorBoardWriter(workdir)]  # TensorBoard's makes the workdir
+  jsonl = writers.JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
+  chosen.append(jsonl)
   wandb_config = config.get("wandb") if config is not None else None
   if wandb_config is not None and wandb_config.project and wandb_config.mode != "disabled":
     chosen.append(writers.WandbWriter(workdir, wandb_config, config.to_dict()))
-  return writers.MultiWriter(chosen)
+  # metrics.jsonl is the record a resume rewrites and the tools read: its failure stops the run; TensorBoard
+  # and W&B are side channels, turned off with a warning when they fail (writers.MultiWriter).
+  return writers.MultiWriter(chosen, required=[jsonl])
 
 
 def read_jsonl(path: str, *, missing_ok: bool = False, skip_damaged: bool = False) -> list[dict]:

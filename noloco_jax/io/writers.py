@@ -27,9 +27,14 @@ from typing import Any
 from absl import logging
 import numpy as np
 
+from noloco_jax.runtime import failures
+
 
 class MetricWriter(abc.ABC):
   """clu's MetricWriter methods. Only scalars are written by this project; the rest may be no-ops."""
+
+  name = "writer"  # what a warning calls it (MultiWriter)
+  keeps_record = False  # whether it keeps the run's metrics somewhere a reader finds them after the run
 
   @abc.abstractmethod
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
@@ -74,6 +79,8 @@ def _float(value) -> float:
 class TensorBoardWriter(MetricWriter):
   """Scalars as TensorBoard events in `logdir/events.out.tfevents.<time>.<host>`."""
 
+  keeps_record = True
+
   def __init__(self, logdir: str):
     # Imported here: the protobuf modules cost ~0.1 s, paid only by the process that writes.
     from tensorboard.compat.proto import event_pb2  # pylint: disable=g-import-not-at-top
@@ -85,6 +92,7 @@ class TensorBoardWriter(MetricWriter):
     # Time and host in the name, as TensorBoard's own writers do: a resumed run opens a second file
     # beside the first, and TensorBoard reads the directory's files in name order.
     self.path = os.path.join(logdir, f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}")
+    self.name = f"TensorBoard ({self.path})"
     self._records = record_writer.RecordWriter(open(self.path, "wb"))
     self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
 
@@ -107,7 +115,10 @@ class TensorBoardWriter(MetricWriter):
 class JsonlWriter(MetricWriter):
   """Appends one JSON object per write to `path`: {"step": s, name: value, ...}."""
 
+  keeps_record = True
+
   def __init__(self, path: str):
+    self.name = os.path.basename(path)
     self._file = open(path, "a", buffering=1)
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
@@ -143,6 +154,9 @@ class WandbWriter(MetricWriter):
   (those after the restored checkpoint) are dropped by W&B with a warning; metrics.jsonl stays the
   record that is rewritten exactly (io/checkpoint/logs.py).
   """
+
+  name = "Weights & Biases"
+  keeps_record = True
 
   def __init__(self, workdir: str, wandb_config, run_config: Mapping[str, Any] | None = None):
     import wandb  # pylint: disable=g-import-not-at-top  (optional extra; see the docstring)
@@ -181,43 +195,84 @@ class WandbWriter(MetricWriter):
         self.run.summary[key] = value
 
   def close(self):
-    if not self._closed:
-      self._closed = True
+    if self._closed:
+      return
+    self._closed = True
+    try:
       self.run.finish()
+    except Exception:
+      # Its service is gone (MultiWriter turns W&B off): W&B's own exit hook would fail the same way, with a
+      # traceback, as the process exits. teardown() removes that hook first, then fails quietly here.
+      with contextlib.suppress(Exception, SystemExit):
+        self._wandb.teardown()
+      raise
 
 
 class LoggingWriter(MetricWriter):
   """One log line per write: `[step] name = value, ...`."""
 
+  name = "the log lines"
+
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
     logging.info("[%d] %s", step, ", ".join(f"{k} = {_float(v):.6g}" for k, v in sorted(scalars.items())))
 
 
-class MultiWriter(MetricWriter):
-  """Every call goes to each writer in turn."""
+class LogWriteError(failures.ReportedError, OSError):
+  """Writing the run's required log (metrics.jsonl), or its last record of metrics, failed."""
+  then_go_on = True  # the last line then says where to resume from (runtime/failures.py)
 
-  def __init__(self, writers: Sequence[MetricWriter]):
+
+class MultiWriter(MetricWriter):
+  """Every call goes to each writer in turn.
+
+  A writer not in `required` is a side channel (TensorBoard, W&B): when it fails (its service died, its
+  disk is full or read-only) it is turned off, with one warning naming it and what is still written, and
+  the run goes on. The failure of a required writer (metrics.jsonl: the record a resume rewrites and the
+  tools read), or of the last writer that keeps a record, stops the run in one line (LogWriteError).
+  """
+
+  def __init__(self, writers: Sequence[MetricWriter], required: Sequence[MetricWriter] = ()):
     self._writers = list(writers)
+    self._required = {id(w) for w in required}
+    self._last_step: dict[int, int] = {}  # id(writer) -> the last step it wrote
+
+  def _each(self, call, step: int | None = None) -> None:
+    for w in list(self._writers):
+      try:
+        call(w)
+      except Exception as e:  # pylint: disable=broad-except  (whatever a side channel raises, see above)
+        self._turn_off(w, e)
+      else:
+        if step is not None:
+          self._last_step[id(w)] = int(step)
+
+  def _turn_off(self, writer: MetricWriter, error: Exception) -> None:
+    self._writers.remove(writer)
+    with contextlib.suppress(Exception):  # a broken writer's close may fail the same way; it is reported once
+      writer.close()
+    left = [w for w in self._writers if w.keeps_record]
+    wrote = self._last_step.get(id(writer))
+    upto = f"the last row it took: step {wrote}" if wrote is not None else "it took no row"
+    if id(writer) in self._required or not left:
+      raise LogWriteError(f"writing {writer.name} failed: {failures.first_line(error)} ({upto}). Free space or fix "
+                          "the permissions where it is written (the workdir), or turn the cause off.") from None
+    logging.warning("%s failed (%s) and is turned off for the rest of the run (%s); still written: %s.",
+                    writer.name, failures.first_line(error), upto, ", ".join(w.name for w in self._writers))
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
-    for w in self._writers:
-      w.write_scalars(step, scalars)
+    self._each(lambda w: w.write_scalars(step, scalars), step)
 
   def write_hparams(self, hparams: Mapping[str, Any]):
-    for w in self._writers:
-      w.write_hparams(hparams)
+    self._each(lambda w: w.write_hparams(hparams))
 
   def write_summary(self, summary: Mapping[str, Any]):
-    for w in self._writers:
-      w.write_summary(summary)
+    self._each(lambda w: w.write_summary(summary))
 
   def flush(self):
-    for w in self._writers:
-      w.flush()
+    self._each(lambda w: w.flush())
 
   def close(self):
-    for w in self._writers:
-      w.close()
+    self._each(lambda w: w.close())
 
 
 class ProgressLog:
