@@ -107,19 +107,25 @@ def _run_async_process(config, options) -> None:
   # pylint: disable=g-import-not-at-top  (see the imports at the top)
   from noloco_jax import training
   from noloco_jax.asynchronous import job as async_job
-  from noloco_jax.runtime import distributed, preemption
+  from noloco_jax.runtime import distributed, preemption, sidecar
   address, count, pid = distributed.process_coordinates(options)
+  async_job.check_layout(config, count)  # before anything starts: one line, exit status 2
+  workdir = async_job.process_workdir(FLAGS.workdir, pid)
+  # JAX's runtime aborts this process when the service goes (or holds it dead): its sidecar then says
+  # so in the last line, with the checkpoint to go on from (runtime/sidecar.py).
+  sidecar.start(slot=pid, num_processes=count, address=address, standalone_service=bool(options.standalone_service),
+                workdir=workdir, heartbeat_timeout_s=options.heartbeat_timeout_s)
   try:
     process = async_job.start(config, address, count, pid, heartbeat_timeout_s=options.heartbeat_timeout_s,
                               initialization_timeout_s=options.initialization_timeout_s,
                               standalone_service=bool(options.standalone_service))
-  except config_lib.ConfigError as e:
-    cli.exit_usage(str(e))
   except async_job.ConfigMismatch as e:  # connected: every process of the job has said so and left
     _leave_async_job(cli.USAGE_ERROR, f"noloco_jax: {e}")
+  failures.before_exit_now(process.say_done)  # a failed process is done: the service's host need not wait for it
   preemption.install_preemption_handler()  # SIGTERM: this process saves and stops; the others train on
-  with failures.exit_on_failure(FLAGS.workdir):
-    training.train_and_evaluate(async_job.process_config(config), process.workdir(FLAGS.workdir), process)
+  # Its own workdir: the last line of a failure names the checkpoint to resume from there.
+  with failures.exit_on_failure(workdir):
+    training.train_and_evaluate(async_job.process_config(config), workdir, process)
   process.finish(lease_s=config.outer.lease_s)
   _leave_async_job(0)
 
@@ -128,11 +134,13 @@ def _leave_async_job(status: int, last_line: str | None = None) -> None:
   """Exits a process of an asynchronous job without the interpreter's finalisers: the control-plane
   client's destructor would say goodbye to a service that may be gone by now (it then aborts the process).
   The caller has saved the run and closed its logs, or never started one."""
+  from noloco_jax.runtime import sidecar  # pylint: disable=g-import-not-at-top  (see the imports at the top)
   if last_line:
     print(last_line, file=sys.stderr)
   logging.flush()
   for stream in (sys.stdout, sys.stderr):
     stream.flush()
+  sidecar.goodbye()
   os._exit(status)  # pylint: disable=protected-access
 
 

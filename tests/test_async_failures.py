@@ -8,8 +8,10 @@ the smoke model; the config check also on the in-memory store.
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -25,10 +27,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASYNC = ["--config=configs/default.py:smoke", "--config.outer.schedule=async"]
 
 
-def _start(slot: int, num: int, port: int, workdir: str, log: str, *flags, env=None) -> subprocess.Popen:
-  """Process `slot` of a job of `num` processes, as launch_local starts it, its output in `log`."""
+def _start(slot: int, num: int, port: int, workdir: str, log: str, *flags, env=None, script=None) -> subprocess.Popen:
+  """Process `slot` of a job of `num` processes, as launch_local starts it, its output in `log`; `script`:
+  main.py with something injected (python -c)."""
+  main = ["-c", script] if script else ["-m", "noloco_jax.main"]
   with open(log, "w") as out:
-    return subprocess.Popen([sys.executable, "-m", "noloco_jax.main", *ASYNC, f"--workdir={workdir}",
+    return subprocess.Popen([sys.executable, *main, *ASYNC, f"--workdir={workdir}",
                              f"--config.num_replicas={num}", *flags],
                             env=launch_local.process_env(slot, num, 1, port, env), cwd=REPO, stdout=out,
                             stderr=subprocess.STDOUT)
@@ -89,3 +93,199 @@ def test_the_config_check_waits_for_every_slot_and_skips_reserved_ones():
   start = time.monotonic()
   job_lib._check_same_config(lone, 0, 2, same, wait_s=0.3)  # pylint: disable=protected-access
   assert time.monotonic() - start < 5
+
+
+# ---- 6: the last line of a failed process names its own checkpoints ----
+
+# main.py whose process 1 fails at its 5th inner step (after its save of step 4).
+_FAIL_AT_STEP_5 = textwrap.dedent("""
+    import os, runpy, sys
+    from noloco_jax.training import build as build_lib
+    real_build = build_lib.build
+    def build(config, *args, **kwargs):
+      setup = real_build(config, *args, **kwargs)
+      real_step, calls = setup.inner_step, [0]
+      def inner_step(state, batch):
+        calls[0] += 1
+        if calls[0] == 5 and os.environ["NOLOCO_PROCESS_ID"] == "1":
+          raise ValueError("token id 99999 at step 5 is outside the vocabulary (injected)")
+        return real_step(state, batch)
+      setup.inner_step = inner_step
+      return setup
+    build_lib.build = build
+    sys.argv[0] = "noloco_jax.main"
+    runpy.run_module("noloco_jax.main", run_name="__main__", alter_sys=True)
+""")
+
+
+def test_a_failed_process_names_the_checkpoint_in_its_own_workdir(tmp_path):
+  """Before: its last line looked in the job's WORKDIR and said it 'holds no checkpoint yet' although
+  WORKDIR/process_1 held step 4 (a user who believed it and deleted the workdir lost the checkpoint)."""
+  port, workdir = launch_local.free_port(), str(tmp_path / "run")
+  logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
+  flags = ["--config.checkpoint_every=2", "--config.eval_every=0", "--config.outer.max_wait_s=1"]
+  procs = [_start(i, 2, port, workdir, logs[i], *flags, script=_FAIL_AT_STEP_5) for i in range(2)]
+  codes = [p.wait(timeout=300) for p in procs]
+  assert codes == [0, 1], "\n\n".join("\n".join(_lines(l)[-20:]) for l in logs)
+  own = os.path.join(workdir, "process_1")
+  assert _lines(logs[1])[-1] == (
+      "noloco_jax: error: the run failed with ValueError: token id 99999 at step 5 is outside the vocabulary "
+      f"(injected) (traceback above). Fix the cause and run the same command to resume from the last checkpoint "
+      f"(step 4 in {own})."), _lines(logs[1])[-3:]
+
+
+# ---- 2 and 5: the service goes, or holds a stopped process dead ----
+
+
+def _sidecars_line(log: str, timeout_s: float = 10) -> str:
+  """The last line of a process that JAX's runtime aborted: its sidecar's, written right after the abort."""
+  end = time.time() + timeout_s
+  while time.time() < end and not _lines(log)[-1].startswith("noloco_jax:"):
+    time.sleep(0.05)
+  return _lines(log)[-1]
+
+
+def _wait_for(predicate, timeout_s: float, what: str, procs=()):
+  end = time.time() + timeout_s
+  while time.time() < end:
+    if predicate():
+      return
+    if any(p.poll() is not None for p in procs):
+      raise AssertionError(f"a process ended while waiting for {what}: {[p.poll() for p in procs]}")
+    time.sleep(0.1)
+  raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def _has_train_row(process_dir: str) -> bool:
+  path = os.path.join(process_dir, "metrics.jsonl")
+  return os.path.exists(path) and "train/loss" in open(path).read()
+
+
+def _checkpoints(process_dir: str) -> list[str]:
+  root = os.path.join(process_dir, "checkpoints")
+  return sorted(os.listdir(root)) if os.path.isdir(root) else []
+
+
+# Process 0 trains alone while process 1 is stopped (its rounds give up on a partner within 0.5 s, an
+# exchange with the stopped one within 3 s); a lease of 2 s holds the stopped one lost.
+_STOPPED = ["--config.num_steps=12", "--config.eval_every=0", "--config.checkpoint_every=0", "--config.outer.lease_s=2",
+            "--config.outer.max_wait_s=0.5", "--config.outer.exchange_timeout_s=3"]
+
+
+def _stop_process_1_until_process_0_waits(procs, logs, workdir, stopped_s: float) -> None:
+  _wait_for(lambda: _has_train_row(os.path.join(workdir, "process_1")), 300, "process 1's first train row", procs)
+  procs[1].send_signal(signal.SIGSTOP)
+  try:
+    _wait_for(lambda: "waits for processes [1]" in open(logs[0]).read() or procs[0].poll() is not None, 300,
+              "process 0 to finish")
+    time.sleep(stopped_s)
+  finally:
+    procs[1].send_signal(signal.SIGCONT)
+
+
+def test_a_process_stopped_past_its_lease_still_saves_when_it_resumes(tmp_path):
+  """Before: process 0, hosting the service, waited only `lease_s` for the silent process and exited; at
+  SIGCONT the stopped process began its only save (step 12) and was aborted 0.8 s later by JAX's runtime,
+  leaving 12.orbax-checkpoint-tmp: 12 steps gone. The service still counted it as connected (its
+  heartbeat timeout had not run out), so process 0 now waits that long."""
+  port, workdir = launch_local.free_port(), str(tmp_path / "run")
+  logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
+  env = {"NOLOCO_HEARTBEAT_TIMEOUT_S": "40"}
+  procs = [_start(i, 2, port, workdir, logs[i], *_STOPPED, env=env) for i in range(2)]
+  try:
+    _stop_process_1_until_process_0_waits(procs, logs, workdir, stopped_s=6)  # 3 leases
+    codes = [p.wait(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert codes == [0, 0], "\n\n".join("\n".join(_lines(l)[-15:]) for l in logs)
+  assert _checkpoints(os.path.join(workdir, "process_1")) == ["12"]
+
+
+def test_a_process_the_runtime_ends_says_so_last_and_keeps_its_checkpoints(tmp_path):
+  """Stopped for longer than the service's heartbeat timeout, process 1 is held dead; process 0 then
+  leaves, and at SIGCONT JAX's runtime aborts process 1 (a limit of JAX's runtime). Before: 170-odd lines
+  of C++ and Python dumps and no line of ours. Now its last line says what happened and what to run; what
+  it saved before stays saved (its save of step 12, begun at SIGCONT, never counts half-written)."""
+  port, workdir = launch_local.free_port(), str(tmp_path / "run")
+  logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
+  flags = [*_STOPPED, "--config.checkpoint_every=3"]
+  procs = [_start(i, 2, port, workdir, logs[i], *flags, env={"NOLOCO_HEARTBEAT_TIMEOUT_S": "3"}) for i in range(2)]
+  try:
+    _wait_for(lambda: "3" in _checkpoints(os.path.join(workdir, "process_1")), 300, "process 1's checkpoint", procs)
+    _stop_process_1_until_process_0_waits(procs, logs, workdir, stopped_s=8)
+    codes = [p.wait(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  own = os.path.join(workdir, "process_1")
+  assert codes == [0, -signal.SIGABRT], "\n\n".join("\n".join(_lines(l)[-15:]) for l in logs)
+  saved = [int(n) for n in _checkpoints(own) if n.isdigit()]
+  last = _sidecars_line(logs[1])
+  assert last.startswith("noloco_jax: error: process 1 of the asynchronous job "), last
+  assert f"Its last checkpoint is step {max(saved)} in {own}." in last, (last, _checkpoints(own))
+  assert 3 <= max(saved) < 12, _checkpoints(own)
+
+
+@pytest.mark.parametrize("service", ["in process 0", "standalone"])
+def test_the_survivors_of_the_service_say_who_hosted_it_and_how_to_go_on(tmp_path, service):
+  """The process hosting the coordination service is killed mid-run (process 0, or the service's own
+  process): JAX's runtime aborts every other process (a limit of JAX's runtime, docs/async.md §5).
+  Before: each ended in 177-184 lines of C++ and Python dumps with no line of ours."""
+  port, workdir = launch_local.free_port(), str(tmp_path / "run")
+  logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
+  flags = ["--config.num_steps=100000", "--config.eval_every=0", "--config.checkpoint_every=3",
+           "--config.outer.max_wait_s=1"]
+  standalone = service == "standalone"
+  server = None
+  if standalone:
+    server = subprocess.Popen([sys.executable, "-m", "noloco_jax.asynchronous.control", f"--port={port}",
+                               "--num_processes=2"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"NOLOCO_STANDALONE_SERVICE": "1"}
+  else:
+    env = {"NOLOCO_FAULTS": "kill:process=0,step=6"}
+  procs = [_start(i, 2, port, workdir, logs[i], *flags, env=env) for i in range(2)]
+  try:
+    if standalone:
+      _wait_for(lambda: all(_checkpoints(os.path.join(workdir, f"process_{i}")) for i in range(2)), 300,
+                "a checkpoint of each process", procs)
+      server.kill()
+    codes = [p.wait(timeout=300) for p in procs]
+  finally:
+    for p in [*procs, *([server] if server else [])]:
+      if p.poll() is None:
+        p.kill()
+  survivors = [0, 1] if standalone else [1]
+  assert [codes[i] for i in survivors] == [-signal.SIGABRT] * len(survivors), codes
+  for i in survivors:
+    own = os.path.join(workdir, f"process_{i}")
+    step = max(int(n) for n in _checkpoints(own) if n.isdigit())
+    if standalone:
+      who = "a process of its own"
+      then = (f"Start the service again (python -m noloco_jax.asynchronous.control --port={port} --num_processes=2), "
+              "then every process with the same command")
+    else:
+      who, then = "hosted by process 0", "Start the whole job again with the same command"
+    assert _sidecars_line(logs[i]) == (
+        f"noloco_jax: error: process {i} of the asynchronous job was ended by JAX's runtime: the job's coordination "
+        f"service at 127.0.0.1:{port}, {who}, is gone (docs/async.md §5). Its last checkpoint is step {step} in "
+        f"{own}. {then}: each process resumes from its own checkpoint."), _lines(logs[i])[-3:]
+
+
+def test_the_sidecar_names_what_the_process_can_do_next(tmp_path):
+  from noloco_jax.runtime import sidecar  # pylint: disable=g-import-not-at-top
+  own = str(tmp_path / "process_2")
+  os.makedirs(os.path.join(own, "checkpoints", "9"))
+  os.makedirs(os.path.join(own, "checkpoints", "12.orbax-checkpoint-tmp"))  # a save the abort cut short
+  context = dict(slot=2, num_processes=3, address="127.0.0.1:1234", standalone_service=False, workdir=own,
+                 heartbeat_timeout_s=60)
+  alive = sidecar.last_words(context, reachable=True)
+  assert alive.startswith("process 2 of the asynchronous job ended without a word of its own") and (
+      f"Its last checkpoint is step 9 in {own}. The job goes on without it: run this process's command again "
+      "(the same process id) to rejoin it." in alive), alive
+  host = sidecar.last_words({**context, "slot": 0, "workdir": str(tmp_path / "none")}, reachable=False)
+  assert host.startswith("process 0 of the asynchronous job, which hosted its coordination service, ended") and (
+      f"It saved no checkpoint yet ({tmp_path / 'none'}). Start the whole job again" in host), host
+  assert not sidecar.service_reachable("127.0.0.1:1")  # nothing listens on port 1

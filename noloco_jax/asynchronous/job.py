@@ -52,6 +52,8 @@ class Process:
   heartbeat: liveness.Liveness  # its lease, beating from connect on (a process starting up is alive)
   num_replicas: int  # the job's: one per slot
   rejoining: bool  # its slot was used before in this job: take the weights from a live peer
+  # The service's heartbeat timeout (--heartbeat_timeout_s): how long it counts a silent client as connected.
+  service_timeout_s: float = 0.0
 
   @property
   def kv(self) -> control.JaxKV:
@@ -71,22 +73,31 @@ class Process:
     return (self.slot,)
 
   def workdir(self, job_workdir: str) -> str:
-    return os.path.join(job_workdir, f"process_{self.slot}")
+    return process_workdir(job_workdir, self.slot)
+
+  def say_done(self) -> bool:
+    """Says this process is exiting (`done/<slot>`), so that the service's host need not wait for it;
+    False when the service is gone (nobody is left to tell)."""
+    try:
+      self.connection.kv.set(f"{DONE}{self.slot}", str(self.incarnation))
+      return True
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("Process %d could not say it is done: %s", self.slot, str(e).splitlines()[0])
+      return False
 
   def finish(self, *, lease_s: float, poll_s: float = 0.5, grace_s: float = 1.0) -> None:
     """At the very end of this process (main.py exits right after). It says so (`done/<slot>`). The
     process hosting the coordination service first waits until every other process has said so or has
-    died (its heartbeat still for `lease_s`): when it exits, the service goes, and every process still
-    connected aborts (a limit of JAX's runtime, docs/async.md). A process that left the rounds keeps
-    beating while it saves (liveness.Liveness.leave(keep_beating=True)), so it is waited for."""
+    died: when it exits, the service goes, and every process still connected aborts (a limit of JAX's
+    runtime, docs/async.md §5). A process that left the rounds keeps beating while it saves
+    (liveness.Liveness.leave(keep_beating=True)), so it is waited for. A silent process is held dead only
+    once the service itself would hold it dead (`service_timeout_s`, if longer than `lease_s`): until then
+    it may be stopped (SIGSTOP, a swapped-out host) rather than dead, and it would resume, begin its save,
+    and be aborted by this exit with its save half written."""
+    if not self.say_done() or not self.connection.hosts_service:
+      return
     kv = self.connection.kv
-    try:
-      kv.set(f"{DONE}{self.slot}", str(self.incarnation))
-    except Exception as e:  # pylint: disable=broad-except  (the service is gone: nobody is left to tell)
-      logging.warning("Process %d could not say it is done: %s", self.slot, str(e).splitlines()[0])
-      return
-    if not self.connection.hosts_service:
-      return
+    silent_s = max(lease_s, self.service_timeout_s)
     self.heartbeat.leave(keep_beating=True)
     last: dict[int, tuple[str, float]] = {}  # slot -> (lease value, when it last changed, by our clock)
     waiting_for = None
@@ -100,7 +111,7 @@ class Process:
         inc, _, tail = value.partition(":")
         if last.get(slot, ("", 0.0))[0] != value:
           last[slot] = (value, now)
-        dead = tail == liveness.LEFT or now - last[slot][1] > lease_s  # ("left" without beating: a reserved slot)
+        dead = tail == liveness.LEFT or now - last[slot][1] > silent_s  # ("left" without beating: a reserved slot)
         if not dead and done.get(f"{DONE}{slot}") != inc:
           running.append(slot)
       if not running:
@@ -109,8 +120,14 @@ class Process:
       if running != waiting_for:
         waiting_for = running
         logging.info("Process %d hosts the coordination service: it waits for processes %s to finish (its exit "
-                     "would end them).", self.slot, running)
+                     "would end them; one that is silent, up to %.0f s: it may be stopped, not dead).", self.slot,
+                     running, silent_s)
       time.sleep(poll_s)
+
+
+def process_workdir(job_workdir: str, slot: int) -> str:
+  """WORKDIR/process_<slot>: where process `slot` of an asynchronous job trains, saves and logs."""
+  return os.path.join(job_workdir, f"process_{slot}")
 
 
 def session_options(config: config_lib.Config) -> session_lib.Options:
@@ -155,7 +172,7 @@ def start(config: config_lib.Config, coordinator_address: str, num_processes: in
   options = session_options(config)
   heartbeat = liveness.Liveness(kv, process_id, connection.incarnation, beat_s=options.beat_s,
                                 lease_s=options.lease_s, observe=True).start()
-  process = Process(connection, heartbeat, config.num_replicas, rejoining)
+  process = Process(connection, heartbeat, config.num_replicas, rejoining, service_timeout_s=heartbeat_timeout_s)
   try:
     _check_same_config(kv, process_id, num_processes, config)
   except ConfigMismatch:

@@ -155,6 +155,16 @@ def run_workdir() -> str | None:
   return _Run.workdir
 
 
+_BEFORE_EXIT: list = []  # called by exit_now once the last line is out (before_exit_now)
+
+
+def before_exit_now(fn) -> None:
+  """Registers `fn()` to run when `exit_now` leaves, after the last line is printed (an asynchronous
+  process says it is done, and tells its sidecar that its last line was its own: runtime/sidecar.py)."""
+  if fn not in _BEFORE_EXIT:
+    _BEFORE_EXIT.append(fn)
+
+
 def exit_now(error: BaseException, traceback_printed: bool = False) -> None:
   """Prints the run's cause (its traceback where that helps) and last line, then exits at once."""
   message, status, helps = report(error, _Run.workdir)
@@ -163,6 +173,11 @@ def exit_now(error: BaseException, traceback_printed: bool = False) -> None:
   print(f"noloco_jax: error: {message}", file=sys.stderr)
   for stream in (sys.stdout, sys.stderr):
     stream.flush()
+  for fn in _BEFORE_EXIT:
+    try:
+      fn()
+    except Exception:  # pylint: disable=broad-except  (the run's own error is what the user must read)
+      pass
   # The run has settled its checkpoint (loop.py); skip the interpreter's finalisers (see above).
   os._exit(status)  # pylint: disable=protected-access
 
