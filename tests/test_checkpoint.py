@@ -468,6 +468,43 @@ def test_a_silently_corrupted_state_file_is_detected_and_set_aside(reference, tm
   assert [n.split("-")[0] for n in os.listdir(os.path.join(workdir, "checkpoints_corrupt"))] == [str(latest)]
 
 
+class _KilledHere(BaseException):
+  """Stands for a SIGKILL at this point: nothing after it runs, and the files are as the kill left them."""
+
+
+def _truncate_state(workdir, step) -> None:
+  data = os.path.join(workdir, "checkpoints", str(step), "state", "ocdbt.process_0", "d")
+  biggest = max((os.path.join(data, n) for n in os.listdir(data)), key=os.path.getsize)
+  with open(biggest, "r+b") as f:
+    f.truncate(os.path.getsize(biggest) // 2)
+
+
+def test_a_kill_between_two_quarantine_moves_loses_nothing(reference, tmp_path, monkeypatch):
+  """Issue 33's probe: the two latest steps unreadable, the run killed after moving the first aside. The next
+  run finds the second unreadable again, moves it too, and resumes from the same step; nothing readable is
+  moved. (Each move is one rename within the workdir: a kill cannot leave half a step.)"""
+  from noloco_jax.io.checkpoint import quarantine  # pylint: disable=g-import-not-at-top
+  workdir = copy_run(reference[0], tmp_path / "run")
+  *_, good, second, latest = checkpoint_steps(workdir)
+  for step in (latest, second):
+    _truncate_state(workdir, step)
+  real_move, moved = shutil.move, []
+
+  def move(src, dst):
+    if moved:
+      raise _KilledHere()
+    moved.append(real_move(src, dst))
+
+  monkeypatch.setattr(quarantine.shutil, "move", move)
+  with pytest.raises(_KilledHere):
+    restore_only(workdir)
+  assert checkpoint_steps(workdir)[-2:] == [good, second]
+  monkeypatch.setattr(quarantine.shutil, "move", real_move)
+  _, _, resume = restore_only(workdir)
+  assert resume.step == good and checkpoint_steps(workdir)[-1] == good
+  assert sorted(int(n.split("-")[0]) for n in os.listdir(os.path.join(workdir, checkpoint.CORRUPT_DIR))) == [second, latest]
+
+
 def stderr_of(log: str) -> list[str]:
   with open(log) as f:
     return [line.rstrip("\n") for line in f if line.strip()]
