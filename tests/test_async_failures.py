@@ -289,3 +289,31 @@ def test_the_sidecar_names_what_the_process_can_do_next(tmp_path):
   assert host.startswith("process 0 of the asynchronous job, which hosted its coordination service, ended") and (
       f"It saved no checkpoint yet ({tmp_path / 'none'}). Start the whole job again" in host), host
   assert not sidecar.service_reachable("127.0.0.1:1")  # nothing listens on port 1
+
+
+# ---- Reserved slots and process ids: bad input is one line, exit 2 ----
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--reserve_slot=5"], "--reserve_slot=5 is not valid: a process id in [0, 2] (--num_processes=3)."),
+    (["--reserve_slot=0"], "--reserve_slot=0 is not valid without --standalone_service: process 0 hosts the job's "
+     "coordination service"),
+])
+def test_a_reserved_slot_that_cannot_be_one_is_refused_in_one_line(args, message):
+  """Before: --reserve_slot=5 of 3 was a traceback; --reserve_slot=0 hosted the job's service in the
+  reserving process, which then left: the job's service with it."""
+  done = subprocess.run([sys.executable, "-m", "noloco_jax.asynchronous.control", "--num_processes=3", *args,
+                         "--coordinator_address=127.0.0.1:1"], cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+  assert done.stderr.strip().splitlines()[-1].startswith(f"control.py: error: {message}"), done.stderr
+
+
+def test_a_process_id_outside_the_job_is_refused_in_one_line(tmp_path):
+  """Before: an asynchronous process with NOLOCO_PROCESS_ID=5 of 2 printed a traceback (a lock-step one
+  waited for a coordinator)."""
+  env = launch_local.process_env(5, 2, 1, 1)
+  done = subprocess.run([sys.executable, "-m", "noloco_jax.main", *ASYNC, f"--workdir={tmp_path}",
+                         "--config.num_replicas=2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+  assert done.stderr.strip().splitlines()[-1] == ("noloco_jax: process id 5 (NOLOCO_PROCESS_ID or --process_id) is "
+                                                  "not valid: an integer in [0, 1] (num_processes=2)."), done.stderr

@@ -349,6 +349,13 @@ def main(argv=None) -> int:
   if opts.reserve_slot is not None:
     if not opts.coordinator_address:
       parser.error("--reserve_slot needs --coordinator_address=host:port.")
+    if not 0 <= opts.reserve_slot < opts.num_processes:
+      parser.error(f"--reserve_slot={opts.reserve_slot} is not valid: a process id in [0, {opts.num_processes - 1}] "
+                   f"(--num_processes={opts.num_processes}).")
+    if opts.reserve_slot == 0 and not opts.standalone_service:
+      parser.error("--reserve_slot=0 is not valid without --standalone_service: process 0 hosts the job's "
+                   "coordination service, which would end as this process leaves; reserve a slot in "
+                   f"[1, {opts.num_processes - 1}], or run the service in a process of its own.")
     reserve_slot(opts.coordinator_address, opts.num_processes, opts.reserve_slot,
                  heartbeat_timeout_s=opts.heartbeat_timeout_s, standalone_service=opts.standalone_service)
     sys.stdout.flush()

@@ -80,6 +80,10 @@ def resolve_options(environ=None, **given) -> Options:
   options = Options(**values)
   if options.mode not in MODES:
     raise ValueError(f"distributed mode {options.mode!r} is not valid; choose one of {MODES}.")
+  pid, count = options.process_id, options.num_processes
+  if pid is not None and count is not None and not 0 <= pid < count:  # else a hang, or a traceback (async)
+    raise ValueError(f"process id {pid} ({ENV['process_id']} or --process_id) is not valid: an integer in "
+                     f"[0, {count - 1}] (num_processes={count}).")
   return options
 
 
