@@ -109,7 +109,10 @@ def _run_async_process(config, options) -> None:
   from noloco_jax.asynchronous import job as async_job
   from noloco_jax.runtime import distributed, preemption, sidecar
   address, count, pid = distributed.process_coordinates(options)
-  async_job.check_layout(config, count)  # before anything starts: one line, exit status 2
+  try:
+    async_job.check_layout(config, count)  # before anything starts
+  except config_lib.ConfigError as e:
+    cli.exit_usage(str(e))
   workdir = async_job.process_workdir(FLAGS.workdir, pid)
   # JAX's runtime aborts this process when the service goes (or holds it dead): its sidecar then says
   # so in the last line, with the checkpoint to go on from (runtime/sidecar.py).

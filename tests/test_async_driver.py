@@ -104,13 +104,14 @@ def test_the_command_line_refuses_an_async_job_of_one_replica(tmp_path, kind):
   """Issue 33, 3. Before: a one-process job with num_replicas=1 died in the stability analysis
   (ZeroDivisionError in outer/stability.averaging_shrink: N − 1 = 0), a traceback instead of the refusal
   that num_replicas=2 gets."""
+  env = launch_local.process_env(0, 1, 1, 1)  # a job of one process (its coordinator is never reached)
   done = subprocess.run([sys.executable, "-m", "noloco_jax.main", "--config=configs/default.py:smoke",
                          f"--workdir={tmp_path}", *ASYNC, "--config.num_replicas=1", f"--config.outer.kind={kind}"],
-                        capture_output=True, text=True, timeout=300)
+                        env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 2, done.stderr[-2000:]
   assert "Traceback" not in done.stderr, done.stderr[-2000:]
   last = done.stderr.strip().splitlines()[-1]
-  assert last.startswith("noloco_jax: config.num_replicas=1 is not valid: an integer ≥ 2 with outer.schedule='async'"), last
+  assert last.startswith("noloco_jax: config.outer.schedule='async' is not valid: 'lockstep' in a job of one process"), last
 
 
 def test_train_and_evaluate_alone_refuses_the_async_schedule_in_one_line(tmp_path):

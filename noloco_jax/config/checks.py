@@ -56,10 +56,6 @@ def _check_async(c: Config) -> None:
   """What the asynchronous schedule (docs/async.md) does not combine with. (Its layout, one replica per
   process, is checked at start-up against the job's process count: asynchronous/job.check_layout.)"""
   unsupported = lambda what: f"{what} with outer.schedule='async' (not supported by the asynchronous schedule)"
-  if c.num_replicas < 2:  # before NoLoCo's stability analysis, which has no meaning (N − 1 = 0) for one replica
-    fail("num_replicas", c.num_replicas, "an integer ≥ 2 with outer.schedule='async' (one replica per process, "
-         "paired at run time: start as many processes, e.g. python -m noloco_jax.runtime.launch_local "
-         "--num_processes=2 --devices_per_process=1 -- ...)")
   if c.num_stages != 1:
     fail("num_stages", c.num_stages, unsupported("1"))
   if c.nan_policy != "error":

@@ -122,7 +122,10 @@ def check_config(config) -> None:
   in config/checks.py only because config/ imports nothing from the rest of the package.)
   """
   o = config.outer
-  if o.kind != "noloco":
+  # Fewer replicas than a group: nothing is averaged, so there is no spread to analyse (a = (N − n)/(n(N − 1))
+  # has no meaning). Only the asynchronous schedule gets here (lock-step needs n | N): its job size is
+  # checked at start-up against its processes (asynchronous/job.check_layout), in one line.
+  if o.kind != "noloco" or config.num_replicas < o.group_size:
     return
   problem = instability(o.outer_momentum, o.consensus_weight, o.group_size, config.num_replicas)
   if problem and not o.allow_unstable:
