@@ -43,6 +43,10 @@ EXHAUSTIVE = {
     "(float32 stays in)",
     "tests/test_losses.py::test_model_loss_and_all_parameter_gradients_match_with_chunks[bfloat16": "bfloat16 "
     "case (float32 stays in)",
+    "tests/test_async_failures.py::test_the_survivors_of_the_service_say_who_hosted_it_and_how_to_go_on[standalone]":
+    "the standalone service killed (the sidecar's line after the service went: "
+    "test_a_process_the_runtime_ends_says_so_last_and_keeps_its_checkpoints; its standalone wording: "
+    "test_the_sidecar_names_what_the_process_can_do_next)",
 }
 
 

@@ -123,7 +123,7 @@ def test_a_failed_process_names_the_checkpoint_in_its_own_workdir(tmp_path):
   WORKDIR/process_1 held step 4 (a user who believed it and deleted the workdir lost the checkpoint)."""
   port, workdir = launch_local.free_port(), str(tmp_path / "run")
   logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
-  flags = ["--config.checkpoint_every=2", "--config.eval_every=0", "--config.outer.max_wait_s=1"]
+  flags = ["--config.num_steps=6", "--config.checkpoint_every=2", "--config.eval_every=0", "--config.outer.max_wait_s=0.5"]
   procs = [_start(i, 2, port, workdir, logs[i], *flags, script=_FAIL_AT_STEP_5) for i in range(2)]
   codes = [p.wait(timeout=300) for p in procs]
   assert codes == [0, 1], "\n\n".join("\n".join(_lines(l)[-20:]) for l in logs)
@@ -164,6 +164,11 @@ def _has_train_row(process_dir: str) -> bool:
 def _checkpoints(process_dir: str) -> list[str]:
   root = os.path.join(process_dir, "checkpoints")
   return sorted(os.listdir(root)) if os.path.isdir(root) else []
+
+
+def _committed(process_dir: str) -> list[int]:
+  """The complete checkpoint steps (orbax names a step's directory by its number only once it is complete)."""
+  return sorted(int(n) for n in _checkpoints(process_dir) if n.isdigit())
 
 
 # Process 0 trains alone while process 1 is stopped (its rounds give up on a partner within 0.5 s, an
@@ -213,7 +218,7 @@ def test_a_process_the_runtime_ends_says_so_last_and_keeps_its_checkpoints(tmp_p
   flags = [*_STOPPED, "--config.checkpoint_every=3"]
   procs = [_start(i, 2, port, workdir, logs[i], *flags, env={"NOLOCO_HEARTBEAT_TIMEOUT_S": "3"}) for i in range(2)]
   try:
-    _wait_for(lambda: "3" in _checkpoints(os.path.join(workdir, "process_1")), 300, "process 1's checkpoint", procs)
+    _wait_for(lambda: 3 in _committed(os.path.join(workdir, "process_1")), 300, "process 1's checkpoint", procs)
     _stop_process_1_until_process_0_waits(procs, logs, workdir, stopped_s=8)
     codes = [p.wait(timeout=300) for p in procs]
   finally:
@@ -222,7 +227,7 @@ def test_a_process_the_runtime_ends_says_so_last_and_keeps_its_checkpoints(tmp_p
         p.kill()
   own = os.path.join(workdir, "process_1")
   assert codes == [0, -signal.SIGABRT], "\n\n".join("\n".join(_lines(l)[-15:]) for l in logs)
-  saved = [int(n) for n in _checkpoints(own) if n.isdigit()]
+  saved = _committed(own)
   last = _sidecars_line(logs[1])
   assert last.startswith("noloco_jax: error: process 1 of the asynchronous job "), last
   assert f"Its last checkpoint is step {max(saved)} in {own}." in last, (last, _checkpoints(own))
@@ -249,7 +254,7 @@ def test_the_survivors_of_the_service_say_who_hosted_it_and_how_to_go_on(tmp_pat
   procs = [_start(i, 2, port, workdir, logs[i], *flags, env=env) for i in range(2)]
   try:
     if standalone:
-      _wait_for(lambda: all(_checkpoints(os.path.join(workdir, f"process_{i}")) for i in range(2)), 300,
+      _wait_for(lambda: all(_committed(os.path.join(workdir, f"process_{i}")) for i in range(2)), 300,
                 "a checkpoint of each process", procs)
       server.kill()
     codes = [p.wait(timeout=300) for p in procs]
@@ -261,7 +266,7 @@ def test_the_survivors_of_the_service_say_who_hosted_it_and_how_to_go_on(tmp_pat
   assert [codes[i] for i in survivors] == [-signal.SIGABRT] * len(survivors), codes
   for i in survivors:
     own = os.path.join(workdir, f"process_{i}")
-    step = max(int(n) for n in _checkpoints(own) if n.isdigit())
+    step = max(_committed(own))
     if standalone:
       who = "a process of its own"
       then = (f"Start the service again (python -m noloco_jax.asynchronous.control --port={port} --num_processes=2), "
@@ -288,6 +293,12 @@ def test_the_sidecar_names_what_the_process_can_do_next(tmp_path):
   host = sidecar.last_words({**context, "slot": 0, "workdir": str(tmp_path / "none")}, reachable=False)
   assert host.startswith("process 0 of the asynchronous job, which hosted its coordination service, ended") and (
       f"It saved no checkpoint yet ({tmp_path / 'none'}). Start the whole job again" in host), host
+  standalone = sidecar.last_words({**context, "standalone_service": True}, reachable=False)
+  assert standalone == (
+      "process 2 of the asynchronous job was ended by JAX's runtime: the job's coordination service at 127.0.0.1:1234, "
+      f"a process of its own, is gone (docs/async.md §5). Its last checkpoint is step 9 in {own}. Start the service "
+      "again (python -m noloco_jax.asynchronous.control --port=1234 --num_processes=3), then every process with the "
+      "same command: each process resumes from its own checkpoint."), standalone
   assert not sidecar.service_reachable("127.0.0.1:1")  # nothing listens on port 1
 
 

@@ -65,57 +65,51 @@ def test_the_required_log_or_the_last_record_failing_stops_the_run_in_one_line()
     writers.MultiWriter([writers.LoggingWriter(), only]).write_scalars(1, {"x": 1.0})
 
 
-# main.py with one writer's file writes failing from some point on, as on a disk that filled up.
-_FAILING_WRITE = textwrap.dedent("""
+# main.py on a disk that fills up: TensorBoard's writes fail from its 4th record on (turned off, the run goes
+# on), then metrics.jsonl's from the rows of step 9 on (the run stops, after its checkpoint of step 6).
+_DISK_FILLS_UP = textwrap.dedent("""
     import runpy, sys
+    from tensorboard.summary.writer import record_writer
     from noloco_jax.io import writers
-    WHICH = sys.argv.pop(1)
-    if WHICH == "tensorboard":
-      from tensorboard.summary.writer import record_writer
-      cls, method = record_writer.RecordWriter, "write"
-    else:
-      cls, method = writers.JsonlWriter, "write_scalars"
-    real, calls = getattr(cls, method), [0]
-    def failing(self, *args):  # TensorBoard: from its 4th record; metrics.jsonl: from the rows of step 9
-      calls[0] += 1
-      if calls[0] > 4 if WHICH == "tensorboard" else args[0] >= 9:
-        raise OSError(28, "No space left on device")
-      return real(self, *args)
-    setattr(cls, method, failing)
+    def failing(cls, method, fails):
+      real = getattr(cls, method)
+      def write(self, *args):
+        if fails(*args):
+          raise OSError(28, "No space left on device")
+        return real(self, *args)
+      setattr(cls, method, write)
+    records = [0]
+    def fourth_record(*_):
+      records[0] += 1
+      return records[0] > 4
+    failing(record_writer.RecordWriter, "write", fourth_record)
+    failing(writers.JsonlWriter, "write_scalars", lambda step, scalars: step >= 9)
     sys.argv[0] = "noloco_jax.main"
     runpy.run_module("noloco_jax.main", run_name="__main__", alter_sys=True)
 """)
 
 
-def _run(tmp_path, env, *args):
+def test_a_disk_that_fills_up_turns_tensorboard_off_then_stops_the_run_in_one_line(cache, tmp_path):
+  """Before: TensorBoard's failed write ended the run with a traceback, and a failed write of metrics.jsonl
+  printed three tracebacks (the write, the close after it, the run's) and a generic last line."""
   workdir, log = str(tmp_path / "run"), str(tmp_path / "run.log")
   with open(log, "w") as out:
-    proc = subprocess.run([sys.executable, *args, *SMOKE, f"--workdir={workdir}"], cwd=REPO, env=env, stdout=out,
-                          stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S)
-  return proc.returncode, stderr_of(log), workdir
+    code = subprocess.run([sys.executable, "-c", _DISK_FILLS_UP, *SMOKE, f"--workdir={workdir}"], cwd=REPO,
+                          env=cache, stdout=out, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S).returncode
+  lines = stderr_of(log)
+  assert code == 1, lines[-30:]
+  assert not [l for l in lines if "Traceback" in l], lines[-40:]
+  warned = [l for l in lines if "TensorBoard (" in l and "is turned off" in l]
+  assert len(warned) == 1 and "still written: the log lines, metrics.jsonl." in warned[0], warned
+  assert _steps(workdir) == [3, 6]  # TensorBoard's failure lost none of them
+  assert lines[-1].startswith("noloco_jax: error: writing metrics.jsonl failed: OSError: [Errno 28] No space left on "
+                              "device (the last row it took: step 6)."), lines[-1]
+  assert lines[-1].endswith(f"Then run the same command to resume from the last checkpoint (step 6 in {workdir})."), lines[-1]
 
 
 def _steps(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return sorted({json.loads(line)["step"] for line in f if "train/loss" in line})
-
-
-def test_a_tensorboard_write_that_fails_turns_tensorboard_off_and_the_run_goes_on(cache, tmp_path):
-  code, lines, workdir = _run(tmp_path, cache, "-c", _FAILING_WRITE, "tensorboard")
-  assert code == 0, lines[-30:]
-  assert not [l for l in lines if "Traceback" in l], lines[-40:]
-  warned = [l for l in lines if "TensorBoard (" in l and "is turned off" in l]
-  assert len(warned) == 1 and "still written: the log lines, metrics.jsonl." in warned[0], warned
-  assert _steps(workdir) == [3, 6, 9, 12]
-
-
-def test_a_full_disk_under_metrics_jsonl_stops_the_run_in_one_line(cache, tmp_path):
-  code, lines, workdir = _run(tmp_path, cache, "-c", _FAILING_WRITE, "jsonl")
-  assert code == 1, lines[-30:]
-  assert not [l for l in lines if "Traceback" in l], lines[-40:]
-  assert lines[-1].startswith("noloco_jax: error: writing metrics.jsonl failed: OSError: [Errno 28] No space left on "
-                              "device (the last row it took: step 6)."), lines[-1]
-  assert lines[-1].endswith(f"Then run the same command to resume from the last checkpoint (step 6 in {workdir})."), lines[-1]
 
 
 def _children(pid):
