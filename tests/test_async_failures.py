@@ -97,41 +97,39 @@ def test_the_config_check_waits_for_every_slot_and_skips_reserved_ones():
 
 # ---- 6: the last line of a failed process names its own checkpoints ----
 
-# main.py whose process 1 fails at its 5th inner step (after its save of step 4).
-_FAIL_AT_STEP_5 = textwrap.dedent("""
+# main.py whose process 1 finds its disk full from the rows of step 5 on (after its save of step 4).
+_DISK_FULL_AT_STEP_5 = textwrap.dedent("""
     import os, runpy, sys
-    from noloco_jax.training import build as build_lib
-    real_build = build_lib.build
-    def build(config, *args, **kwargs):
-      setup = real_build(config, *args, **kwargs)
-      real_step, calls = setup.inner_step, [0]
-      def inner_step(state, batch):
-        calls[0] += 1
-        if calls[0] == 5 and os.environ["NOLOCO_PROCESS_ID"] == "1":
-          raise ValueError("token id 99999 at step 5 is outside the vocabulary (injected)")
-        return real_step(state, batch)
-      setup.inner_step = inner_step
-      return setup
-    build_lib.build = build
+    from noloco_jax.io import writers
+    real_write = writers.JsonlWriter.write_scalars
+    def write_scalars(self, step, scalars):
+      if step >= 5 and os.environ["NOLOCO_PROCESS_ID"] == "1":
+        raise OSError(28, "No space left on device")
+      return real_write(self, step, scalars)
+    writers.JsonlWriter.write_scalars = write_scalars
     sys.argv[0] = "noloco_jax.main"
     runpy.run_module("noloco_jax.main", run_name="__main__", alter_sys=True)
 """)
 
 
-def test_a_failed_process_names_the_checkpoint_in_its_own_workdir(tmp_path):
-  """Before: its last line looked in the job's WORKDIR and said it 'holds no checkpoint yet' although
-  WORKDIR/process_1 held step 4 (a user who believed it and deleted the workdir lost the checkpoint)."""
+def test_a_process_whose_disk_fills_up_names_the_checkpoint_in_its_own_workdir(tmp_path):
+  """Before: 80-odd lines and 3 tracebacks (a lock-step run's full disk under a checkpoint is one line),
+  and a last line that looked in the job's WORKDIR and said it 'holds no checkpoint yet' although
+  WORKDIR/process_1 held step 4: a user who believed it and deleted the workdir lost the checkpoint.
+  Process 0 trains on and ends at once (process 1 said it was done: no wait for its lease)."""
   port, workdir = launch_local.free_port(), str(tmp_path / "run")
   logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
-  flags = ["--config.num_steps=6", "--config.checkpoint_every=2", "--config.eval_every=0", "--config.outer.max_wait_s=0.5"]
-  procs = [_start(i, 2, port, workdir, logs[i], *flags, script=_FAIL_AT_STEP_5) for i in range(2)]
+  flags = ["--config.num_steps=6", "--config.log_every=1", "--config.checkpoint_every=2", "--config.eval_every=0",
+           "--config.outer.max_wait_s=0.5"]
+  procs = [_start(i, 2, port, workdir, logs[i], *flags, script=_DISK_FULL_AT_STEP_5) for i in range(2)]
   codes = [p.wait(timeout=300) for p in procs]
   assert codes == [0, 1], "\n\n".join("\n".join(_lines(l)[-20:]) for l in logs)
-  own = os.path.join(workdir, "process_1")
-  assert _lines(logs[1])[-1] == (
-      "noloco_jax: error: the run failed with ValueError: token id 99999 at step 5 is outside the vocabulary "
-      f"(injected) (traceback above). Fix the cause and run the same command to resume from the last checkpoint "
-      f"(step 4 in {own})."), _lines(logs[1])[-3:]
+  lines, own = _lines(logs[1]), os.path.join(workdir, "process_1")
+  assert not [l for l in lines if "Traceback" in l], lines[-40:]
+  assert lines[-1] == (
+      "noloco_jax: error: writing metrics.jsonl failed: OSError: [Errno 28] No space left on device (the last row it "
+      "took: step 4). Free space or fix the permissions where it is written (the workdir), or turn the cause off. "
+      f"Then run the same command to resume from the last checkpoint (step 4 in {own})."), lines[-3:]
 
 
 # ---- 2 and 5: the service goes, or holds a stopped process dead ----

@@ -146,13 +146,19 @@ def _run_threads(num, rounds, *, window_s=0.05, max_wait_s=5.0, sleep_s=0.005, s
 def test_protocol_agrees_and_is_uniform_at_equal_speed():
   """Four threads, 240 rounds at equal speed: every member of a batch reads the same group, every round
   is matched, and the groupings of the batches that held all four are uniform over the 3 matchings.
-  The budget is far above any wait at equal speed: under a load average of 40 a thread was once left
-  without a partner for 5 s, which says nothing about agreement or uniformity."""
-  got, makers = _run_threads(4, 240, max_wait_s=120.0)
+
+  Except at the very end. A thread that misses a batch (the other three close it as a triple when it is
+  late by more than the window: under a load average of 27, with a CPU hog per core, once in the whole
+  suite) pairs its next round with the others' round after, so it is one round behind from then on, and
+  its last round has no partner left: the others have done all theirs. It waits out its budget and skips,
+  as the last process of any asynchronous job would. So a thread's final round may go unmatched; no other.
+  The budget only has to be far above a wait for a partner who is coming: at most 5 s, seen under a load
+  average of 40; 30 s is what the end effect then costs."""
+  got, makers = _run_threads(4, 240, max_wait_s=30.0)
   by_batch = collections.defaultdict(set)
   for s, rounds in got.items():
-    assert all(r is not None for r in rounds), s
-    for batch, group in rounds:
+    assert all(r is not None for r in rounds[:-1]), (s, [i for i, r in enumerate(rounds) if r is None])
+    for batch, group in filter(None, rounds):
       assert s in group
       by_batch[batch].add(group)
   batches = {}

@@ -72,9 +72,6 @@ class Process:
     """The job's replicas this process holds (their data shards): its own."""
     return (self.slot,)
 
-  def workdir(self, job_workdir: str) -> str:
-    return process_workdir(job_workdir, self.slot)
-
   def say_done(self) -> bool:
     """Says this process is exiting (`done/<slot>`), so that the service's host need not wait for it;
     False when the service is gone (nobody is left to tell)."""
