@@ -208,14 +208,6 @@ def test_oracle_acceptance_rate_at_the_largest_allowed_degree():
     assert simple.mean() > 0.002, (n, simple.mean())
 
 
-def test_graph_stats_script_runs():
-  """experiments/epidemic_graph_stats.py (RESULTS.md's acceptance rates and draw times), on small sizes."""
-  from experiments import epidemic_graph_stats
-  row = epidemic_graph_stats.stats(8, 1, draws=5)
-  assert 0.2 < row["oracle_acceptance"] < 0.6 and row["oracle_share_receiving_nothing"] == 0
-  assert row["binomial_share_receiving_nothing"] == round((6 / 7) ** 7, 4)
-
-
 @pytest.mark.parametrize("overrides,message", [
     ({"outer.kind": "epidemic", "outer.topology": "ring"},
      "config.outer.topology='ring' is not valid: one of oracle | local."),

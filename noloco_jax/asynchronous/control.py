@@ -151,8 +151,7 @@ def live_nodes(process_ids) -> dict[int, int]:
 
   A BARRIER (what `jax.live_devices` calls): it returns once every live process named has called it,
   and a dead one is left out only once the service has declared it dead (heartbeat_timeout_s). Not
-  used by the schedule, which cannot wait for the others (liveness.py); measured by
-  experiments/bench_async_control.py.
+  used by the schedule, which cannot wait for the others (liveness.py); measured in docs/async.md §9.
   """
   from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top
   return {int(k): int(v) for k, v in global_state.client.get_live_nodes(list(process_ids)).items()}
