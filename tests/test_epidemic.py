@@ -19,6 +19,7 @@ from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.outer import rounds as rounds_lib
 from noloco_jax.inner.state import TrainState
+import hlo_helpers  # pylint: disable=g-bad-import-order  (tests/hlo_helpers.py)
 
 N = 8
 
@@ -302,7 +303,7 @@ def test_epidemic_bytes_in_the_compiled_program(fanout, topology):
   np.testing.assert_array_equal(received, indegree * model)
   if topology == "oracle":
     np.testing.assert_array_equal(received, np.full(N, counted))
-  assert hlo_lib.permute_pair_bytes(hlo) == N * counted
+  assert hlo_helpers.permute_pair_bytes(hlo) == N * counted
   # On the wire (outer/wire.py, what comm/bytes_sent_per_replica and ..._received_... add up): the mean
   # over replicas of the compiled program's, the busiest sender's, and the busiest receiver's bound
   # (exactly s models under EL-Oracle; up to N − 1 under EL-Local).
