@@ -72,7 +72,7 @@ def test_rejects_a_chunk_below_one():
     losses.chunked_cross_entropy(x, w, t, 0)
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("bfloat16", 3e-2)])
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), pytest.param("bfloat16", 3e-2, marks=pytest.mark.exhaustive(reason="the bfloat16 case (the float32 case stays in)"))])
 def test_model_loss_and_all_parameter_gradients_match_with_chunks(dtype, tol):
   common = dict(vocab_size=300, d_model=32, num_layers=1, num_heads=4, mlp_dim=64, max_seq_len=16,
                 dtype=model_lib.DTYPES[dtype])

@@ -342,6 +342,7 @@ def test_the_merge_keeps_every_dtype_with_a_bfloat16_outer_state():
                     "residual": {jnp.dtype(jnp.bfloat16)}, "inflight": {jnp.dtype(jnp.float32)}}
 
 
+@pytest.mark.exhaustive(reason="bench_overlap's quick mode (overlap's behaviour: the rest of test_overlap.py)")
 def test_bench_overlap_quick_mode_reports_both_settings():
   """experiments/bench_overlap.py --quick: 2 processes, τ = 0 and 1, no bandwidth limit (seconds)."""
   import importlib.util  # pylint: disable=g-import-not-at-top
