@@ -20,7 +20,7 @@ the two processes; a swap's time is the caller's, from the call to the partner's
     python experiments/bench_async_transport.py --json
     python experiments/bench_async_transport.py --sizes_mb=4,40 --reps=8 --json
 
-Prints one JSON object (the last line with --json); load_avg_1min says how busy the machine was.
+Prints one JSON object (the last line with --json); its "machine" says how busy the machine was.
 """
 
 from __future__ import annotations
@@ -36,15 +36,7 @@ import time
 
 import numpy as np
 
-
-def _parse(argv):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--sizes_mb", default="4,40", help="comma-separated message sizes, MB each way")
-  parser.add_argument("--reps", type=int, default=8, help="steady swaps per size and method")
-  parser.add_argument("--late_s", type=float, default=5.0, help="how late the partner calls in the late-partner case")
-  parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-  parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # OUT_DIR: run as one process of the job
-  return parser.parse_args(argv)
+from experiments.lib import harness
 
 
 def _summary(times):
@@ -250,11 +242,16 @@ def child(args) -> None:
   os._exit(0)  # pylint: disable=protected-access
 
 
-def main(argv=None) -> int:
-  args = _parse(sys.argv[1:] if argv is None else argv)
+def main(argv=None) -> dict | None:
+  bench = harness.Bench(__doc__)
+  bench.add_argument("--sizes_mb", default="4,40", help="comma-separated message sizes, MB each way")
+  bench.add_argument("--reps", type=int, default=8, help="steady swaps per size and method")
+  bench.add_argument("--late_s", type=float, default=5.0, help="how late the partner calls in the late-partner case")
+  bench.add_argument("--child", default=None, help=argparse.SUPPRESS)  # OUT_DIR: run as one process of the job
+  args = bench.parse(argv)
   if args.child:
     child(args)
-    return 0
+    return None
   from noloco_jax.runtime import launch_local  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as out:
     forwarded = [f"--sizes_mb={args.sizes_mb}", f"--reps={args.reps}", f"--late_s={args.late_s}", f"--child={out}"]
@@ -269,15 +266,13 @@ def main(argv=None) -> int:
           results[slot] = json.load(f)
     if 0 not in results:
       for name in sorted(os.listdir(os.path.join(out, "logs"))):
-        print(open(os.path.join(out, "logs", name)).read()[-4000:])
-      print(f"bench_async_transport: process 0 wrote no result (exit statuses {codes}).")
-      return 1
-  report = {"bench": "async_transport", "exit_statuses": codes, "wall_s": time.time() - start,
-            "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0], "process_0": results[0],
+        with open(os.path.join(out, "logs", name)) as f:
+          print(f.read()[-4000:], file=sys.stderr)
+      raise SystemExit(f"bench_async_transport: process 0 wrote no result (exit statuses {codes}).")
+  report = {"exit_statuses": codes, "wall_s": time.time() - start, "process_0": results[0],
             "process_1": results.get(1), "process_2": results.get(2)}
-  print(json.dumps(report, indent=None if args.json else 2))
-  return 0
+  return bench.finish(report, text=lambda r: json.dumps(r, indent=2))
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  harness.run(main)

@@ -429,8 +429,8 @@ _FILE = re.compile(r"(?<![\w/.])((?:noloco_jax|experiments|configs|scripts|tests
 
 
 def missing_files(path: str) -> list[str]:
-  """Files a README or docs/ page names (`outer/x.py` meaning noloco_jax/outer/x.py) that do not exist.
-  Not RESULTS.md: a dated log, whose sections name the files of their time."""
+  """Files a README, docs/ page or RESULTS.md names (`outer/x.py` meaning noloco_jax/outer/x.py) that do
+  not exist. (RESULTS.md names a removed script without its folder, with the commit that has it.)"""
   text, found = _markdown(path), []
   for m in _FILE.finditer(text):
     name = m.group(1)
@@ -447,10 +447,27 @@ def test_every_documented_command_names_what_exists():
   assert not problems, "\n" + "\n".join(problems)
 
 
-def test_every_file_the_readme_and_docs_name_exists():
-  pages = ["README.md"] + [p for p in documents() if p.startswith("docs/")]
+def test_every_file_the_readme_docs_and_results_name_exists():
+  pages = ["README.md", "experiments/RESULTS.md"] + [p for p in documents() if p.startswith("docs/")]
   problems = [issue for page in pages for issue in missing_files(page)]
   assert not problems, "\n" + "\n".join(problems)
+
+
+def _anchor(heading: str) -> str:
+  """The anchor a markdown renderer gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+  return "#" + re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_results_contents_list_every_topic_in_order():
+  """experiments/RESULTS.md is by topic: its contents list links every `##` section, in order, and
+  nothing else (a section added without its line, or a renamed one, fails here)."""
+  text = _markdown("experiments/RESULTS.md")
+  topics = [line[3:] for line in text.splitlines() if line.startswith("## ") and line != "## Contents"]
+  contents = text.split("## Contents", 1)[1].split("\n## ", 1)[0]
+  links = re.findall(r"^\d+\. \[([^\]]+)\]\((#[^)]+)\)$", contents, re.M)
+  assert [title for title, _ in links] == topics
+  assert [anchor for _, anchor in links] == [_anchor(t) for t in topics]
+  assert _anchor("After a run: export, report, sample, consensus, W&B") == "#after-a-run-export-report-sample-consensus-wb"
 
 
 def test_the_extraction_finds_the_commands_it_should():
@@ -487,7 +504,7 @@ def test_the_checks_catch_what_they_should():
       "python experiments/bench_ab.py --a.outer.pairing_pool=4": "not a field of the schema",
       "python experiments/bench_ab.py --a.outer.inner_steps=often": "outer.inner_steps",
       "python experiments/bench_ab.py --c.outer.inner_steps=5": "takes no --c.FIELD overrides",
-      "python experiments/bench_checksum.py --config.outer.inner_steps=5": "takes no --config.FIELD overrides",
+      "python experiments/bench_async_transport.py --config.outer.inner_steps=5": "takes no --config.FIELD overrides",
       "python experiments/ablations/execute_cells.py experiments/ablations/04_compression.ipynb 'No such heading'":
           "no markdown heading",
   }

@@ -16,8 +16,8 @@ What the store offers (measured with jax 0.10.2, docs/async.md):
 - `increment` (atomic add on an integer key; `increment(key, 0)` reads it): a ticket counter;
 - `get` (None when absent), `wait` (blocks up to a timeout), `dir` (every key under a prefix), `delete`.
 
-`MemoryKV` implements the same interface in one process (a dict and a lock): the matchmaker and the
-liveness tracker run unchanged on it in deterministic simulations and thread-level tests.
+The tests implement the same interface in one process (tests/memory_kv.py: a dict and a lock): the
+matchmaker and the liveness tracker run unchanged on it in thread-level tests.
 
 Two ways to join the service (both JAX's own client and service classes):
 
@@ -48,7 +48,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from typing import Protocol
 
 import jax
@@ -151,8 +150,7 @@ def live_nodes(process_ids) -> dict[int, int]:
 
   A BARRIER (what `jax.live_devices` calls): it returns once every live process named has called it,
   and a dead one is left out only once the service has declared it dead (heartbeat_timeout_s). Not
-  used by the schedule, which cannot wait for the others (liveness.py); measured by
-  experiments/bench_async_control.py.
+  used by the schedule, which cannot wait for the others (liveness.py); measured in docs/async.md §9.
   """
   from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top
   return {int(k): int(v) for k, v in global_state.client.get_live_nodes(list(process_ids)).items()}
@@ -168,59 +166,6 @@ def incarnation(client=None, slot: int | None = None) -> int:
     me = jax.process_index()
     return live_nodes([me])[me]
   return int(client.get_live_nodes([slot])[slot])
-
-
-# ---- In one process (simulations, thread-level tests) ----
-
-
-class MemoryKV:
-  """The KV interface over a dict: linearisable (one lock), `wait` blocks on a condition variable."""
-
-  def __init__(self):
-    self._data: dict[str, str] = {}
-    self._cv = threading.Condition()
-
-  def set(self, key: str, value: str) -> None:
-    with self._cv:
-      self._data[key] = value
-      self._cv.notify_all()
-
-  def create(self, key: str, value: str) -> bool:
-    with self._cv:
-      if key in self._data:
-        return False
-      self._data[key] = value
-      self._cv.notify_all()
-      return True
-
-  def get(self, key: str) -> str | None:
-    with self._cv:
-      return self._data.get(key)
-
-  def wait(self, key: str, timeout_s: float) -> str | None:
-    end = time.monotonic() + max(timeout_s, 0.0)
-    with self._cv:
-      while key not in self._data:
-        left = end - time.monotonic()
-        if left <= 0:
-          return None
-        self._cv.wait(left)
-      return self._data[key]
-
-  def increment(self, key: str, by: int) -> int:
-    with self._cv:
-      value = int(self._data.get(key, "0")) + by
-      self._data[key] = str(value)
-      self._cv.notify_all()
-      return value
-
-  def dir(self, prefix: str) -> dict[str, str]:
-    with self._cv:
-      return {k: v for k, v in self._data.items() if k.startswith(prefix)}
-
-  def delete(self, key: str) -> None:
-    with self._cv:
-      self._data.pop(key, None)
 
 
 # ---- Starting the runtime ----

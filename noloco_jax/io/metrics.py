@@ -16,7 +16,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from noloco_jax.io import writers
 
@@ -42,12 +41,6 @@ def weight_std(params_NxP) -> jax.Array:
     return jnp.sum(jnp.square(d - jnp.mean(d, axis=0)))
 
   return jnp.sqrt(sum(squared_deviation(x) for x in leaves) / (n * count))
-
-
-def weight_std_numpy(params_NxP) -> float:
-  leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(params_NxP)]
-  n, count = leaves[0].shape[0], sum(x[0].size for x in leaves)
-  return float(np.sqrt(sum(((x - x.mean(0)) ** 2).sum() for x in leaves) / (n * count)))
 
 
 def make_writer(workdir: str, config=None) -> writers.MetricWriter:
