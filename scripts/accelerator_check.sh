@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The accelerator check (experiments/accelerator_check.py; docs/accelerator_check.md): on a machine with a
-# GPU, the figures of this code base there in about 5 minutes (8 at most), into one JSON file.
+# GPU, the figures of this code base there within 8 minutes, into one JSON file.
 #
 #   bash scripts/accelerator_check.sh                          # installs into .venv with jax[cuda13] (network)
 #   NOLOCO_JAX=cuda12 bash scripts/accelerator_check.sh        # ... with jax[cuda12]
