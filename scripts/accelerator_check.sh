@@ -49,7 +49,10 @@ case "$INSTALL" in
     [ -d "$WHEELS" ] || { echo "accelerator_check: --offline-wheels=$WHEELS is not a directory." >&2; exit 2; }
     echo "accelerator_check: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])'), wheels from $WHEELS:"
     # Only what this Python lacks, or holds outside setup.py's ranges (experiments/accelerator_check.py says why).
-    PICKED="$(cd "$ROOT" && "$PY" -m experiments.accelerator_check --pick_wheels "$(cd "$WHEELS" && pwd)")"
+    if ! PICKED="$(cd "$ROOT" && "$PY" -m experiments.accelerator_check --pick_wheels "$(cd "$WHEELS" && pwd)")"; then
+      echo "accelerator_check: could not choose among the wheels (above); installing them all." >&2
+      PICKED="$(ls -d "$(cd "$WHEELS" && pwd)"/*.whl)"
+    fi
     mapfile -t FILES <<< "$PICKED"
     if [ -n "$PICKED" ]; then
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${FILES[@]}"
