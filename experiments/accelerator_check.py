@@ -332,14 +332,16 @@ def drive(args, sections=SECTIONS) -> int:
     signal.signal(signal.SIGTERM, previous)
   if stopped:
     return 130
-  failed = [name for name, r in report["sections"].items() if r["status"] != "ok"]
-  report.update(status="ok" if not failed else "failed: " + ", ".join(failed), wall_s=time.monotonic() - start,
-                load_avg_end=os.getloadavg())
+  failed = [name for name, r in report["sections"].items() if r["status"] == "error"]
+  skipped = [name for name, r in report["sections"].items() if r["status"] == "skipped"]
+  status = "; ".join(([f"failed: {', '.join(failed)}"] if failed else []) +
+                     ([f"skipped: {', '.join(skipped)}"] if skipped else [])) or "ok"
+  report.update(status=status, wall_s=time.monotonic() - start, load_avg_end=os.getloadavg())
   _write(out, report)
   print(f"accelerator_check: {report['status']} in {report['wall_s']:.0f} s; JSON {out}", flush=True)
   if args.json:
     print(json.dumps(report, default=_jsonable), flush=True)
-  return 1 if failed else 0
+  return 1 if failed or skipped else 0
 
 
 def _run_sections(args, sections, only, report, out, log_path, start) -> bool:

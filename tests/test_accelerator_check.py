@@ -119,6 +119,7 @@ def test_without_a_working_environment_nothing_else_runs(tmp_path):
   got = json.loads((tmp_path / "r.json").read_text())["sections"]
   assert got["environment"]["error"] == "JAX's backend is 'cpu', not gpu"
   assert got["next"]["status"] == "skipped" and not ran
+  assert json.loads((tmp_path / "r.json").read_text())["status"] == "failed: environment; skipped: next"
 
 
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
