@@ -63,13 +63,14 @@ class Context:
 
   @property
   def platforms(self) -> str:
-    """JAX_PLATFORMS: the first is the default backend; each one listed must start, or JAX raises."""
+    """JAX_PLATFORMS: the first is the default backend (the CPU's is there too, as on any machine)."""
     return "cpu" if self.cpu else "cuda,cpu"
 
   def env(self) -> dict:
     env = dict(os.environ)
-    # JAX_PLATFORMS pins the backend: on a GPU machine whose CUDA plugin cannot start, every section fails
-    # at once with the reason, instead of running silently (and slowly) on the CPU.
+    # JAX_PLATFORMS names the backend, and the environment section checks that JAX took it: where the CUDA
+    # plugin is missing (JAX then goes on, on the CPU) or cannot start, the check stops there with the
+    # reason in the log, instead of running every section slowly on the CPU.
     env.update(JAX_PLATFORMS=self.platforms, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
     if not self.cpu:
       # One section at a time owns the GPU: let it take 90% (JAX's default is 75%): mfu_medium needs it.
@@ -173,7 +174,8 @@ def _sizes(ctx: Context, gpu: list[str], cpu: list[str]) -> list[str]:
 def environment(ctx: Context, extra: list[str]) -> dict:
   result = ctx.run_json(_python("-m", "experiments.accelerator_check", "--section=environment", *extra))
   if result["backend"] != ("cpu" if ctx.cpu else "gpu"):
-    raise SectionError(f"JAX's backend is {result['backend']!r}, not {'cpu' if ctx.cpu else 'gpu'}")
+    raise SectionError(f"JAX's backend is {result['backend']!r}, not {'cpu' if ctx.cpu else 'gpu'} (the log says why; "
+                       f"jax {result['packages']['jax']}, plugins {[k for k, v in result['packages'].items() if v and 'cuda' in k]})")
   return {"figures": result}
 
 
