@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The accelerator check (experiments/accelerator_check.py; docs/accelerator_check.md): on a machine with a
+# The accelerator check (experiments/lib/accelerator_check.py; docs/accelerator_check.md): on a machine with a
 # GPU, the figures of this code base there within 8 minutes, into one JSON file.
 #
 #   bash scripts/accelerator_check.sh                          # installs into .venv with jax[cuda13] (network)
@@ -18,7 +18,7 @@
 #   --no-install       nothing: the python3 on PATH must already import the project.
 #   --download-wheels DIR  fetches the wheels of scripts/accelerator_check_wheels.txt into DIR for
 #                      --offline-wheels (on a machine with a network), and exits.
-# Every other argument goes to experiments/accelerator_check.py (--out, --budget_s, --only, --overwrite).
+# Every other argument goes to experiments/lib/accelerator_check.py (--out, --budget_s, --only, --overwrite).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 INSTALL=venv
@@ -48,8 +48,8 @@ case "$INSTALL" in
     SITE="${NOLOCO_SITE:-/tmp/noloco_site}"
     [ -d "$WHEELS" ] || { echo "accelerator_check: --offline-wheels=$WHEELS is not a directory." >&2; exit 2; }
     echo "accelerator_check: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])'), wheels from $WHEELS:"
-    # Only what this Python lacks, or holds outside setup.py's ranges (experiments/accelerator_check.py says why).
-    if ! PICKED="$(cd "$ROOT" && "$PY" -m experiments.accelerator_check --pick_wheels "$(cd "$WHEELS" && pwd)")"; then
+    # Only what this Python lacks, or holds outside setup.py's ranges (experiments/lib/accelerator_check.py says why).
+    if ! PICKED="$(cd "$ROOT" && "$PY" -m experiments.lib.accelerator_check --pick_wheels "$(cd "$WHEELS" && pwd)")"; then
       echo "accelerator_check: could not choose among the wheels (above); installing them all." >&2
       PICKED="$(ls -d "$(cd "$WHEELS" && pwd)"/*.whl)"
     fi
@@ -80,4 +80,4 @@ case "$INSTALL" in
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" ;;
 esac
 cd "$ROOT"
-exec "$PY" -m experiments.accelerator_check ${ARGS[@]+"${ARGS[@]}"}
+exec "$PY" -m experiments.lib.accelerator_check ${ARGS[@]+"${ARGS[@]}"}

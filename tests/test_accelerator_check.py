@@ -125,7 +125,7 @@ def test_without_a_working_environment_nothing_else_runs(tmp_path):
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
   (tmp_path / "r.json").write_text("{}")
   for argv, words in ((["--only=mfu_huge"], "no section mfu_huge"), ([f"--out={tmp_path / 'r.json'}"], "exists")):
-    done = subprocess.run([sys.executable, "-m", "experiments.accelerator_check", "--cpu", *argv], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "experiments.lib.accelerator_check", "--cpu", *argv], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and words in done.stderr and len(done.stderr.strip().splitlines()) == 1
   done = subprocess.run(["bash", "scripts/accelerator_check.sh", "--offline-wheels", str(tmp_path / "none")], cwd=REPO,
@@ -158,7 +158,7 @@ def test_the_offline_install_takes_only_the_wheels_a_machine_needs(tmp_path, mon
 
 def test_a_check_stopped_from_outside_keeps_what_it_measured(tmp_path):
   out = tmp_path / "r.json"
-  proc = subprocess.Popen([sys.executable, "-m", "experiments.accelerator_check", "--cpu", "--only=smoke", f"--out={out}"],
+  proc = subprocess.Popen([sys.executable, "-m", "experiments.lib.accelerator_check", "--cpu", "--only=smoke", f"--out={out}"],
                           cwd=REPO, stdout=subprocess.PIPE, text=True)
   for line in proc.stdout:
     if line.startswith("== smoke"):

@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Callable
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2 ** 30
 # The CPU mode's model: any preset shrunk to seconds (the sections' code is the same as on a GPU).
 SHRINK = ("model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.mlp_dim=64")
@@ -172,7 +172,7 @@ def _sizes(ctx: Context, gpu: list[str], cpu: list[str]) -> list[str]:
 
 
 def environment(ctx: Context, extra: list[str]) -> dict:
-  result = ctx.run_json(_python("-m", "experiments.accelerator_check", "--section=environment", *extra))
+  result = ctx.run_json(_python("-m", "experiments.lib.accelerator_check", "--section=environment", *extra))
   if result["backend"] != ("cpu" if ctx.cpu else "gpu"):
     raise SectionError(f"JAX's backend is {result['backend']!r}, not {'cpu' if ctx.cpu else 'gpu'} (the log says why; "
                        f"jax {result['packages']['jax']}, plugins {[k for k, v in result['packages'].items() if v and 'cuda' in k]})")
@@ -246,7 +246,7 @@ def inner_line(f: dict) -> str:
 
 
 def outer_rounds(ctx: Context, extra: list[str]) -> dict:
-  r = ctx.run_json(_python("-m", "experiments.accelerator_check", "--section=outer_rounds", *extra,
+  r = ctx.run_json(_python("-m", "experiments.lib.accelerator_check", "--section=outer_rounds", *extra,
                            *(["--cpu"] if ctx.cpu else [])))
   return {"figures": r}
 
@@ -261,7 +261,7 @@ def outer_line(f: dict) -> str:
 def async_exchange(ctx: Context, extra: list[str]) -> dict:
   # Its 2-process job gets 15 s less than the section, to stop the job itself and say which process failed.
   limit = min(ctx.cap_s, ctx.deadline - time.monotonic())
-  r = ctx.run_json(_python("-m", "experiments.accelerator_check", "--section=async_exchange",
+  r = ctx.run_json(_python("-m", "experiments.lib.accelerator_check", "--section=async_exchange",
                            f"--job_timeout_s={max(limit - 15, 5):.0f}", *extra, *(["--cpu"] if ctx.cpu else [])))
   return {"figures": r}
 
@@ -600,7 +600,7 @@ def async_exchange_figures(cpu: bool, job_timeout_s: float) -> dict:
   megabytes, reps = (1, 2) if cpu else (256, 5)
   with tempfile.TemporaryDirectory(prefix="accelerator_check_async_") as out:
     job = launch_local.Job(2, 1, ["--async_worker", f"--dir={out}", f"--megabytes={megabytes}", f"--reps={reps}"],
-                           module="experiments.accelerator_check", log_dir=os.path.join(out, "logs"), cwd=REPO,
+                           module="experiments.lib.accelerator_check", log_dir=os.path.join(out, "logs"), cwd=REPO,
                            # launch_local pins its processes to the CPU; this job runs where the check runs.
                            # Two processes share the device: neither may preallocate most of its memory.
                            env={"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""),
