@@ -34,7 +34,8 @@ install_packages() {
     command -v "$tool" >/dev/null || PATH="$PATH:/usr/sbin" command -v "$tool" >/dev/null || missing+=("$tool")
   done
   [ ${#missing[@]} -eq 0 ] && return 0
-  command -v apt-get >/dev/null || cannot "SLURM is not installed (${missing[*]} missing) and there is no apt-get to install it"
+  command -v apt-get >/dev/null ||
+    cannot "SLURM is not installed (${missing[*]} missing) and there is no apt-get to install it"
   echo "slurm_local: installing slurmctld slurmd slurm-client munge (about a minute) ..." >&2
   DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >&2
