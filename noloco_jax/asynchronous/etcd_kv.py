@@ -36,7 +36,8 @@ stays unused: the matchmaker waits for it at most its ticket grace, matchmaking.
 Slots. A job on etcd has no fixed list of clients: a process takes a slot by creating `slot/<n>`
 under its lease (one winner); its own slot when it was given one (`--process_id`, e.g. from
 launch_local or SLURM; a restarted process first waits for its dead incarnation's lease to run out),
-else the lowest free one below the job's capacity (`config.num_replicas`: one data shard per slot).
+else the highest free one below the job's capacity (`config.num_replicas`: one data shard per slot), so
+that a newcomer does not race the processes started with ids 0, 1, … for theirs.
 `used/<n>` (never deleted) records that slot n has held a process in this job, so a restarted process
 knows to take its weights from a live peer (churn.py).
 
@@ -337,7 +338,7 @@ def connect(url: str, *, capacity: int, slot: int | None, lease_s: float, startu
   """This process's place in the job on the etcd cluster of `url`: its lease, its slot, whether it rejoins.
 
   `slot`: the slot to take (it may be held by this slot's dead incarnation for up to a lease: waited
-  for), or None for a newcomer (the lowest free slot below `capacity`). Raises Unavailable when no
+  for), or None for a newcomer (the highest free slot below `capacity`). Raises Unavailable when no
   member answers within `startup_s`, SlotError when the slot stays held or the job is full.
   """
   endpoints, job = parse_url(url)
@@ -350,7 +351,9 @@ def connect(url: str, *, capacity: int, slot: int | None, lease_s: float, startu
   mine = str(kv.incarnation)
   if newcomer:
     held = kv.dir(SLOT)
-    slot = next((n for n in range(capacity) if f"{SLOT}{n}" not in held and kv.create(f"{SLOT}{n}", mine)), None)
+    # From the top: processes started with their ids (launch_local, SLURM: 0, 1, ...) take the low slots.
+    slot = next((n for n in reversed(range(capacity)) if f"{SLOT}{n}" not in held and kv.create(f"{SLOT}{n}", mine)),
+                None)
     if slot is None:
       kv.close()
       raise SlotError(f"config.num_replicas={capacity} is not valid for one more process: the job on {url} holds "

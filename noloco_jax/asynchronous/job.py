@@ -26,7 +26,7 @@ process 0 or standalone; it holds the `num_processes` slots it started with), or
 (`'etcd://HOST:PORT,...[/JOB]'`, asynchronous/etcd_kv.py: replicated, so it survives the loss of any one
 member, and it admits processes that were never part of the job). On etcd, `config.num_replicas` is the
 most processes the job holds at once (one data shard per slot); a process started without a process
-id takes the lowest free slot and, when a peer is alive, joins from it.
+id takes the highest free slot and, when a peer is alive, joins from it.
 """
 
 from __future__ import annotations
