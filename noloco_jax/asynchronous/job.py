@@ -92,7 +92,11 @@ class Process:
       logging.warning("Process %d could not say it is done: %s", self.slot, str(e).splitlines()[0])
       return
     if not self.connection.hosts_service:
-      self.connection.close()  # on etcd: its lease revoked, its slot free at once
+      if isinstance(kv, etcd_kv.EtcdKV):
+        # Revoking the lease deletes the heartbeat key at once: a peer that had not yet read "left" in it
+        # would hold this process lost a lease later. Two more beats first, then the slot is free at once.
+        time.sleep(2 * self.heartbeat.beat_s)
+      self.connection.close()
       return
     self.heartbeat.leave(keep_beating=True)
     last: dict[int, tuple[str, float]] = {}  # slot -> (lease value, when it last changed, by our clock)
