@@ -81,6 +81,16 @@ def test_a_job_on_etcd_holds_up_to_num_replicas_processes_and_jax_s_service_refu
   assert "\n" not in str(e.value)
 
 
+def test_a_process_without_an_id_on_jax_s_service_is_one_line_that_points_to_etcd(capsys):
+  from noloco_jax.runtime import distributed  # pylint: disable=g-import-not-at-top  (imports JAX)
+  options = options_lib.resolve_options(environ={}, coordinator_address="127.0.0.1:1", num_processes=4)
+  with pytest.raises(SystemExit) as e:
+    distributed.process_coordinates(options)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 2 and len(err) == 1, err
+  assert err[0].startswith("noloco_jax: config.outer.schedule='async' needs the job's") and "--control=etcd://" in err[0]
+
+
 @pytest.mark.parametrize("kind", ["refused", "silent"])
 def test_a_member_that_does_not_answer_is_named_within_a_bounded_time(kind):
   """No etcd at the endpoint: a closed port (refused at once) or a socket that accepts and never answers
