@@ -101,8 +101,8 @@ def main(argv=None) -> int:
     return 1
   report = {"load_avg_1min_start": os.getloadavg()[0], "ops": args.ops, "rounds": args.rounds}
   # JAX's coordination service, in this process (one slot): the baseline.
-  connection = control.connect(f"127.0.0.1:{control._spare_port('127.0.0.1')}", 1, 0,  # pylint: disable=protected-access
-                               heartbeat_timeout_s=30, initialization_timeout_s=60)
+  port = control._spare_port("127.0.0.1")  # pylint: disable=protected-access
+  connection = control.connect(f"127.0.0.1:{port}", 1, 0, heartbeat_timeout_s=30, initialization_timeout_s=60)
   report["jax_service"] = {"store_ops": store_ops(connection.kv, args.ops),
                            "matchmaking": matchmaking_rounds([connection.kv] * 2, args.rounds)}
   with etcd_local.Cluster(3, etcd, tempfile.mkdtemp(prefix="bench_etcd_")).start() as cluster:

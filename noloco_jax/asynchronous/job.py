@@ -21,12 +21,12 @@ A process that starts while its slot has been used before in this service's life
 restarted, or its slot was reserved at start-up: control.reserve_slot) is *rejoining*: its round
 driver takes its weights from a live peer before training (training/rounds/asynchronous.py).
 
-The control plane (`control`, main.py's --control): JAX's coordination service (`'jax'`, the default: in
-process 0 or standalone; it holds the `num_processes` slots it started with), or an etcd cluster
-(`'etcd://HOST:PORT,...[/JOB]'`, asynchronous/etcd_kv.py: replicated, so it survives the loss of any one
-member, and it admits processes that were never part of the job). On etcd, `config.num_replicas` is the
-most processes the job holds at once (one data shard per slot); a process started without a process
-id takes the highest free slot and, when a peer is alive, joins from it.
+The control plane (`start`'s `control_plane`, main.py's --control): JAX's coordination service
+(`'jax'`, the default: in process 0 or standalone; it holds the `num_processes` slots it started with),
+or an etcd cluster (`'etcd://HOST:PORT,...[/JOB]'`, asynchronous/etcd_kv.py: replicated, so it survives
+the loss of any one member, and it admits processes that were never part of the job). On etcd,
+`config.num_replicas` is the most processes the job holds at once (one data shard per slot); a process
+started without a process id takes the highest free slot and, when a peer is alive, joins from it.
 """
 
 from __future__ import annotations
@@ -184,11 +184,12 @@ def start(config: config_lib.Config, coordinator_address: str | None, num_proces
   options = session_options(config)
   if control_plane == JAX:
     connection = _connect_jax(coordinator_address, num_processes, process_id, heartbeat_timeout_s,
-                                     initialization_timeout_s, standalone_service)
+                              initialization_timeout_s, standalone_service)
     where = "in this process" if connection.hosts_service else f"at {coordinator_address}"
   else:
     try:
-      connection = etcd_kv.connect(control_plane, capacity=config.num_replicas, slot=process_id, lease_s=options.lease_s)
+      connection = etcd_kv.connect(control_plane, capacity=config.num_replicas, slot=process_id,
+                                   lease_s=options.lease_s)
     except (ImportError, ValueError, etcd_kv.Unavailable, etcd_kv.SlotError) as e:
       raise config_lib.ConfigError(str(e)) from None
     where = f"on etcd ({control_plane})"
