@@ -37,9 +37,13 @@ setuptools.setup(
         # (its writer's test, offline) are small; transformers and torch, which the export's strongest test
         # loads, are not installed here (README "After a run": pip install transformers 'torch==2.13.0').
         "test": ["pytest>=8", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29",
-                 "matplotlib>=3.8", "safetensors>=0.4", "tokenizers>=0.19", "wandb>=0.17"],
+                 "matplotlib>=3.8", "safetensors>=0.4", "tokenizers>=0.19", "wandb>=0.17", "etcd3gw>=2.7"],
         "hf": ["tokenizers>=0.19", "huggingface_hub>=0.23"],
         "export": ["tokenizers>=0.19"],  # python -m noloco_jax.export_hf: the tokenizer.json of the byte tokenizer
         "wandb": ["wandb>=0.17"],  # --config.wandb.project=...: the Weights & Biases writer (io/writers.py)
+        # --control=etcd://...: the asynchronous schedule's replicated control plane (asynchronous/etcd_kv.py).
+        # etcd3gw speaks etcd's v3 JSON gateway over HTTP (requests): no grpcio or protobuf of its own to meet
+        # JAX's; maintained by OpenStack; docs/async.md §5 says why it was chosen.
+        "etcd": ["etcd3gw>=2.7"],
     },
 )

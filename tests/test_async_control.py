@@ -11,7 +11,8 @@ import time
 import pytest
 
 import async_child
-from noloco_jax.asynchronous import liveness, session
+import kv_contract
+from noloco_jax.asynchronous import control, liveness, session
 import memory_kv  # pylint: disable=g-bad-import-order  (tests/memory_kv.py)
 
 
@@ -40,6 +41,22 @@ def test_memory_kv_increment_wait_dir_delete():
   assert kv.dir("d/") == {"d/a": "1", "d/b": "2"}
   kv.delete("d/a")
   assert kv.get("d/a") is None
+
+
+def test_memory_kv_keeps_the_kv_contract():
+  kv = memory_kv.MemoryKV()
+  kv_contract.check(lambda: kv)
+
+
+def test_jax_kv_keeps_the_kv_contract():
+  """JaxKV over a coordination service and a client in this process (tests/test_async_etcd.py: the same on etcd)."""
+  connection = control.connect(f"127.0.0.1:{control._spare_port('127.0.0.1')}", 1, 0,  # pylint: disable=protected-access
+                               heartbeat_timeout_s=10, initialization_timeout_s=60)
+  try:
+    kv_contract.check(lambda: connection.kv)
+  finally:
+    connection.client.shutdown()  # the client says goodbye before its service goes (else it aborts the process)
+    connection.service.shutdown()
 
 
 # ---- The lease table on a fake clock ----

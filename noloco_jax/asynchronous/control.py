@@ -210,17 +210,26 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
 
 @dataclasses.dataclass
 class Connection:
-  """This process's place in the control plane (`connect`): its slot, its store, the service it may host."""
-  kv: JaxKV
+  """This process's place in the control plane (`connect`, or etcd_kv.connect): its slot, its store, the
+  service it may host, and whether it rejoins a running job (its slot was used before in this job)."""
+  kv: KV
   slot: int
   num_slots: int
   incarnation: int
   client: object  # JAX's DistributedRuntimeClient (kept alive: its heartbeats are our membership in the service)
   service: object | None  # the coordination service, when this process hosts it (slot 0, not standalone)
+  rejoining: bool = False  # take the weights from a live peer before training (asynchronous/job.py)
 
   @property
   def hosts_service(self) -> bool:
     return self.service is not None
+
+  def close(self) -> None:
+    """Leaves the control plane. On etcd: revokes this process's lease, so its keys (heartbeat, slot) go at
+    once. On JAX's service: nothing (main.py leaves with os._exit, skipping the client's goodbye)."""
+    close = getattr(self.kv, "close", None)
+    if close is not None:
+      close()
 
 
 def connect(coordinator_address: str, num_slots: int, slot: int, *, heartbeat_timeout_s: int = 30,

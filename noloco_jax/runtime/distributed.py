@@ -69,7 +69,9 @@ def process_coordinates(options: Options) -> tuple[str, int, int]:
   if None in (address, count, pid):
     cli.exit_usage(f"config.outer.schedule='async' needs the job's --coordinator_address, --num_processes and "
                    f"--process_id ({ENV['coordinator_address']}, {ENV['num_processes']}, {ENV['process_id']}), or a "
-                   f"cluster JAX can detect (SLURM, Open MPI, TPU); got {address}, {count}, {pid}.")
+                   f"cluster JAX can detect (SLURM, Open MPI, TPU); got {address}, {count}, {pid} (JAX's coordination "
+                   "service holds fixed slots: a process that joins a running job without one needs an etcd control "
+                   "plane, --control=etcd://HOST:PORT,...).")
   return address, int(count), int(pid)
 
 
