@@ -13,7 +13,7 @@ import zipfile
 import jax
 import pytest
 
-from experiments import accelerator_check as check
+from experiments.lib import accelerator_check as check
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

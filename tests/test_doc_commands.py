@@ -504,7 +504,7 @@ def test_the_checks_catch_what_they_should():
       "python experiments/bench_ab.py --a.outer.pairing_pool=4": "not a field of the schema",
       "python experiments/bench_ab.py --a.outer.inner_steps=often": "outer.inner_steps",
       "python experiments/bench_ab.py --c.outer.inner_steps=5": "takes no --c.FIELD overrides",
-      "python experiments/bench_async_transport.py --config.outer.inner_steps=5": "takes no --config.FIELD overrides",
+      "python experiments/bench_async.py --config.outer.inner_steps=5": "takes no --config.FIELD overrides",
       "python experiments/ablations/execute_cells.py experiments/ablations/04_compression.ipynb 'No such heading'":
           "no markdown heading",
   }

@@ -28,7 +28,7 @@ Two ways to join the service (both JAX's own client and service classes):
   service tells every process to terminate: "shared fate").
 - `initialize`: `jax.distributed.initialize` with `jax_enable_recoverability` set first (it must be
   set before), for benchmarks that also run programs over several processes' devices
-  (experiments/bench_async_transport.py compares such a program with the transfer server).
+  (experiments/bench_async.py compares such a program with the transfer server).
 
 Process 0. The service runs inside process 0 (slot 0) by default; when that process exits, every other
 process aborts (status 134), recoverability or not: a limit of JAX's runtime. `serve` runs the same
@@ -130,7 +130,7 @@ class JaxKV:
   def delete(self, key: str) -> None:
     self._client.key_value_delete(NAMESPACE + key)
 
-  # Bytes values: the store as a data plane, measured by experiments/bench_async_transport.py (every
+  # Bytes values: the store as a data plane, measured by experiments/bench_async.py (every
   # byte passes through the one process serving the store; not used for weights, docs/async.md).
 
   def set_bytes(self, key: str, value: bytes) -> None:
