@@ -106,16 +106,24 @@ def _vocab_size(config, tokenizer) -> int:
   return int(config.model.vocab_size or tokenizer.vocab_size)
 
 
+def check_arguments(*, length: int, num_samples: int, temperature: float, top_k: int, top_p: float) -> None:
+  """SampleError naming the first argument out of its range (only that one), its value and what is valid."""
+  ranges = (("--length", length, length >= 1, "an integer >= 1"),
+            ("--num-samples", num_samples, num_samples >= 1, "an integer >= 1"),
+            ("--temperature", temperature, temperature >= 0, "a number >= 0 (0 = greedy)"),
+            ("--top-k", top_k, top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("--top-p", top_p, 0 < top_p <= 1, "a number in (0, 1] (1 = off)"))
+  for name, value, ok, valid in ranges:
+    if not ok:  # NaN fails every comparison: refused too
+      raise SampleError(f"{name}={value} is not valid: {valid}.")
+
+
 def sample(workdir: str, *, prompt: str | None = None, prompt_ids: list[int] | None = None, length: int = 200,
            temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1,
            replica: int | None = None, consensus: bool = False, source: str = "slow", step: int | None = None,
            stop_at_eos: bool = True) -> dict:
   """{"texts": decoded completions, "ids": their ids, "prompt_ids", "step", "weights", "seconds"}."""
-  if length < 1 or num_samples < 1:
-    raise SampleError(f"--length={length} and --num-samples={num_samples} must be >= 1.")
-  if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-    raise SampleError(f"--temperature={temperature} must be >= 0, --top-k={top_k} >= 0 (0 = off) and "
-                      f"--top-p={top_p} in (0, 1].")
+  check_arguments(length=length, num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p)
   start = time.perf_counter()
   snap = read_lib.read(workdir, step, slow=consensus)
   params = snap.weights(replica, consensus=consensus, source=source)
