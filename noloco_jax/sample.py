@@ -3,9 +3,12 @@
     python -m noloco_jax.sample WORKDIR [--replica I | --consensus] [--step S] --prompt "def " \
         [--length 200] [--temperature 0.8] [--top-k 0] [--top-p 1.0] [--seed 0] [--num-samples 1]
 
-The weights are read on the host (io/checkpoint/read.py): one replica's θ or the consensus model
-(outer/consensus.py); the prompt is encoded and the output decoded with the run's own tokenizer
-(config.data.tokenizer; a pre-tokenized run takes --prompt-ids and prints ids).
+The weights are read on the host and verified as a resume verifies them (io/checkpoint/read.py; a latest
+step that fails is skipped with a warning naming it): one replica's θ or the consensus model
+(outer/consensus.py); WORKDIR may be an asynchronous job's (asynchronous/result.py: `--replica I` is
+process I's replica, `--consensus` the processes' progress-weighted average). The prompt is encoded and
+the output decoded with the run's own tokenizer (config.data.tokenizer; a pre-tokenized run takes
+--prompt-ids and prints ids).
 
 No KV cache: our Llama has none, so every new token re-runs the model over the whole window. That
 costs O(window²) per sample, nothing for the tiny and small presets this is meant for. The window is
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from noloco_jax import models
+from noloco_jax.asynchronous import result as async_result
 from noloco_jax.io.checkpoint import read as read_lib
 from noloco_jax.io.data import tokenizer as tokenizer_lib
 
@@ -121,11 +125,15 @@ def check_arguments(*, length: int, num_samples: int, temperature: float, top_k:
 def sample(workdir: str, *, prompt: str | None = None, prompt_ids: list[int] | None = None, length: int = 200,
            temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1,
            replica: int | None = None, consensus: bool = False, source: str = "slow", step: int | None = None,
-           stop_at_eos: bool = True) -> dict:
-  """{"texts": decoded completions, "ids": their ids, "prompt_ids", "step", "weights", "seconds"}."""
+           stop_at_eos: bool = True, warn=None) -> dict:
+  """{"texts": decoded completions, "ids": their ids, "prompt_ids", "step", "weights", "seconds"}.
+
+  `warn(line)` receives the warnings (newer checkpoints that failed verification; default: ignored)."""
   check_arguments(length=length, num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p)
   start = time.perf_counter()
-  snap = read_lib.read(workdir, step, slow=consensus)
+  snap = async_result.read(workdir, step, slow=consensus)
+  for line in async_result.warnings(snap):
+    (warn or (lambda _: None))(line)
   params = snap.weights(replica, consensus=consensus, source=source)
   tok = tokenizer_lib.make_tokenizer(snap.config.data)
   if prompt_ids is None:
@@ -186,7 +194,8 @@ def main(argv=None) -> int:
     done = sample(args.workdir, prompt=args.prompt, prompt_ids=ids, length=args.length, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, num_samples=args.num_samples,
                   replica=args.replica, consensus=args.consensus, source=args.source, step=args.step,
-                  stop_at_eos=args.stop_at_eos)
+                  stop_at_eos=args.stop_at_eos,
+                  warn=lambda line: print(f"noloco_jax.sample: warning: {line}", file=sys.stderr))
   except (SampleError, read_lib.CheckpointReadError) as e:
     print(f"noloco_jax.sample: error: {e}", file=sys.stderr)
     return 2

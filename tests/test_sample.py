@@ -11,6 +11,8 @@ import pytest
 from noloco_jax import sample
 from noloco_jax.models import llama
 
+from checkpoint_damage import copy_run, damage
+
 
 def _filter_reference(logits, top_k, top_p):
   out = np.array(logits, np.float64)
@@ -120,3 +122,18 @@ def test_bad_arguments_are_one_line(finished_run, capsys, args, message):
   wrong = message.split("=")[0].split(":")[0]
   named = set(re.findall(r"--[a-z-]+", err))
   assert named <= {wrong}, (named, err)
+
+
+def test_a_damaged_latest_step_is_skipped_with_a_warning_naming_it(finished_run, tmp_path, capsys):
+  """Issue 33 item 4: the sampler read the latest step without its checksums."""
+  workdir = copy_run(finished_run, tmp_path)
+  damage(workdir, 12, "state")
+  assert sample.main([workdir, "--prompt", "def ", "--length", "4", "--replica", "5"]) == 0
+  captured = capsys.readouterr()
+  (warning,) = captured.err.strip().splitlines()
+  assert warning.startswith(f"noloco_jax.sample: warning: checkpoint step(s) 12 of {workdir} fail verification")
+  assert "----- sample 0 (replica 5, step 6, seed 0) -----" in captured.out
+  damage(workdir, 6, "state")
+  assert sample.main([workdir, "--prompt", "def ", "--length", "4"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "\n" not in err and f"WORKDIR={workdir!r}: no valid checkpoint in" in err, err
