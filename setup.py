@@ -23,6 +23,9 @@ setuptools.setup(
         "orbax-checkpoint>=0.12,<0.13",
         "ml-collections>=1.0,<2",
         "absl-py>=2",
+        # clu.parameter_overview only (io/metrics.py); 0.0.12's own imports are flax, jax, numpy, absl, etils
+        # and wrapt. Its metric writers, which import TensorFlow, are not used (io/writers.py).
+        "clu==0.0.12",
         "tensorboard>=2.16",  # Its event-file writer only; it needs no TensorFlow (io/metrics.py).
         "tensorflow-datasets>=4.9.7,<5",  # Without TensorFlow: array_record builds and data sources.
         "array-record>=0.8.1",
