@@ -195,8 +195,8 @@ def test_a_sentencepiece_run_exports_its_model_file_and_transformers_decodes_our
   ids = ours.encode(TEXT).tolist()
   transformers = pytest.importorskip("transformers", reason=INSTALL_HINT)
   tok = transformers.AutoTokenizer.from_pretrained(str(out))
-  # Decoding agrees; encoding may not (README: transformers' conversion of the model handles runs of
-  # spaces otherwise), which is why the README says to encode with sentencepiece and tokenizer.model.
+  # Decoding agrees; encoding may not (docs/after_a_run.md: transformers' conversion of the model handles runs of
+  # spaces otherwise), which is why docs/after_a_run.md says to encode with sentencepiece and tokenizer.model.
   assert tok.decode(ids) == ours.decode(ids) == TEXT
 
 
