@@ -111,6 +111,7 @@ def _run_async_process(config, options) -> None:
   # pylint: disable=g-import-not-at-top  (see the imports at the top)
   from noloco_jax import training
   from noloco_jax.asynchronous import job as async_job
+  from noloco_jax.asynchronous import result as async_result
   from noloco_jax.runtime import distributed, preemption
   if options.control == async_job.JAX:  # fixed slots: every process needs its id (flags, environment, cluster)
     address, count, pid = distributed.process_coordinates(options)
@@ -126,6 +127,8 @@ def _run_async_process(config, options) -> None:
   with failures.exit_on_failure(FLAGS.workdir):
     training.train_and_evaluate(async_job.process_config(config), process.workdir(FLAGS.workdir), process)
   process.finish(lease_s=config.outer.lease_s)
+  if process.connection.hosts_service:  # it waited for every other process: the job's own result (spread, consensus)
+    async_result.at_job_end(FLAGS.workdir)
   # Leave without the interpreter's finalisers: the control-plane client's destructor would say goodbye to
   # a service that may be gone by now (it then aborts the process); the run is saved and its logs closed.
   logging.flush()

@@ -529,3 +529,59 @@ def test_the_checks_catch_what_they_should():
 @pytest.mark.parametrize("path", ["README.md", "experiments/RESULTS.md"])
 def test_the_documents_are_read(path):
   assert snippets(path)
+
+
+# ---- The pages themselves: tables that render, a front door that fits ----
+
+
+def broken_tables(path: str) -> list[str]:
+  """Table rows that markdown renders as text: a `| ... |` line after a line that is neither blank nor a
+  row (a paragraph inside a table ends it, and the rows after it become running text), or a table whose
+  second line is not its header's separator."""
+  problems, lines = [], _markdown(path).split("\n")
+  fenced = False
+  for i, line in enumerate(lines):
+    if line.lstrip().startswith("```"):
+      fenced = not fenced
+    is_row = not fenced and line.startswith("|")
+    if not is_row:
+      continue
+    before = lines[i - 1] if i else ""
+    if before.strip() and not before.startswith("|"):
+      problems.append(f"{path}:{i + 1}: a table row after a line of text (renders as text): {line[:80]}")
+    elif not before.strip():  # a table's first line: its separator must follow
+      after = lines[i + 1] if i + 1 < len(lines) else ""
+      if not re.fullmatch(r"\|(\s*:?-+:?\s*\|)+\s*", after):
+        problems.append(f"{path}:{i + 1}: a table without its |---| separator line: {line[:80]}")
+  return problems
+
+
+def test_every_table_of_the_readme_and_docs_renders_as_a_table():
+  """Issue 34 item 1: a paragraph inside the README's configuration table turned 11 rows into running text."""
+  pages = ["README.md"] + [p for p in documents() if p.startswith("docs/")]
+  problems = [issue for page in pages for issue in broken_tables(page)]
+  assert not problems, "\n" + "\n".join(problems)
+  # The check finds the defect it is for.
+  assert _check_table_text("| a | b |\n|---|---|\n| 1 | 2 |\ntext\n| 3 | 4 |")
+  assert not _check_table_text("| a | b |\n|---|---|\n| 1 | 2 |\n\ntext\n")
+
+
+def _check_table_text(text: str) -> list[str]:
+  import tempfile  # pylint: disable=g-import-not-at-top
+  with tempfile.NamedTemporaryFile("w", suffix=".md", dir=REPO, delete=False) as f:
+    f.write(text)
+  try:
+    return broken_tables(os.path.relpath(f.name, REPO))
+  finally:
+    os.remove(f.name)
+
+
+def test_the_readme_is_a_front_door():
+  """Issue 34 item 1: the README was 725 lines. It fits two screens (what it is, the two commands, a short
+  tour, where to read on); the reference material is in docs/, and every page it points to exists."""
+  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    text = f.read()
+  assert len(text.splitlines()) <= 120, len(text.splitlines())
+  assert "bash scripts/run_default.sh" in text and "bash scripts/test.sh" in text
+  for page in ("configuration", "data", "running", "after_a_run", "scale", "install"):
+    assert f"(docs/{page}.md)" in text and os.path.exists(os.path.join(REPO, "docs", f"{page}.md")), page

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 
+from clu import parameter_overview  # the parameter table; imports no TensorFlow (clu.metric_writers would)
 import jax
 import jax.numpy as jnp
 
@@ -41,6 +42,14 @@ def weight_std(params_NxP) -> jax.Array:
     return jnp.sum(jnp.square(d - jnp.mean(d, axis=0)))
 
   return jnp.sqrt(sum(squared_deviation(x) for x in leaves) / (n * count))
+
+
+def parameter_table(params_NxP) -> str:
+  """The parameter table of one replica (names, shapes, dtypes, sizes, the total), as flax's examples log it
+  at start: clu.parameter_overview, on shapes only (nothing is read from the devices). clu's metric writers
+  are not used: they import TensorFlow (io/writers.py writes TensorBoard's files without it)."""
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params_NxP)
+  return parameter_overview.get_parameter_overview(one, include_stats=False)
 
 
 def make_writer(workdir: str, config=None) -> writers.MetricWriter:
