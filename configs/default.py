@@ -15,8 +15,8 @@ Every field can be overridden on the command line, e.g. `--config.outer.kind=dil
 DiLoCo's paper values (α=0.3, β=0.7, H=100) unless those fields are set too: the per-kind outer fields
 are left unset here and take the chosen kind's values when the config is validated. The fields, their
 defaults and what they mean are in noloco_jax/config/ (one module per section). Renamed fields keep
-their old names with a warning: outer.momentum is outer.outer_momentum (α), outer.lr is outer.outer_lr
-(β), outer.gamma is outer.consensus_weight (γ).
+their old names with a warning: outer.momentum is outer.rule.outer_momentum (α), outer.lr is outer.rule.outer_lr
+(β), outer.gamma is outer.rule.consensus_weight (γ).
 """
 
 import ml_collections
