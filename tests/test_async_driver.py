@@ -190,7 +190,7 @@ def _final(process_dir):
 
 def test_equal_speeds_are_lockstep_noloco_and_each_process_resumes_exactly(tmp_path):
   """Two processes at equal speed: every round pairs them at equal progress, so the job is deterministic.
-  Run once to the end; then again, killed (SIGKILL, both processes) after step 8: each process's logs then
+  Run once to the end; then again, killed (SIGKILL, both processes) after step 7 or 8: each process's logs then
   hold the rows its checkpoint of step 6 covers (on disk before it), and, run once more, it resumes from
   that checkpoint, drops the rows written after it, and ends bit for bit where the first run did, its
   logs included (metrics, pairings: every row once). Both match the lock-step schedule's run of the same
@@ -205,14 +205,16 @@ def test_equal_speeds_are_lockstep_noloco_and_each_process_resumes_exactly(tmp_p
   pairings = lambda d, slot: _jsonl(os.path.join(d, f"process_{slot}", f"pairings_{slot}.jsonl"))
   first = launch_local.Job(2, 1, flags(first_dir), log_dir=os.path.join(root, "logs"))
   assert first.wait(timeout_s=600, grace_s=30) == [0, 0], _job_logs(root)
-  killed = launch_local.Job(2, 1, flags(second_dir), log_dir=os.path.join(root, "logs", "killed"),
-                            env={"NOLOCO_FAULTS": "kill:step=8"})
-  assert killed.wait(timeout_s=600, grace_s=30) == [-9, -9], _job_logs(os.path.join(root, "logs"))
+  # Process 1 first (after its checkpoint of step 6), then process 0, which hosts the coordination service:
+  # its death would end a process still running (the order is what makes both deaths SIGKILLs).
+  killed = launch_local.Job(2, 1, flags(second_dir), log_dir=os.path.join(root, "killed", "logs"),
+                            env={"NOLOCO_FAULTS": "kill:process=1,step=7;kill:process=0,step=8"})
+  assert killed.wait(timeout_s=600, grace_s=30) == [-9, -9], _job_logs(os.path.join(root, "killed"))
   for slot in (0, 1):  # what the checkpoint of step 6 covers is on disk
     assert os.path.isdir(os.path.join(second_dir, f"process_{slot}", "checkpoints", "6"))
     assert [p["step"] for p in pairings(second_dir, slot)] == [3, 6]
-  again = launch_local.Job(2, 1, flags(second_dir), log_dir=os.path.join(root, "logs", "again"))
-  assert again.wait(timeout_s=600, grace_s=30) == [0, 0], _job_logs(root) + _job_logs(os.path.join(root, "logs"))
+  again = launch_local.Job(2, 1, flags(second_dir), log_dir=os.path.join(root, "again", "logs"))
+  assert again.wait(timeout_s=600, grace_s=30) == [0, 0], _job_logs(os.path.join(root, "again"))
   reference = training.train_and_evaluate(_smoke(**{"num_replicas": 2, "num_devices": 2}), os.path.join(root, "lockstep"))
   for slot in (0, 1):
     (snapshot, rows), (resumed, rows_again) = (_final(os.path.join(d, f"process_{slot}")) for d in (first_dir, second_dir))
