@@ -3,7 +3,7 @@
 A NumPy simulation of NoLoCo's outer loop on a noisy quadratic (no JAX, seconds to run), comparing:
 
   dense   c = β·θ + (γ−β)·φ sent in float32;
-  split   (option b, the default of outer.compression=topk): top-k per chunk of the fresh part β·(θ−φ)
+  split   (option b, the default of outer.codec.compression=topk): top-k per chunk of the fresh part β·(θ−φ)
           plus an error-feedback residual, 2-bit values; γ·φ sent in int8;
   peer    (option a): per-peer references. Replica i keeps, for every j, R[i][j] = the reconstruction
           of j's message that both sides agree on; j sends top-k(c_j − R[·][j] as j knows it for i), both

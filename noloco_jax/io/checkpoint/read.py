@@ -144,7 +144,7 @@ def _read_state(path: str, slow: bool):
   checkpointer = ocp.PyTreeCheckpointer()
   tree = checkpointer.metadata(path).item_metadata.tree  # {step, params, opt_state, outer}: shapes, dtypes
   item = {"params": tree["params"]}
-  key = consensus_lib.SLOW_KEY  # where the outer method keeps φ (outer/methods.py), if it keeps one
+  key = consensus_lib.SLOW_KEY  # where the outer method keeps φ (noloco_jax/outer/methods/), if it keeps one
   has_slow = isinstance(tree.get("outer"), dict) and key in tree["outer"]
   if slow and has_slow:
     item["outer"] = {key: tree["outer"][key]}
