@@ -17,7 +17,6 @@ from ml_collections import config_flags
 from noloco_jax.runtime import failures
 from noloco_jax import config as config_lib
 from noloco_jax.config import cli
-from noloco_jax.outer import stability
 from noloco_jax.runtime import options as options_lib
 
 FLAGS = flags.FLAGS
@@ -52,9 +51,10 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   try:  # an invalid config is one line and exit status 2, before anything starts
-    # Parsed and checked once: the schema, then NoLoCo's stability (α, γ, n, N) unless outer.allow_unstable.
-    # Everything below receives this typed config (or its sections), never the ConfigDict.
-    config = stability.load_config(FLAGS.config)
+    # Parsed and checked once: the schema, the outer method's own checks and its stability analysis (refused
+    # unless outer.allow_unstable; noloco_jax/outer/methods/). Everything below receives this typed config
+    # (or its sections), never the ConfigDict.
+    config = config_lib.load(FLAGS.config)
   except config_lib.ConfigError as e:
     cli.exit_usage(str(e))
   if not FLAGS.workdir and not FLAGS.dry_run:
@@ -126,7 +126,7 @@ def _run_async_process(config, options) -> None:
   preemption.install_preemption_handler()  # SIGTERM: this process saves and stops; the others train on
   with failures.exit_on_failure(FLAGS.workdir):
     training.train_and_evaluate(async_job.process_config(config), process.workdir(FLAGS.workdir), process)
-  process.finish(lease_s=config.outer.lease_s)
+  process.finish(lease_s=config.outer.asynchronous.lease_s)
   if process.connection.hosts_service:  # it waited for every other process: the job's own result (spread, consensus)
     async_result.at_job_end(FLAGS.workdir)
   # Leave without the interpreter's finalisers: the control-plane client's destructor would say goodbye to

@@ -42,16 +42,16 @@ from typing import Any
 import numpy as np
 
 from noloco_jax.asynchronous import logs as async_logs  # pure Python too
-from noloco_jax.outer import wire  # pure Python: the report stays free of JAX
+from noloco_jax.config import outer as outer_schema  # the methods' specs (registered by the package), no JAX
+from noloco_jax.config.outer import OuterConfig
 
 BYTES_SENT = ("comm/bytes_sent_per_replica",)
 BYTES_RECEIVED = ("comm/bytes_received_per_replica",)
 # Logs written before the wire was counted have only this name, and it held the collectives' operands
 # (outer/wire.py): for a method whose collectives are point-to-point messages that is what a replica
-# sends and receives, but an all-reduce (diloco's round, ddp's step) moves 2(N−1)/N of its operand
-# per replica on a ring. `Run.wire_series` converts it, and says so.
+# sends and receives, but an all-reduce moves 2(N−1)/N of its operand per replica on a ring. `Run.wire_series`
+# converts it by the method's own accounting (its spec's `wire`), and says so.
 OLD_OPERANDS = "comm/bytes_per_replica"
-ALLREDUCE_KINDS = ("diloco", "ddp")
 PLOTS_HINT = "the PNG needs matplotlib: pip install '.[plots]' (the text summary above needs nothing)"
 
 
@@ -149,9 +149,10 @@ class Run:
     if key is None:
       return steps, values, None
     n = int(self._get("", "num_replicas", 1))
-    if self.kind in ALLREDUCE_KINDS:
-      factor = wire.allreduce(1.0, n, "ring").sent
-      how = f"× {factor:g} for a ring all-reduce over N = {n}"
+    per_round, per_step = self.traffic(n)
+    factor = (per_round + per_step).sent / max((per_round + per_step).operand, 1)
+    if factor != 1.0:
+      how = f"× {factor:g} for a ring all-reduce over N = {n}"  # the only exchange whose wire is not its operand
     else:
       factor, how = 1.0, "as sent: point-to-point messages"
     return steps, values * factor, f"from {OLD_OPERANDS}, the collectives' operands of a log from before the wire was counted, {how}"
@@ -163,6 +164,11 @@ class Run:
   @property
   def kind(self) -> str:
     return str(self._get("outer", "kind", "?"))
+
+  def traffic(self, num_replicas: int):
+    """(one round, one inner step) of a one-byte message of the run's method (its spec's accounting)."""
+    outer = OuterConfig(kind=self.kind) if self.kind in outer_schema.METHODS else OuterConfig()
+    return outer.spec.wire(1, num_replicas, outer)
 
   @property
   def num_steps(self) -> int | None:
@@ -202,7 +208,7 @@ class Run:
       return None
     bs, sent, _ = self.wire_series()
     wire = np.interp(steps, bs, sent) * 8 / (link_gbps * 1e9) if len(bs) else 0.0
-    if self.kind == "ddp":
+    if self.traffic(2)[1].messages:  # a method that communicates every inner step
       messages = steps.astype(float)
     else:
       rs, rounds, _ = self.series("outer/round")

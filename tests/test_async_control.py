@@ -121,9 +121,9 @@ def test_bad_lease_settings_name_the_value(kwargs, field):
 
 
 @pytest.mark.parametrize("field,value,named", [
-    ("max_wait_s", 0.0, "outer.max_wait_s=0.0 is not valid"), ("window_s", -1.0, "outer.match_window_s=-1.0"),
-    ("exchange_timeout_s", 0.0, "outer.exchange_timeout_s=0.0"), ("odd", "pairs", "outer.match_odd='pairs'"),
-    ("lease_s", 0.1, "outer.lease_s=0.1")])
+    ("max_wait_s", 0.0, "outer.asynchronous.max_wait_s=0.0 is not valid"), ("window_s", -1.0, "outer.asynchronous.match_window_s=-1.0"),
+    ("exchange_timeout_s", 0.0, "outer.asynchronous.exchange_timeout_s=0.0"), ("odd", "pairs", "outer.asynchronous.match_odd='pairs'"),
+    ("lease_s", 0.1, "outer.asynchronous.lease_s=0.1")])
 def test_bad_session_options_are_one_line_naming_the_field(field, value, named):
   with pytest.raises(ValueError, match=named.replace("(", r"\(")) as e:
     session.Options(**{field: value}).check()

@@ -284,7 +284,7 @@ def test_a_job_on_etcd_outlives_its_leader_and_grows_from_4_to_6_processes_and_b
   url = "etcd://" + ",".join(cluster.endpoints[leader:] + cluster.endpoints[:leader]) + "/grow"
   flags = ["--config=configs/default.py:smoke", f"--workdir={workdir}", "--config.outer.schedule=async",
            "--config.num_replicas=6", "--config.num_steps=100000", "--config.eval_every=0", "--config.log_every=3",
-           "--config.outer.max_wait_s=2", "--config.outer.exchange_timeout_s=10", "--config.outer.lease_s=10"]
+           "--config.outer.asynchronous.max_wait_s=2", "--config.outer.asynchronous.exchange_timeout_s=10", "--config.outer.asynchronous.lease_s=10"]
   extra = {"NOLOCO_CONTROL": url, "NOLOCO_FAULTS": "delay:seconds=0.1"}
   job = launch_local.Job(4, 1, flags, log_dir=log_dir, env=extra, cwd=ROOT)
   procs = list(job.procs)

@@ -488,7 +488,7 @@ def test_the_checks_catch_what_they_should():
   bad = {
       "python -m noloco_jax.main --config=configs/default.py --workdir=w --config.outer.pairing_pool=4":
           "not a field",
-      "python -m noloco_jax.main --config=configs/default.py --config.outer.kind=epidemic --config.outer.fanout=9":
+      "python -m noloco_jax.main --config=configs/default.py --config.outer.kind=epidemic --config.outer.rule.fanout=9":
           "does not validate",
       "python experiments/no_such_script.py": "does not exist",
       "python -m noloco_jax.no_such_module": "no such module",

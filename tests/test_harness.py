@@ -55,8 +55,8 @@ def test_config_file_and_argument_string():
 def test_renamed_field_is_accepted_under_its_old_name():
   from noloco_jax import config as schema
   bench = harness.Bench(None, config=True)
-  bench.parse(["--config.outer.momentum=0.25"])  # the old name of outer.outer_momentum
-  assert schema.load(bench.override(bench.config())).outer.outer_momentum == 0.25
+  bench.parse(["--config.outer.momentum=0.25"])  # the old name of outer.rule.outer_momentum
+  assert schema.load(bench.override(bench.config())).outer.rule.outer_momentum == 0.25
 
 
 def test_extra_groups_apply_on_top_of_the_common_overrides():
@@ -70,7 +70,7 @@ def test_extra_groups_apply_on_top_of_the_common_overrides():
 
 @pytest.mark.parametrize("arg, line", [
     ("--config.outer.momentun=0.9",
-     "noloco_jax: config.outer.momentun is not a field; did you mean config.outer.outer_momentum?"),
+     "noloco_jax: config.outer.momentun is not a field; did you mean config.outer.rule.outer_momentum?"),
     ("--config.num_steps=abc", "noloco_jax: config.num_steps='abc' is not valid: an integer."),
     ("--config.model.remat=maybe", "noloco_jax: config.model.remat='maybe' is not valid: True or False."),
     ("--config.inner.lr=fast", "noloco_jax: config.inner.lr='fast' is not valid: a number."),

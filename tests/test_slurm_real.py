@@ -357,7 +357,7 @@ def test_the_asynchronous_schedule_trains_on_when_one_task_dies(submission, clus
   """Three tasks, task 2 SIGKILLed after step 3: SLURM leaves the others running (the script passes
   --kill-on-bad-exit=0 for this schedule; before, SLURM ended them with it); they see it lost (its lease,
   3 s, runs out) and train to the end without it, pairing in the rounds after that only with each other."""
-  s = submission(request=["--ntasks-per-node=3"], args=["--config.outer.schedule=async", "--config.outer.lease_s=3"],
+  s = submission(request=["--ntasks-per-node=3"], args=["--config.outer.schedule=async", "--config.outer.asynchronous.lease_s=3"],
                  env={"NOLOCO_FAULTS": "delay:seconds=1;kill:process=2,step=3"})
   job_id = s.submit()
   job = s.wait(job_id)

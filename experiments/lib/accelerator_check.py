@@ -10,7 +10,7 @@ a crash or a hang ends only that section) under its own time cap, all within one
   smoke           the default job's smoke variant end to end (python -m noloco_jax.main ...:smoke)
   mfu_small       experiments/bench_mfu.py, small preset in bfloat16: MFU, tokens/s, peak memory vs the dry run
   inner_replicas  experiments/bench_inner.py: 4 small replicas on one device, replica_map vmap vs sequential
-  outer_rounds    one lock-step NoLoCo round and one overlapped round (outer.overlap_steps=1): time, bytes
+  outer_rounds    one lock-step NoLoCo round and one overlapped round (outer.overlap.steps=1): time, bytes
   async_exchange  2 processes swap a message over the transfer server (noloco_jax/asynchronous/transport.py)
   mfu_medium      as mfu_small, medium preset (remat on); last, since it is the heaviest
 
@@ -547,7 +547,7 @@ def outer_round_figures(cpu: bool, repeats: int) -> dict:
   rounds, num_params = {}, None
   for name, overlap in (("lockstep", 0), ("overlapped", 1)):
     cfg = harness.apply_overrides(harness.load_config("configs/default.py"), [
-        "num_replicas=4", "num_devices=1", "outer.kind=noloco", f"outer.overlap_steps={overlap}", "model.preset=small",
+        "num_replicas=4", "num_devices=1", "outer.kind=noloco", f"outer.overlap.steps={overlap}", "model.preset=small",
         *(SHRINK if cpu else ())])
     setup = build_lib.build(cfg, vocab_size=257)
     state = setup.init_state()
@@ -555,7 +555,7 @@ def outer_round_figures(cpu: bool, repeats: int) -> dict:
     num_params = setup.model.num_params()
     if overlap:  # the programs of streaming overlap, as the training loop builds them (experiments/bench_outer.py)
       split = rounds_lib.SplitPrograms(setup.method, setup.mesh, setup.schedule, setup.state_shardings,
-                                       cfg.outer.overlap_mix)
+                                       cfg.outer.overlap.mix)
       shapes = rounds_lib.abstract(state)
       sent = split.message_structs(shapes)
       key, route = split.plan(0)

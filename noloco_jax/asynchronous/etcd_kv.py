@@ -16,7 +16,7 @@ What each operation is on etcd (v3 API, through each member's JSON gateway):
 - `wait`: a read, then a *watch* from the revision of that read: the caller sleeps in the member's
   stream until the key is written, so nothing polls; a write between the read and the watch is
   replayed by the watch (it starts at that revision);
-- liveness: the process holds one etcd *lease* (TTL = outer.lease_s, renewed every third of it by a
+- liveness: the process holds one etcd *lease* (TTL = outer.asynchronous.lease_s, renewed every third of it by a
   daemon thread), and the keys that live as long as the process (`OWNED`: its heartbeat, its
   transfer server's address, its config, its slot claim) are bound to it. When the process dies, the
   cluster deletes them TTL seconds after its last renewal; when it leaves, it revokes the lease and

@@ -40,7 +40,7 @@ import time
 from noloco_jax import config as config_lib
 from noloco_jax.asynchronous import control, etcd_kv, liveness
 from noloco_jax.asynchronous import session as session_lib
-from noloco_jax.runtime import failures
+from noloco_jax.runtime import failures, job_checks
 
 CONFIG_KEY = "config/"  # config/<slot>: the config each process started with (compared at start-up)
 DONE = "done/"  # done/<slot> = incarnation: that process is exiting (Process.finish)
@@ -125,8 +125,8 @@ class Process:
 
 
 def session_options(config: config_lib.Config) -> session_lib.Options:
-  """The engine's options from config.outer (a heartbeat about ten times per lease)."""
-  o = config.outer
+  """The engine's options from config.outer.asynchronous (a heartbeat about ten times per lease)."""
+  o = config.outer.asynchronous
   return session_lib.Options(seed=config.seed, window_s=o.match_window_s, max_wait_s=o.max_wait_s,
                              exchange_timeout_s=o.exchange_timeout_s, odd=o.match_odd,
                              beat_s=min(0.5, o.lease_s / 10), lease_s=o.lease_s, join_timeout_s=o.join_timeout_s)
@@ -216,26 +216,16 @@ def _connect_jax(coordinator_address, num_processes, process_id, heartbeat_timeo
 
 
 def _check_same_config(kv: control.KV, slot: int, config: config_lib.Config) -> None:
-  """Posts this process's config, then compares it with every one posted. No process waits for another:
-  of two that start together at least the one that reads second sees the other's (posted before reading)."""
-  mine = json.loads(config.to_json(sort_keys=True))
+  """Posts this process's config, then compares it with every one posted (runtime/job_checks, as a lock-step
+  job's start-up check compares them). No process waits for another: of two that start together at least
+  the one that reads second sees the other's (posted before reading)."""
+  mine = job_checks.flatten_config(config)
   kv.set(f"{CONFIG_KEY}{slot}", json.dumps(mine, sort_keys=True))
   for key, raw in sorted(kv.dir(CONFIG_KEY).items()):
     other = int(key[len(CONFIG_KEY):])
     if other == slot:
       continue
-    differ = _differences(json.loads(raw), mine)
+    differ = job_checks.config_differences([json.loads(raw), mine], processes=[other, slot])
     if differ:
       raise ConfigMismatch(f"process {slot} runs another config than process {other} of this asynchronous job: "
-                           f"{'; '.join(differ[:6])}. Start every process with the same config and overrides.")
-
-
-def _differences(theirs: dict, mine: dict, prefix: str = "") -> list[str]:
-  out = []
-  for key in sorted(set(theirs) | set(mine)):
-    a, b = theirs.get(key), mine.get(key)
-    if isinstance(a, dict) and isinstance(b, dict):
-      out += _differences(a, b, f"{prefix}{key}.")
-    elif a != b:
-      out.append(f"config.{prefix}{key} is {b!r} here, {a!r} there")
-  return out
+                           f"{' | '.join(differ[:6])}. Start every process with the same config and overrides.")

@@ -8,7 +8,7 @@ training without a barrier. They are read afterwards from what the processes lef
                    checkpoints (io/checkpoint/read.py: verified as a resume verifies them)
   the consensus    the processes' φ at those checkpoints, averaged with the weights the method gives a
                    group's messages (outer/async_rules.py): q_k = exp(−λ · lag_k), lag_k the rounds of
-                   progress process k is behind the most advanced one, λ = outer.staleness_decay. At equal
+                   progress process k is behind the most advanced one, λ = outer.asynchronous.staleness_decay. At equal
                    progress (every process finished, none cut off) every q_k = 1: the plain mean, the
                    lock-step job's consensus model (outer/consensus.py); a process lost early weighs little
   its loss         on the run's validation batches (the same for every process: io/data make_eval_batches)
@@ -112,7 +112,7 @@ class JobSnapshot:
   def consensus_weights(self) -> np.ndarray:
     """[P] float32 q_k of the processes, unnormalised (async_rules.staleness_weights of their progress)."""
     o = self.config.outer
-    return async_rules.staleness_weights(self.progress, inner_steps=o.inner_steps, decay=o.staleness_decay)
+    return async_rules.staleness_weights(self.progress, inner_steps=o.inner_steps, decay=o.asynchronous.staleness_decay)
 
   def replica(self, i: int) -> Any:
     if i not in self.slots:

@@ -4,7 +4,7 @@
 (`--config.outer.momentun=0.9`) as an AttributeError holding an escaped KeyError, and a value of the
 wrong type as a flag error with usage hints; both become e.g.
 
-    noloco_jax: config.outer.momentun is not a field; did you mean config.outer.outer_momentum?
+    noloco_jax: config.outer.momentun is not a field; did you mean config.outer.rule.outer_momentum?
     noloco_jax: config.num_steps='abc' is not valid: an integer.
 
 A config file that cannot be loaded (a syntax error, an exception in `get_config`) is one line naming

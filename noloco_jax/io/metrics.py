@@ -52,16 +52,15 @@ def parameter_table(params_NxP) -> str:
   return parameter_overview.get_parameter_overview(one, include_stats=False)
 
 
-def make_writer(workdir: str, config=None) -> writers.MetricWriter:
-  """TensorBoard events + metrics.jsonl + log lines on process 0 (and W&B when config.wandb.project is
-  set); log lines only on the others."""
+def make_writer(workdir: str, wandb_cfg=None, run_config: dict | None = None) -> writers.MetricWriter:
+  """TensorBoard events + metrics.jsonl + log lines on process 0 (and W&B when config.wandb (`wandb_cfg`)
+  names a project: the run's config, `run_config`, goes with it); log lines only on the others."""
   if jax.process_index() != 0:
     return writers.LoggingWriter()
   chosen = [writers.LoggingWriter(), writers.TensorBoardWriter(workdir),
             writers.JsonlWriter(os.path.join(workdir, "metrics.jsonl"))]
-  wandb_config = config.get("wandb") if config is not None else None
-  if wandb_config is not None and wandb_config.project and wandb_config.mode != "disabled":
-    chosen.append(writers.WandbWriter(workdir, wandb_config, config.to_dict()))
+  if wandb_cfg is not None and wandb_cfg.project and wandb_cfg.mode != "disabled":
+    chosen.append(writers.WandbWriter(workdir, wandb_cfg, run_config or {}))
   return writers.MultiWriter(chosen)
 
 

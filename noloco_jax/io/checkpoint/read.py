@@ -184,7 +184,7 @@ def _read_step(workdir: str, root: str, step: int, slow: bool) -> Snapshot:
   except Exception as e:  # pylint: disable=broad-except  (any failure to read or verify sets the step aside)
     raise InvalidStepError(_first_line(e)) from e
   config = _config(workdir, meta)
-  key = consensus_lib.SLOW_KEY  # where the outer method keeps φ (outer/methods.py), if it keeps one
+  key = consensus_lib.SLOW_KEY  # where the outer method keeps φ (noloco_jax/outer/methods/), if it keeps one
   outer = state.get("outer")
   phi = outer[key] if slow and isinstance(outer, dict) and key in outer else None
   return Snapshot(workdir=os.path.abspath(workdir), step=int(step), config=config, params=state["params"], slow=phi,

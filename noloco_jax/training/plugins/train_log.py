@@ -92,7 +92,7 @@ class TrainLog(Plugin):
     scalars = {
         "train/loss": float(losses.mean()),
         "train/grad_norm": float(np.mean([np.asarray(m["grad_norm"]) for m in metrics])),
-        # Cumulative, per replica (outer/wire.py): on the wire under outer.allreduce_algorithm, and the
+        # Cumulative, per replica (outer/wire.py): on the wire under outer.rule.allreduce_algorithm, and the
         # compiled collectives' operands.
         "comm/bytes_sent_per_replica": loop.bytes_sent,
         "comm/bytes_received_per_replica": loop.bytes_received,
@@ -102,7 +102,8 @@ class TrainLog(Plugin):
     }
     # The round schedule's own cumulative counters, if it keeps any (the asynchronous schedule's exchanged,
     # skipped and failed rounds, its waits: training/rounds/asynchronous.py).
-    scalars.update(loop.history.get("schedule", {}))
+    if run.driver is not None:
+      scalars.update(run.driver.scalars())
     if config.nan_policy == "skip_round":
       scalars["outer/skipped_rounds"] = len(loop.history.get("skipped_rounds", []))
     if rounds:
