@@ -18,7 +18,6 @@ service unless `--standalone_service`, waits (up to --linger_s) for the others t
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -32,6 +31,7 @@ import numpy as np
 import optax
 
 from configs import default
+from experiments.lib import harness
 from noloco_jax.asynchronous import control, session as session_lib
 from noloco_jax.inner.state import TrainState
 from noloco_jax.io.checkpoint.logs import JsonlLog
@@ -43,28 +43,28 @@ def _digest(tree) -> str:
   return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(tree))).hexdigest()[:16]
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--rounds", type=int, default=20, help="rounds to run (at least)")
-  parser.add_argument("--run_s", type=float, default=0.0, help="keep starting rounds until this many seconds")
-  parser.add_argument("--until_file", default=None,
-                      help="with --run_s: stop starting rounds sooner, once this file exists (a test's signal that "
+def main(argv=None) -> None:
+  bench = harness.Bench(__doc__)
+  bench.add_argument("--rounds", type=int, default=20, help="rounds to run (at least)")
+  bench.add_argument("--run_s", type=float, default=0.0, help="keep starting rounds until this many seconds")
+  bench.add_argument("--until_file", default=None,
+                     help="with --run_s: stop starting rounds sooner, once this file exists (a test's signal that "
                            "what it waits for has happened, so a quiet machine does not sit out a loaded one's time)")
-  parser.add_argument("--inner_steps", type=int, default=5)
-  parser.add_argument("--step_s", type=float, default=0.02, help="seconds of simulated compute per inner step")
-  parser.add_argument("--dim", type=int, default=1024, help="floats per message")
-  parser.add_argument("--log_dir", required=True)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--window_s", type=float, default=0.05)
-  parser.add_argument("--max_wait_s", type=float, default=3.0)
-  parser.add_argument("--exchange_timeout_s", type=float, default=20.0)
-  parser.add_argument("--lease_s", type=float, default=6.0)
-  parser.add_argument("--decay", type=float, default=float(np.log(2.0)), help="staleness decay per round of lag")
-  parser.add_argument("--odd", default="triple")
-  parser.add_argument("--join", action="store_true", help="take the state from a live peer first")
-  parser.add_argument("--standalone_service", action="store_true")
-  parser.add_argument("--linger_s", type=float, default=120.0)
-  opts = parser.parse_args(argv)
+  bench.add_argument("--inner_steps", type=int, default=5)
+  bench.add_argument("--step_s", type=float, default=0.02, help="seconds of simulated compute per inner step")
+  bench.add_argument("--dim", type=int, default=1024, help="floats per message")
+  bench.add_argument("--log_dir", required=True)
+  bench.add_argument("--seed", type=int, default=0)
+  bench.add_argument("--window_s", type=float, default=0.05)
+  bench.add_argument("--max_wait_s", type=float, default=3.0)
+  bench.add_argument("--exchange_timeout_s", type=float, default=20.0)
+  bench.add_argument("--lease_s", type=float, default=6.0)
+  bench.add_argument("--decay", type=float, default=float(np.log(2.0)), help="staleness decay per round of lag")
+  bench.add_argument("--odd", default="triple")
+  bench.add_argument("--join", action="store_true", help="take the state from a live peer first")
+  bench.add_argument("--standalone_service", action="store_true")
+  bench.add_argument("--linger_s", type=float, default=120.0)
+  opts = bench.parse(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
   slot = int(os.environ["NOLOCO_PROCESS_ID"])
@@ -141,6 +141,7 @@ def main(argv=None) -> int:
   session.close(linger_s=linger)
   for log in logs:
     log.close()
+  bench.finish(result)  # also as the last line of this process's output (its log under launch_local)
   for stream in (sys.stdout, sys.stderr):
     stream.flush()
   # A normal exit runs JAX's shutdown, which waited 8–10 s for the other processes (docs/async.md §8);
@@ -149,4 +150,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  harness.run(main)

@@ -28,6 +28,9 @@ import pytest
 
 from configs import default
 from noloco_jax import config as config_lib
+from noloco_jax import export_hf
+from noloco_jax import report
+from noloco_jax import sample
 from noloco_jax import training
 from noloco_jax.asynchronous import job as job_lib
 from noloco_jax.asynchronous import logs as async_logs
@@ -232,6 +235,25 @@ def test_equal_speeds_are_lockstep_noloco_and_each_process_resumes_exactly(tmp_p
     assert [r["step"] for r in train] == [3, 6, 9, 12]
     assert train[-1]["async/exchanged_rounds"] == 4 and train[-1]["async/skipped_rounds"] == 0
     assert all(r["async/round_compiles"] == 0 for r in train)
+  # The job's own result (issue 34 item 8), written by process 0 once the other had finished: at equal
+  # progress the consensus is the plain mean of φ, and the figures are the lock-step job's.
+  with open(os.path.join(first_dir, "summary.json")) as f:
+    job = json.load(f)
+  assert job["job"] == "asynchronous" and job["processes"] == [0, 1]
+  assert [(p["ended"], p["checkpoint_step"], p["consensus_weight"]) for p in job["per_process"].values()] == [
+      ("finished", 12, 0.5)] * 2
+  np.testing.assert_allclose(job["eval/consensus_loss"], reference["eval/consensus_loss"], rtol=1e-5)
+  np.testing.assert_allclose(job["eval/loss"], reference["eval/loss"], rtol=1e-5)
+  np.testing.assert_allclose(job["replicas/weight_std"], reference["replicas/weight_std"], rtol=1e-3)
+  # The tools after a run, on the job's workdir (issue 33 item 8): the consensus is the job's.
+  out = os.path.join(root, "hf")
+  assert export_hf.main([first_dir, "--out", out, "--consensus"]) == 0
+  exported = export_hf.read_safetensors(os.path.join(out, "model.safetensors"))
+  want = export_hf.hf_state_dict(jax.tree.map(lambda x: np.mean(np.asarray(x), 0), reference["state"].outer["slow"]))
+  for name, value in want.items():
+    np.testing.assert_allclose(exported[name], value, rtol=1e-4, atol=1e-6)
+  assert report.main([first_dir, "--no-png"]) == 0 and sample.main([first_dir, "--replica", "1", "--prompt", "def ",
+                                                                      "--length", "4"]) == 0
 
 
 def _wait_for(predicate, timeout_s, what):

@@ -229,7 +229,10 @@ def test_feedback_off_keeps_no_residual_in_the_state():
 _BITWISE_ACROSS_PROGRAMS = tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 12)
 
 
-@pytest.mark.parametrize("compression,num_devices", [("topk", 4), ("int4", 2)])
+@pytest.mark.parametrize("compression,num_devices", [
+    pytest.param("topk", 4, marks=pytest.mark.exhaustive(
+        reason="top-k's mesh path against the simulator (int4's stays, and top-k's round against NumPy)")),
+    ("int4", 2)])
 def test_coded_mesh_and_simulator_paths_agree_bitwise(compression, num_devices):
   theta, phi, delta, residual = _replicas(5)
   method = outer_lib.make(_outer_cfg(codec=dict(compression=compression, chunk=128, topk_density=0.05)))

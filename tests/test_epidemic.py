@@ -19,6 +19,7 @@ from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.outer import programs as programs_lib
 from noloco_jax.inner.state import TrainState
+import hlo_helpers  # pylint: disable=g-bad-import-order  (tests/hlo_helpers.py)
 
 N = 8
 
@@ -208,14 +209,6 @@ def test_oracle_acceptance_rate_at_the_largest_allowed_degree():
     assert simple.mean() > 0.002, (n, simple.mean())
 
 
-def test_graph_stats_script_runs():
-  """experiments/epidemic_graph_stats.py (RESULTS.md's acceptance rates and draw times), on small sizes."""
-  from experiments import epidemic_graph_stats
-  row = epidemic_graph_stats.stats(8, 1, draws=5)
-  assert 0.2 < row["oracle_acceptance"] < 0.6 and row["oracle_share_receiving_nothing"] == 0
-  assert row["binomial_share_receiving_nothing"] == round((6 / 7) ** 7, 4)
-
-
 @pytest.mark.parametrize("overrides,message", [
     ({"outer.kind": "epidemic", "outer.rule.topology": "ring"},
      "config.outer.rule.topology='ring' is not valid: one of oracle | local."),
@@ -310,7 +303,7 @@ def test_epidemic_bytes_in_the_compiled_program(fanout, topology):
   np.testing.assert_array_equal(received, indegree * model)
   if topology == "oracle":
     np.testing.assert_array_equal(received, np.full(N, counted))
-  assert hlo_lib.permute_pair_bytes(hlo) == N * counted
+  assert hlo_helpers.permute_pair_bytes(hlo) == N * counted
   # On the wire (outer/wire.py, what comm/bytes_sent_per_replica and ..._received_... add up): the mean
   # over replicas of the compiled program's, the busiest sender's, and the busiest receiver's bound
   # (exactly s models under EL-Oracle; up to N − 1 under EL-Local).

@@ -16,6 +16,7 @@ from noloco_jax.outer import pairing
 from noloco_jax.outer import programs as programs_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
+import hlo_helpers  # pylint: disable=g-bad-import-order  (tests/hlo_helpers.py)
 
 N = 8
 LR, B1, B2, EPS = 3e-3, 0.9, 0.95, 1e-8
@@ -126,10 +127,10 @@ def test_epidemic_adam_bytes_are_n_minus_1_models_in_the_compiled_program(group_
   counted = method.traffic({"w": jnp.zeros((6, 5)), "b": jnp.zeros((3,))}, N)[0].operand
   itemsize = 4 if message_dtype == "float32" else 2
   assert counted == (group_size - 1) * 33 * itemsize
-  assert hlo_lib.stablehlo_collective_bytes(lowered.as_text()) == counted  # what the program asks to send
+  assert hlo_helpers.stablehlo_collective_bytes(lowered.as_text()) == counted  # what the program asks to send
   # Summed over the compiled (source, target) pairs; XLA:CPU widens bf16 collectives to f32 after
   # lowering (on GPU/TPU the compiled op stays bf16).
-  assert hlo_lib.permute_pair_bytes(hlo) == N * counted * (4 // itemsize)
+  assert hlo_helpers.permute_pair_bytes(hlo) == N * counted * (4 // itemsize)
   assert hlo_lib.all_collective_bytes(hlo).keys() == {"collective-permute"}  # no all-reduce
 
 

@@ -1,7 +1,5 @@
 """Outer steps against NumPy references, pairings, the mesh and simulator paths, and bytes on the wire."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -16,6 +14,7 @@ from noloco_jax.training import build as build_lib
 from noloco_jax.outer import programs as programs_lib
 from noloco_jax.outer import pairing
 from noloco_jax.inner.state import TrainState
+import hlo_helpers  # pylint: disable=g-bad-import-order  (tests/hlo_helpers.py)
 
 N = 8
 
@@ -250,7 +249,7 @@ def test_counted_bytes_match_the_compiled_collectives(kind, message_dtype, group
   itemsize = 2 if message_dtype == "bfloat16" else 4
   if kind == "noloco":
     assert counted == (group_size - 1) * 17 * itemsize  # 17 parameters, n−1 messages per round
-    assert hlo_lib.stablehlo_collective_bytes(lowered.as_text()) == counted and reduced == 0
+    assert hlo_helpers.stablehlo_collective_bytes(lowered.as_text()) == counted and reduced == 0
     # XLA:CPU widens bf16 collectives to f32 after lowering; on GPU/TPU the compiled op stays bf16.
     assert permuted == counted * (4 // itemsize)
   else:

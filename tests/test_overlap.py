@@ -24,6 +24,7 @@ from noloco_jax.training import loop as train
 from noloco_jax.training.loop_state import LoopState
 from noloco_jax.training.rounds import OverlappedRounds
 from test_compression import assert_one_line_config_error, np_dense_roundtrip, np_topk_roundtrip
+import hlo_helpers  # pylint: disable=g-bad-import-order  (tests/hlo_helpers.py)
 
 N = 8
 SHAPES = {"w": (6, 5), "b": (3,)}
@@ -203,7 +204,7 @@ def test_overlapped_send_moves_the_bytes_counted_per_round(message_dtype):
   counted = method.traffic(jax.tree.map(lambda x: x[0], params), N)[0].operand
   itemsize = 2 if message_dtype == "bfloat16" else 4
   assert counted == (96 * 128 + 5) * itemsize  # one copy per replica per round (n = 2)
-  assert hlo_lib.stablehlo_collective_bytes(lowered.as_text()) == counted
+  assert hlo_helpers.stablehlo_collective_bytes(lowered.as_text()) == counted
   # XLA:CPU widens bf16 collectives to f32 after lowering (as for the plain round, tests/test_outer.py).
   assert hlo_lib.collective_bytes(hlo, "collective-permute") == counted * (4 // itemsize)
   assert hlo_lib.all_collective_bytes(hlo).keys() == {"collective-permute"}
@@ -344,6 +345,7 @@ def test_the_merge_keeps_every_dtype_with_a_bfloat16_outer_state():
                     "residual": {jnp.dtype(jnp.bfloat16)}, "inflight": {jnp.dtype(jnp.float32)}}
 
 
+@pytest.mark.exhaustive(reason="bench_overlap's quick mode (overlap's behaviour: the rest of test_overlap.py)")
 def test_bench_overlap_quick_mode_reports_both_settings():
   """experiments/bench_overlap.py --quick: 2 processes, τ = 0 and 1, no bandwidth limit (seconds)."""
   import importlib.util  # pylint: disable=g-import-not-at-top

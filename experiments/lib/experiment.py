@@ -26,7 +26,6 @@ import shutil
 import tempfile
 from typing import Any, Iterable, Mapping, Sequence
 
-import jax
 import ml_collections
 import numpy as np
 

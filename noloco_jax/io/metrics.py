@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import os
 
+from clu import parameter_overview  # the parameter table; imports no TensorFlow (clu.metric_writers would)
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from noloco_jax.io import writers
 
@@ -44,10 +44,12 @@ def weight_std(params_NxP) -> jax.Array:
   return jnp.sqrt(sum(squared_deviation(x) for x in leaves) / (n * count))
 
 
-def weight_std_numpy(params_NxP) -> float:
-  leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(params_NxP)]
-  n, count = leaves[0].shape[0], sum(x[0].size for x in leaves)
-  return float(np.sqrt(sum(((x - x.mean(0)) ** 2).sum() for x in leaves) / (n * count)))
+def parameter_table(params_NxP) -> str:
+  """The parameter table of one replica (names, shapes, dtypes, sizes, the total), as flax's examples log it
+  at start: clu.parameter_overview, on shapes only (nothing is read from the devices). clu's metric writers
+  are not used: they import TensorFlow (io/writers.py writes TensorBoard's files without it)."""
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params_NxP)
+  return parameter_overview.get_parameter_overview(one, include_stats=False)
 
 
 def make_writer(workdir: str, wandb_cfg=None, run_config: dict | None = None) -> writers.MetricWriter:

@@ -83,7 +83,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from noloco_jax.config.pipeline import CLIPS
 from noloco_jax.inner import step as inner
 from noloco_jax.models.base import Model
 from noloco_jax.parallel import routing
@@ -153,12 +152,6 @@ def _manual_specs(tree: Any, num_stages: int, fsdp: int, model: Model) -> Any:
 
 def _stage_dims(tree: Any, num_stages: int, fsdp: int, model: Model) -> Any:
   return jax.tree.map(lambda role, x: _stage_dim(_entries(role, x.shape, num_stages, fsdp)), roles(tree, model), tree)
-
-
-def replicated_leaves(abstract_params: Any, num_stages: int, model: Model, fsdp: int = 1) -> list[str]:
-  """Parameter leaves stored on every stage (no dimension divisible by S): sent S times per round."""
-  dims = _stage_dims(abstract_params, num_stages, fsdp, model)
-  return [jax.tree_util.keystr(p) for p, d in jax.tree_util.tree_flatten_with_path(dims)[0] if d is None]
 
 
 # ---------------------------------------------------------------------------------------------------

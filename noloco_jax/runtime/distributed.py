@@ -60,15 +60,31 @@ def process_coordinates(options: Options) -> tuple[str, int, int]:
   if None in (address, count, pid) and detect_cluster() is not None:
     try:
       from jax._src import clusters  # pylint: disable=g-import-not-at-top  (what jax.distributed uses)
-      address, count, pid, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+      address, count, pid, local_ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
           address, count, pid, None, None, options.initialization_timeout_s)
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("cluster auto-detection failed: %s", e)
+    else:
+      _see_only_local_devices(local_ids)
   if None in (address, count, pid):
     cli.exit_usage(f"config.outer.schedule='async' needs the job's --coordinator_address, --num_processes and "
                    f"--process_id ({ENV['coordinator_address']}, {ENV['num_processes']}, {ENV['process_id']}), or a "
-                   f"cluster JAX can detect (SLURM, Open MPI, TPU); got {address}, {count}, {pid}.")
+                   f"cluster JAX can detect (SLURM, Open MPI, TPU); got {address}, {count}, {pid} (JAX's coordination "
+                   "service holds fixed slots: a process that joins a running job without one needs an etcd control "
+                   "plane, --control=etcd://HOST:PORT,...).")
   return address, int(count), int(pid)
+
+
+def _see_only_local_devices(local_ids) -> None:
+  """Each process uses the GPU of its local index (SLURM_LOCALID), as jax.distributed.initialize does with
+  the same ids. Without it, the processes of an asynchronous job sharing a node (tasks that see every GPU
+  of it: scripts/slurm_gpu.sbatch's --gpus-per-node) would each start JAX on all of that node's GPUs."""
+  if not local_ids:
+    return
+  visible = ",".join(str(i) for i in local_ids)
+  jax.config.update("jax_cuda_visible_devices", visible)
+  jax.config.update("jax_rocm_visible_devices", visible)
+  logging.info("This process uses only the accelerator(s) %s of its node (its local index in the job).", visible)
 
 
 def detect_cluster() -> tuple[str, int] | None:

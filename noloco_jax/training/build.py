@@ -73,12 +73,15 @@ def build(config, mesh=None, vocab_size: int | None = None,
   compiles on fake CPU devices for accelerators).
   """
   config = config_lib.load(config)  # a typed config is taken as it is
+  spec = tokenizer = None
+  if check_data:  # the data's paths and the tokenizer's file first: a missing one is a ConfigError naming its field
+    spec, tokenizer = data_lib.validate_with_tokenizer(config.data)
   if vocab_size is None:
     from_config = config.model.vocab_size if not check_data else 0
-    vocab_size = from_config or data_lib.make_tokenizer(config.data).vocab_size
+    vocab_size = from_config or (tokenizer or data_lib.make_tokenizer(config.data)).vocab_size
   model = models.get(config.model.arch).resolve(config.model, vocab_size=vocab_size, seq_len=config.data.seq_len)
   if check_data:
-    data_lib.validate(config.data, model_max_seq_len=model.max_seq_len, vocab_size=model.vocab_size)
+    data_lib.check_against_model(spec, tokenizer, model_max_seq_len=model.max_seq_len, vocab_size=model.vocab_size)
   mesh = mesh if mesh is not None else mesh_lib.make_mesh(config.num_replicas, config.num_devices, fsdp=config.fsdp,
                                                          stages=config.num_stages)
   if sharding_lib.fsdp_size(mesh) > 1 and config.num_stages == 1:

@@ -127,6 +127,17 @@ def _start_line(workdir: str, start_step: int, config) -> str:
   return f"workdir     {workdir} ({how})"
 
 
+def _spread_line(config, weight_std: float) -> str:
+  """The cross-replica spread; a run of one replica has none to measure, and says so rather than print a 0
+  that reads as agreement (a process of an asynchronous job: the job's spread is its result's)."""
+  if config.num_replicas > 1:
+    return f"replicas/weight_std  {weight_std:.3e}"
+  if config.outer.schedule == "async":
+    return ("replicas/weight_std  none here (this process holds one replica); the job's spread across its processes "
+            "and its consensus model: the job's summary (python -m noloco_jax.asynchronous.result JOB_WORKDIR)")
+  return "replicas/weight_std  none (one replica: nothing to spread)"
+
+
 def _mib(x: float) -> str:
   return f"{x:,.0f} ({x / 2 ** 20:.1f} MiB)"
 
@@ -159,7 +170,7 @@ def summarize(config, loop: LoopState, num_params: int, seconds: float, workdir:
          f"eval_consensus={config.eval_consensus}; {last['eval/consensus_loss'] - last['eval/loss']:+.4f} against eval/loss)"]
         if "eval/consensus_loss" in last else []),
       f"train/loss  {loss:.4f} (step {train.get('step', loop.step)}, {over})",
-      f"replicas/weight_std  {last['replicas/weight_std']:.3e}",
+      _spread_line(config, last["replicas/weight_std"]),
       f"comm/bytes_sent_per_replica      {_mib(comm['comm/bytes_sent_per_replica'])} on the wire",
       f"comm/bytes_received_per_replica  {_mib(comm['comm/bytes_received_per_replica'])} on the wire",
       f"comm/collective_operand_bytes_per_replica  {_mib(comm['comm/collective_operand_bytes_per_replica'])}",

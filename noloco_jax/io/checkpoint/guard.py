@@ -135,7 +135,7 @@ class RoundGuard:
       raise TooManySkippedRoundsError(
           f"nan_policy=skip_round: {self._in_a_row} rounds in a row diverged (the last: steps {self._first}-{step}, "
           f"{why}), more than nan_max_skipped_rounds={self._max_in_a_row}; the run is not training. Lower "
-          "inner.lr or outer.lr (or raise nan_max_skipped_rounds).")
+          "inner.lr or outer.rule.outer_lr (or raise nan_max_skipped_rounds).")
     logging.warning("nan_policy=skip_round: undoing the round of steps %d-%d (%s); training goes on from the "
                     "state at step %d with the next round's batches.", self._first, step, why, self._first - 1)
     history.setdefault("skipped_rounds", []).append([self._first, step])

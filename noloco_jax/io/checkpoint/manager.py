@@ -111,7 +111,7 @@ class Checkpointer:
       self.wait_until_finished()
       raise guard.NonFiniteStateError(
           f"the state after step {step} holds NaN or Inf on replica(s) {bad}; it was not saved. First change "
-          "what diverged (e.g. a lower inner.lr or outer.lr).")
+          "what diverged (e.g. a lower inner.lr or outer.rule.outer_lr).")
     meta = checksum.with_digest({  # the digest covers every field: an edit sets the step aside (checksum.py)
         "format": records.FORMAT, **record,
         "num_replicas": self._config.num_replicas, "process_count": jax.process_count(),

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from absl import logging
+import jax
 import numpy as np
 
 from noloco_jax.io import checkpoint as checkpoint_lib
+from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.io import process_metrics
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.training.plugins.base import Plugin
@@ -41,6 +44,9 @@ class TrainLog(Plugin):
     run.on_exit(lambda failed: self._plog.close())
     if not run.loop.resumed:
       run.writer.write_scalars(0, {"model/num_params": run.setup.model.num_params()})
+    if jax.process_index() == 0:  # what the model is, at every start (io/metrics.py: clu's parameter overview)
+      logging.info("Parameters of one replica (the state holds %d, stacked on a leading replica axis):\n%s",
+                   config.num_replicas, metrics_lib.parameter_table(run.state.params))
 
   def _log_step(self, run, step: int) -> bool:
     return step % max(run.config.log_every, 1) == 0 or step == run.config.num_steps
