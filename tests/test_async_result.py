@@ -24,7 +24,7 @@ def _snapshot(step, theta, phi, progress=None):
 
 def _job(snaps, *, inner_steps=3, decay=0.693):
   config = ml_collections.ConfigDict({"num_replicas": len(snaps), "outer": {"inner_steps": inner_steps,
-                                                                             "staleness_decay": decay}})
+                                                                             "asynchronous": {"staleness_decay": decay}}})
   return result.JobSnapshot(workdir="w", slots=tuple(range(len(snaps))), snapshots=tuple(snaps), config=config)
 
 

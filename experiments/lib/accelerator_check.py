@@ -539,8 +539,8 @@ def outer_round_figures(cpu: bool, repeats: int) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from experiments.lib import harness  # pylint: disable=g-import-not-at-top
-  from noloco_jax.outer import methods  # pylint: disable=g-import-not-at-top
-  from noloco_jax.outer import rounds as rounds_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import base as outer_base  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import programs as programs_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.tools import hlo as hlo_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
 
@@ -553,25 +553,19 @@ def outer_round_figures(cpu: bool, repeats: int) -> dict:
     state = setup.init_state()
     one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
     num_params = setup.model.num_params()
-    if overlap:  # the programs of streaming overlap, as the training loop builds them (experiments/bench_outer.py)
-      split = rounds_lib.SplitPrograms(setup.method, setup.mesh, setup.schedule, setup.state_shardings,
-                                       cfg.outer.overlap.mix)
-      shapes = rounds_lib.abstract(state)
-      sent = split.message_structs(shapes)
-      key, route = split.plan(0)
-      programs = {"message": split.message.lower(shapes).compile(),
-                  "exchange": split.build_exchange(key).lower(*sent, rounds_lib.route_struct(
-                      setup.schedule, key, setup.mesh)).compile(),
-                  "merge": split.merge.lower(shapes).compile()}
+    if overlap:  # the programs of streaming overlap, as the training loop builds them (training/rounds/overlapped.py)
+      round_programs = programs_lib.RoundPrograms(setup.method, setup.mesh, setup.schedule, setup.state_shardings,
+                                                  where="exchange", mix=cfg.outer.overlap.mix)
+      _, route = round_programs.plan(0)
+      programs = round_programs.compile(state, 0)
 
       def run(s, r, p=programs):
-        s, message, _ = p["message"](s)
-        mean = p["exchange"](*message, r)
-        return p["merge"](s.replace(outer={**s.outer, methods.INFLIGHT: mean}))
+        s, sent, _ = p["message"](s)
+        mean = p["exchange"](*sent, r)
+        return p["merge"](s.replace(outer={**s.outer, outer_base.INFLIGHT: mean}))
     else:
-      compiled = setup.rounds.compile(state, 0)
-      programs, route = compiled.programs, compiled.route
-      run = lambda s, r, fn=compiled.fn: fn(s, r)[0]
+      programs, (_, route) = setup.rounds.compile(state, 0), setup.rounds.plan(0)
+      run = lambda s, r, fn=programs_lib.lockstep_round(programs): fn(s, r)[0]
     route = jax.numpy.asarray(route, jax.numpy.int32)
     times = []
     for i in range(repeats + 1):  # the first call is a warm-up
@@ -581,10 +575,10 @@ def outer_round_figures(cpu: bool, repeats: int) -> dict:
         times.append(time.perf_counter() - t0)
     text = "\n".join(p.as_text() for p in programs.values())
     rounds[name] = {"round_ms": 1e3 * float(np.median(times)), "round_ms_all": [1e3 * t for t in times],
-                    "programs": sorted(programs), "bytes_sent_per_replica": int(setup.method.bytes_per_round(one_replica)),
+                    "programs": sorted(programs), "bytes_sent_per_replica": int(setup.method.message_bytes(one_replica)),
                     "collective_operand_bytes": hlo_lib.all_collective_bytes(text),
                     "bytes_accessed_per_device": sum(hlo_lib.bytes_accessed(p) for p in programs.values()),
-                    "model_bytes_f32": methods.tree_bytes(one_replica, np.float32)}
+                    "model_bytes_f32": outer_base.tree_bytes(one_replica, np.float32)}
     del state, setup
   device = jax.devices()[0]
   return {"replicas": 4, "devices": 1, "num_params": num_params, "platform": device.platform,
