@@ -17,7 +17,6 @@ from ml_collections import config_flags
 from noloco_jax.runtime import failures
 from noloco_jax import config as config_lib
 from noloco_jax.config import cli
-from noloco_jax.outer import stability
 from noloco_jax.runtime import options as options_lib
 
 FLAGS = flags.FLAGS
@@ -52,9 +51,10 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   try:  # an invalid config is one line and exit status 2, before anything starts
-    # Parsed and checked once: the schema, then NoLoCo's stability (α, γ, n, N) unless outer.allow_unstable.
-    # Everything below receives this typed config (or its sections), never the ConfigDict.
-    config = stability.load_config(FLAGS.config)
+    # Parsed and checked once: the schema, the outer method's own checks and its stability analysis (refused
+    # unless outer.allow_unstable; noloco_jax/outer/methods/). Everything below receives this typed config
+    # (or its sections), never the ConfigDict.
+    config = config_lib.load(FLAGS.config)
   except config_lib.ConfigError as e:
     cli.exit_usage(str(e))
   if not FLAGS.workdir and not FLAGS.dry_run:
@@ -79,6 +79,10 @@ def main(argv):
   # Before anything starts JAX's backends: jax.distributed must come first.
   if config.outer.schedule == "async":
     return _run_async_process(config, options)
+  if options.control != options_lib.Options.control:
+    cli.exit_usage(f"--control={options.control!r} is not valid with config.outer.schedule="
+                   f"{config.outer.schedule!r}: a lock-step job runs on JAX's coordination service ('jax'); an etcd "
+                   "control plane is for outer.schedule='async'.")
   multi_process = distributed.initialize(options)
   # One fake CPU device per device of the mesh: replicas × stages × fsdp.
   _fake_cpu_devices(config.num_replicas * config.num_stages * config.fsdp, multi_process)
@@ -107,29 +111,39 @@ def _run_async_process(config, options) -> None:
   # pylint: disable=g-import-not-at-top  (see the imports at the top)
   from noloco_jax import training
   from noloco_jax.asynchronous import job as async_job
+  from noloco_jax.asynchronous import result as async_result
   from noloco_jax.runtime import distributed, preemption, sidecar
-  address, count, pid = distributed.process_coordinates(options)
+  if options.control == async_job.JAX:  # fixed slots: every process needs its id (flags, environment, cluster)
+    address, count, pid = distributed.process_coordinates(options)
+  else:  # etcd: no fixed slots; a process started without --process_id takes a free one
+    address, count, pid = None, options.num_processes, options.process_id
   try:
-    async_job.check_layout(config, count)  # before anything starts
+    async_job.check_layout(config, count, process_id=pid, control_plane=options.control)  # before anything starts
   except config_lib.ConfigError as e:
     cli.exit_usage(str(e))
-  workdir = async_job.process_workdir(FLAGS.workdir, pid)
-  # JAX's runtime aborts this process when the service goes (or holds it dead): its sidecar then says
-  # so in the last line, with the checkpoint to go on from (runtime/sidecar.py).
-  sidecar.start(slot=pid, num_processes=count, address=address, standalone_service=bool(options.standalone_service),
-                workdir=workdir, heartbeat_timeout_s=options.heartbeat_timeout_s)
+  if options.control == async_job.JAX:
+    # JAX's runtime aborts this process when the service goes (or holds it dead): its sidecar then says
+    # so in the last line, with the checkpoint to go on from (runtime/sidecar.py). On etcd no runtime
+    # of JAX's holds the process: its failures are its own, and end in its own last line.
+    sidecar.start(slot=pid, num_processes=count, address=address, standalone_service=bool(options.standalone_service),
+                  workdir=async_job.process_workdir(FLAGS.workdir, pid), heartbeat_timeout_s=options.heartbeat_timeout_s)
   try:
     process = async_job.start(config, address, count, pid, heartbeat_timeout_s=options.heartbeat_timeout_s,
                               initialization_timeout_s=options.initialization_timeout_s,
-                              standalone_service=bool(options.standalone_service))
+                              standalone_service=bool(options.standalone_service), control_plane=options.control)
+  except config_lib.ConfigError as e:  # an etcd control plane that cannot be used
+    cli.exit_usage(str(e))
   except async_job.ConfigMismatch as e:  # connected: every process of the job has said so and left
     _leave_async_job(cli.USAGE_ERROR, f"noloco_jax: {e}")
   failures.before_exit_now(process.say_done)  # a failed process is done: the service's host need not wait for it
   preemption.install_preemption_handler()  # SIGTERM: this process saves and stops; the others train on
   # Its own workdir: the last line of a failure names the checkpoint to resume from there.
+  workdir = async_job.process_workdir(FLAGS.workdir, process.slot)
   with failures.exit_on_failure(workdir):
     training.train_and_evaluate(async_job.process_config(config), workdir, process)
-  process.finish(lease_s=config.outer.lease_s)
+  process.finish(lease_s=config.outer.asynchronous.lease_s)
+  if process.connection.hosts_service:  # it waited for every other process: the job's own result (spread, consensus)
+    async_result.at_job_end(FLAGS.workdir)
   _leave_async_job(0)
 
 

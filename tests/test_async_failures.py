@@ -120,7 +120,7 @@ def test_a_process_whose_disk_fills_up_names_the_checkpoint_in_its_own_workdir(t
   port, workdir = launch_local.free_port(), str(tmp_path / "run")
   logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
   flags = ["--config.num_steps=6", "--config.log_every=1", "--config.checkpoint_every=2", "--config.eval_every=0",
-           "--config.outer.max_wait_s=0.5"]
+           "--config.outer.asynchronous.max_wait_s=0.5"]
   procs = [_start(i, 2, port, workdir, logs[i], *flags, script=_DISK_FULL_AT_STEP_5) for i in range(2)]
   codes = [p.wait(timeout=300) for p in procs]
   assert codes == [0, 1], "\n\n".join("\n".join(_lines(l)[-20:]) for l in logs)
@@ -171,8 +171,8 @@ def _committed(process_dir: str) -> list[int]:
 
 # Process 0 trains alone while process 1 is stopped (its rounds give up on a partner within 0.5 s, an
 # exchange with the stopped one within 3 s); a lease of 2 s holds the stopped one lost.
-_STOPPED = ["--config.num_steps=12", "--config.eval_every=0", "--config.checkpoint_every=0", "--config.outer.lease_s=2",
-            "--config.outer.max_wait_s=0.5", "--config.outer.exchange_timeout_s=3"]
+_STOPPED = ["--config.num_steps=12", "--config.eval_every=0", "--config.checkpoint_every=0", "--config.outer.asynchronous.lease_s=2",
+            "--config.outer.asynchronous.max_wait_s=0.5", "--config.outer.asynchronous.exchange_timeout_s=3"]
 
 
 def _stop_process_1_until_process_0_waits(procs, logs, workdir, stopped_s: float) -> None:
@@ -232,7 +232,10 @@ def test_a_process_the_runtime_ends_says_so_last_and_keeps_its_checkpoints(tmp_p
   assert 3 <= max(saved) < 12, _checkpoints(own)
 
 
-@pytest.mark.parametrize("service", ["in process 0", "standalone"])
+@pytest.mark.parametrize("service", ["in process 0", pytest.param("standalone", marks=pytest.mark.exhaustive(
+    reason="the standalone service killed (the sidecar's line after the service went: "
+    "test_a_process_the_runtime_ends_says_so_last_and_keeps_its_checkpoints; its standalone wording: "
+    "test_the_sidecar_names_what_the_process_can_do_next)"))])
 def test_the_survivors_of_the_service_say_who_hosted_it_and_how_to_go_on(tmp_path, service):
   """The process hosting the coordination service is killed mid-run (process 0, or the service's own
   process): JAX's runtime aborts every other process (a limit of JAX's runtime, docs/async.md §5).
@@ -240,7 +243,7 @@ def test_the_survivors_of_the_service_say_who_hosted_it_and_how_to_go_on(tmp_pat
   port, workdir = launch_local.free_port(), str(tmp_path / "run")
   logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
   flags = ["--config.num_steps=100000", "--config.eval_every=0", "--config.checkpoint_every=3",
-           "--config.outer.max_wait_s=1"]
+           "--config.outer.asynchronous.max_wait_s=1"]
   standalone = service == "standalone"
   server = None
   if standalone:

@@ -20,6 +20,13 @@ decides the replica's share of the data (io/data: replica `slot` of N, as in loc
 A process that starts while its slot has been used before in this service's lifetime (it was
 restarted, or its slot was reserved at start-up: control.reserve_slot) is *rejoining*: its round
 driver takes its weights from a live peer before training (training/rounds/asynchronous.py).
+
+The control plane (`start`'s `control_plane`, main.py's --control): JAX's coordination service
+(`'jax'`, the default: in process 0 or standalone; it holds the `num_processes` slots it started with),
+or an etcd cluster (`'etcd://HOST:PORT,...[/JOB]'`, asynchronous/etcd_kv.py: replicated, so it survives
+the loss of any one member, and it admits processes that were never part of the job). On etcd,
+`config.num_replicas` is the most processes the job holds at once (one data shard per slot); a process
+started without a process id takes the highest free slot and, when a peer is alive, joins from it.
 """
 
 from __future__ import annotations
@@ -31,14 +38,14 @@ import os
 import time
 
 from noloco_jax import config as config_lib
-from noloco_jax.asynchronous import control, liveness
+from noloco_jax.asynchronous import control, etcd_kv, liveness
 from noloco_jax.asynchronous import session as session_lib
-from noloco_jax.runtime import failures
-from noloco_jax.runtime import job_checks
+from noloco_jax.runtime import failures, job_checks
 
 CONFIG_KEY = "config/"  # config/<slot>: the config each process started with (compared at start-up)
 DONE = "done/"  # done/<slot> = incarnation: that process is exiting (Process.finish)
-CONFIG_WAIT_S = 30.0  # at start-up, how long a process waits for the others to post their configs
+JAX = "jax"  # the control plane of JAX's coordination service (else an etcd URL: etcd_kv.py)
+CONFIG_WAIT_S = 30.0  # at start-up, how long a process of JAX's service waits for the others to post their configs
 
 
 class ConfigMismatch(failures.ReportedError, RuntimeError):
@@ -56,7 +63,7 @@ class Process:
   service_timeout_s: float = 0.0
 
   @property
-  def kv(self) -> control.JaxKV:
+  def kv(self) -> control.KV:
     return self.connection.kv
 
   @property
@@ -91,9 +98,16 @@ class Process:
     once the service itself would hold it dead (`service_timeout_s`, if longer than `lease_s`): until then
     it may be stopped (SIGSTOP, a swapped-out host) rather than dead, and it would resume, begin its save,
     and be aborted by this exit with its save half written."""
-    if not self.say_done() or not self.connection.hosts_service:
+    if not self.say_done():
       return
     kv = self.connection.kv
+    if not self.connection.hosts_service:
+      if isinstance(kv, etcd_kv.EtcdKV):
+        # Revoking the lease deletes the heartbeat key at once: a peer that had not yet read "left" in it
+        # would hold this process lost a lease later. Two more beats first, then the slot is free at once.
+        time.sleep(2 * self.heartbeat.beat_s)
+      self.connection.close()
+      return
     silent_s = max(lease_s, self.service_timeout_s)
     self.heartbeat.leave(keep_beating=True)
     last: dict[int, tuple[str, float]] = {}  # slot -> (lease value, when it last changed, by our clock)
@@ -128,22 +142,45 @@ def process_workdir(job_workdir: str, slot: int) -> str:
 
 
 def session_options(config: config_lib.Config) -> session_lib.Options:
-  """The engine's options from config.outer (a heartbeat about ten times per lease)."""
-  o = config.outer
+  """The engine's options from config.outer.asynchronous (a heartbeat about ten times per lease)."""
+  o = config.outer.asynchronous
   return session_lib.Options(seed=config.seed, window_s=o.match_window_s, max_wait_s=o.max_wait_s,
                              exchange_timeout_s=o.exchange_timeout_s, odd=o.match_odd,
                              beat_s=min(0.5, o.lease_s / 10), lease_s=o.lease_s, join_timeout_s=o.join_timeout_s)
 
 
-def check_layout(config: config_lib.Config, num_processes: int | None) -> None:
+def check_layout(config: config_lib.Config, num_processes: int | None, *, process_id: int | None = None,
+                 control_plane: str = JAX) -> None:
   """One line naming the field when the job's process count does not fit the config (ConfigError)."""
+  n = config.num_replicas
+  if control_plane != JAX:
+    # On etcd a job holds at most num_replicas processes (one data shard per slot), and may start with fewer.
+    if n < 2:
+      config_lib.fields.fail("num_replicas", n, "≥ 2 with outer.schedule='async' on etcd (the most processes the "
+                             "job holds at once, one data shard each)")
+    if num_processes is not None and num_processes > n:
+      config_lib.fields.fail("num_replicas", n, f"≥ {num_processes}, the processes the job starts with (on etcd, "
+                             "num_replicas is the most processes the job holds at once: one data shard per slot)")
+    if process_id is not None and not 0 <= process_id < n:
+      raise config_lib.ConfigError(f"--process_id={process_id} is not valid: a slot in [0, {n - 1}] "
+                                   f"(config.num_replicas={n}, the most processes the job holds), or none: a process "
+                                   "started without one takes a free slot.")
+    return
   if num_processes is None or num_processes < 2:
     config_lib.fields.fail("outer.schedule", "async", "'lockstep' in a job of one process (the asynchronous "
                            "schedule pairs processes: start several, e.g. python -m noloco_jax.runtime.launch_local "
                            "--num_processes=4 --devices_per_process=1 -- ...)")
-  if config.num_replicas != num_processes:
-    config_lib.fields.fail("num_replicas", config.num_replicas, f"{num_processes}, the number of processes, with "
-                           "outer.schedule='async' (one replica per process)")
+  if n != num_processes:
+    grow = (" (JAX's coordination service cannot grow past the processes it starts with: to let the job grow, run "
+            "it on etcd, --control=etcd://HOST:PORT,...)") if n > num_processes else ""
+    config_lib.fields.fail("num_replicas", n, f"{num_processes}, the number of processes, with "
+                           f"outer.schedule='async' (one replica per process){grow}")
+  if process_id is not None and not 0 <= process_id < num_processes:
+    raise config_lib.ConfigError(
+        f"--process_id={process_id} is not valid with JAX's coordination service: a slot in [0, {num_processes - 1}]; "
+        f"the service holds the {num_processes} processes it started with and cannot grow (reserve spare slots at "
+        "start-up, python -m noloco_jax.asynchronous.control --reserve_slot=ID, or run the job on etcd: "
+        "--control=etcd://HOST:PORT,...).")
 
 
 def process_config(config: config_lib.Config) -> config_lib.Config:
@@ -151,43 +188,69 @@ def process_config(config: config_lib.Config) -> config_lib.Config:
   return dataclasses.replace(config, num_replicas=1, num_devices=0)
 
 
-def start(config: config_lib.Config, coordinator_address: str, num_processes: int, process_id: int, *,
-          heartbeat_timeout_s: int, initialization_timeout_s: int, standalone_service: bool = False) -> Process:
+def start(config: config_lib.Config, coordinator_address: str | None, num_processes: int | None,
+          process_id: int | None, *, heartbeat_timeout_s: int, initialization_timeout_s: int,
+          standalone_service: bool = False, control_plane: str = JAX) -> Process:
   """Connects this process to the job's control plane and checks that it runs the job's config.
 
-  Raises ConfigMismatch (one line) when it does not: by then this process has said it is done and, if it
-  hosts the service, the others have left, so that the caller can exit without ending anybody."""
-  check_layout(config, num_processes)
-  connection = control.connect(coordinator_address, num_processes, process_id, heartbeat_timeout_s=heartbeat_timeout_s,
-                               initialization_timeout_s=initialization_timeout_s, standalone_service=standalone_service)
-  kv = connection.kv
-  # Whoever used this slot before (an earlier incarnation's heartbeat, or control.reserve_slot's "left")
-  # left its lease key: this process then rejoins a running job.
-  rejoining = kv.get(f"{liveness.PREFIX}{process_id}") is not None
+  `control_plane`: JAX's coordination service at `coordinator_address` ('jax'), or an etcd URL (then
+  `num_processes` and `process_id` may be None: a newcomer takes a free slot). A control plane that
+  cannot be used (no etcd member answers, the slot is held, the job is full) is a ConfigError: one line.
+  Raises ConfigMismatch (one line) when the config differs from another process's: by then this process
+  has said it is done and, if it hosts the service, the others have left, so that the caller can exit
+  without ending anybody.
+  """
+  check_layout(config, num_processes, process_id=process_id, control_plane=control_plane)
+  options = session_options(config)
+  if control_plane == JAX:
+    connection = _connect_jax(coordinator_address, num_processes, process_id, heartbeat_timeout_s,
+                              initialization_timeout_s, standalone_service)
+    where = "in this process" if connection.hosts_service else f"at {coordinator_address}"
+  else:
+    try:
+      connection = etcd_kv.connect(control_plane, capacity=config.num_replicas, slot=process_id,
+                                   lease_s=options.lease_s)
+    except (ImportError, ValueError, etcd_kv.Unavailable, etcd_kv.SlotError) as e:
+      raise config_lib.ConfigError(str(e)) from None
+    where = f"on etcd ({control_plane})"
+  kv, slot = connection.kv, connection.slot
   # The lease starts now, not when training starts: a process still starting up (a minute on a loaded
   # machine) is alive, and the process hosting the service waits for it before it leaves.
-  options = session_options(config)
-  heartbeat = liveness.Liveness(kv, process_id, connection.incarnation, beat_s=options.beat_s,
+  heartbeat = liveness.Liveness(kv, slot, connection.incarnation, beat_s=options.beat_s,
                                 lease_s=options.lease_s, observe=True).start()
-  process = Process(connection, heartbeat, config.num_replicas, rejoining, service_timeout_s=heartbeat_timeout_s)
+  process = Process(connection, heartbeat, config.num_replicas, connection.rejoining,
+                    service_timeout_s=heartbeat_timeout_s)
   try:
-    _check_same_config(kv, process_id, num_processes, config)
+    # JAX's service starts only once every slot has connected: each process waits for all the configs.
+    # An etcd job may start with fewer processes than slots, and admits newcomers: the posted ones are compared.
+    _check_same_config(kv, slot, connection.num_slots, config, wait_s=CONFIG_WAIT_S if control_plane == JAX else 0.0)
   except ConfigMismatch:
     process.finish(lease_s=options.lease_s)  # the process hosting the service waits: its exit would end the others
     raise
-  logging.info("Asynchronous job: process %d of %d (incarnation %d), %s; coordination service %s.", process_id,
-               num_processes, connection.incarnation, "rejoining a running job" if rejoining else "starting",
-               "in this process" if connection.hosts_service else f"at {coordinator_address}")
+  logging.info("Asynchronous job: process %d of %d (incarnation %d), %s; control plane %s.", slot,
+               connection.num_slots, connection.incarnation,
+               "rejoining a running job" if connection.rejoining else "starting", where)
   return process
+
+
+def _connect_jax(coordinator_address, num_processes, process_id, heartbeat_timeout_s, initialization_timeout_s,
+                        standalone_service) -> control.Connection:
+  """JAX's coordination service: whoever used this slot before (an earlier incarnation's heartbeat, or
+  control.reserve_slot's "left") left its lease key, so this process rejoins a running job."""
+  connection = control.connect(coordinator_address, num_processes, process_id, heartbeat_timeout_s=heartbeat_timeout_s,
+                               initialization_timeout_s=initialization_timeout_s, standalone_service=standalone_service)
+  connection.rejoining = connection.kv.get(f"{liveness.PREFIX}{process_id}") is not None
+  return connection
 
 
 def _check_same_config(kv: control.KV, slot: int, num_slots: int, config: config_lib.Config,
                        wait_s: float = CONFIG_WAIT_S) -> None:
   """Posts this process's config, waits until every slot has posted its own (or is a reserved one, which
-  trains nothing), and compares them all: so every process of a job started with different configs
-  refuses, each saying which fields differ on which processes. The processes have all connected by now
-  (the service starts only with every slot), so the wait is for the few milliseconds between a peer's
-  connecting and its posting; after `wait_s` the configs posted so far are compared."""
+  trains nothing), and compares them all (runtime/job_checks, as a lock-step job's start-up check compares
+  them): so every process of a job started with different configs refuses, each saying which fields differ
+  on which processes. On JAX's service the processes have all connected by now (it starts only with every
+  slot), so the wait is for the few milliseconds between a peer's connecting and its posting; after
+  `wait_s` the configs posted so far are compared."""
   mine = job_checks.flatten_config(config)
   kv.set(f"{CONFIG_KEY}{slot}", json.dumps(mine, sort_keys=True))
   deadline = time.monotonic() + wait_s
@@ -200,7 +263,8 @@ def _check_same_config(kv: control.KV, slot: int, num_slots: int, config: config
     time.sleep(0.05)
   others = sorted(s for s, flat in posted.items() if s != slot and flat != mine)
   if others:
-    differ = job_checks.config_differences(dict(sorted(posted.items())))
+    order = sorted(posted)
+    differ = job_checks.config_differences([posted[s] for s in order], processes=order)
     raise ConfigMismatch(
         f"process {slot} of this asynchronous job runs another config than "
         f"{f'process {others[0]}' if len(others) == 1 else f'processes {others}'}: "

@@ -26,7 +26,7 @@ def elastic_plan(setup, meta: dict, data: dict, step: int, where: str) -> resize
   """The resize.Plan for resuming this checkpoint, None for a plain resume (config.checkpoint.elastic)."""
   config = setup.config
   try:
-    mode = resize.mode_for(meta, config)
+    mode = resize.mode_for(meta, config.num_replicas, config.checkpoint)
     plan = None if mode is None else resize.make_plan(
         mode=mode, elastic_replicas=config.checkpoint.elastic_replicas, old_n=int(meta["num_replicas"]),
         new_n=config.num_replicas, held=resize.held_by_process(data), process_count=jax.process_count(),

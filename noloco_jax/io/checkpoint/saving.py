@@ -69,7 +69,7 @@ class Saver:
       self.wait_until_finished()
       raise guard.NonFiniteStateError(
           f"the state after step {step} holds NaN or Inf on replica(s) {bad}; it was not saved. First change "
-          "what diverged (e.g. a lower inner.lr or outer.lr).")
+          "what diverged (e.g. a lower inner.lr or outer.rule.outer_lr).")
     # The digest covers every field: an edit sets the step aside (checksum.py). `with_digest` returns a
     # snapshot: orbax serialises the JSON items later, on its own thread, while the loop goes on adding
     # to the live objects of `record` (its history): what is written must be what was digested now.
