@@ -23,7 +23,8 @@ def _write(path, rows):
 
 
 def write_job(root, *, lost=2, summary=None):
-  """Three processes, 12 steps, H = 3: 0 and 1 finish, `lost` dies after step 6 (its peers see it lost)."""
+  """Three processes, 12 steps, H = 3: 0 and 1 finish, `lost` dies after step 6 (its peers see it lost);
+  `lost=None`: all three finish."""
   config = {"num_steps": 12, "num_replicas": 1, "data": {"batch_size": 2, "seq_len": 8},
             "outer": {"kind": "noloco", "schedule": "async"}}
   for slot in range(3):
@@ -42,7 +43,8 @@ def write_job(root, *, lost=2, summary=None):
       json.dump(config, f)
     events = [{"time": T0 + 0.5 * slot + 0.1 * s, "slot": s, "incarnation": 10 + s, "event": "joined"} for s in range(3)]
     if slot != lost:
-      events.append({"time": T0 + 20.0 + slot, "slot": lost, "incarnation": 10 + lost, "event": "lost"})
+      if lost is not None:
+        events.append({"time": T0 + 20.0 + slot, "slot": lost, "incarnation": 10 + lost, "event": "lost"})
       events += [{"time": T0 + 40.0 + slot, "slot": s, "incarnation": 10 + s, "event": "left"}
                  for s in range(3) if s not in (slot, lost)]
     _write(os.path.join(d, f"membership_{slot}.jsonl"), events)
@@ -74,6 +76,27 @@ def test_a_process_that_left_before_its_last_step_is_stopped_not_finished(tmp_pa
   assert [logs.ending(merged, s) for s in (0, 1, 2)] == ["finished", "stopped", "lost"]
   text = "\n".join(logs.summary(merged))
   assert "slot 1 stopped before its last step (left the rounds at step ≤ 9)" in text, text
+
+
+def test_a_process_held_lost_that_returned_is_named_so_and_not_as_lost(tmp_path):
+  """Issue 33 item 7: a process stopped past its lease and resumed (SIGSTOP, SIGCONT) is held lost, then
+  returns and trains to the end; the merged log shows both events and the process as finished."""
+  root = write_job(tmp_path, lost=None)
+  for slot in (0, 2):  # its peers saw process 1 held lost at +20 s, back at +26 s
+    path = os.path.join(root, f"process_{slot}", f"membership_{slot}.jsonl")
+    events = logs._jsonl(path)  # pylint: disable=protected-access
+    events += [{"time": T0 + 20.0 + slot, "slot": 1, "incarnation": 11, "event": "lost"},
+               {"time": T0 + 26.0 + slot, "slot": 1, "incarnation": 11, "event": "returned"}]
+    _write(path, sorted(events, key=lambda e: e["time"]))
+  merged = logs.merge(root)
+  assert [logs.ending(merged, s) for s in (0, 1, 2)] == ["finished"] * 3
+  text = "\n".join(logs.summary(merged))
+  assert "slot 1 lost (seen by processes 0, 2, first +20.0 s)" in text, text
+  assert "slot 1 returned after it was held lost (stopped, not dead: grouped again) (seen by processes 0, 2, " \
+         "first +26.0 s)" in text, text
+  out = subprocess.run([sys.executable, "-m", "noloco_jax.asynchronous.logs", root], capture_output=True, text=True,
+                       cwd=REPO, check=True).stdout
+  assert "slot 1 returned after it was held lost" in out, out
 
 
 def test_the_jobs_rows_are_the_means_over_the_processes_that_logged_each_step(tmp_path):

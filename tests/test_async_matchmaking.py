@@ -206,6 +206,46 @@ def test_members_close_a_batch_whose_opener_died():
   assert 5 not in {m.slot for m in out[0].group}
 
 
+def test_a_process_held_lost_returns_and_is_grouped_again():
+  """Issue 33 item 7: a process whose heartbeat stops for longer than a lease (SIGSTOP, a swapped-out host)
+  is held lost; when its heartbeat moves again, same incarnation, it has *returned*: alive again, and the
+  next batch groups it with its peer (docs/async.md §2, §5). Its peer's events say lost, then returned."""
+  kv = memory_kv.MemoryKV()
+  lives = [liveness.Liveness(kv, s, 100 + s, beat_s=0.05, lease_s=0.5).start() for s in range(2)]
+  makers = [matchmaking.Matchmaker(kv, s, 100 + s, seed=0, window_s=0.05, max_wait_s=20.0, live=lives[s].poll)
+            for s in range(2)]
+
+  def wait_for(event):
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+      lives[0].poll()
+      if any(e["slot"] == 1 and e["event"] == event for e in lives[0].events):
+        return
+      time.sleep(0.02)
+    raise AssertionError(f"slot 0 never saw slot 1 {event}: {lives[0].events}")
+
+  try:
+    stalled = lives[1]
+    stalled._stop.set()  # pylint: disable=protected-access  (stopped: no beat, no goodbye)
+    stalled._thread.join(timeout=5)  # pylint: disable=protected-access
+    wait_for("lost")
+    assert 1 not in lives[0].poll()
+    stalled._stop.clear()  # pylint: disable=protected-access  (resumed: the same incarnation beats again)
+    stalled.start()
+    wait_for("returned")
+    assert lives[0].poll() == {0: 100, 1: 101}
+    assert [e["event"] for e in lives[0].events if e["slot"] == 1] == ["joined", "lost", "returned"]
+    out = {}
+    threads = [threading.Thread(target=lambda s=s: out.__setitem__(s, makers[s].ready(4))) for s in range(2)]
+    [t.start() for t in threads]
+    [t.join(timeout=60) for t in threads]
+    assert out[0] is not None and out[1] is not None, out
+    assert [m.slot for m in out[0].group] == [m.slot for m in out[1].group] == [0, 1]
+  finally:
+    for live in lives:
+      live.leave()
+
+
 def test_bad_matchmaker_settings_name_the_value():
   kv = memory_kv.MemoryKV()
   with pytest.raises(ValueError, match="max_wait_s=0"):

@@ -10,8 +10,11 @@ ask who is alive, so liveness here is read from the store, which never waits for
 The lease. Every process runs a daemon thread that writes `live/<slot>` = "<incarnation>:<counter>"
 every `beat_s` seconds, the counter counting up. An observer remembers, by its own monotonic clock,
 when it last saw each slot's value change; a slot whose value has not changed for `lease_s` seconds is
-lost. Only the observer's clock is used, so the hosts' clocks need not agree. A process that leaves
-normally writes "<incarnation>:left" and is gone at once. A restarted process (same slot, a new
+lost. A lost slot whose value moves again, same incarnation, has *returned*: it was stopped or starved
+(SIGSTOP then SIGCONT, a swapped-out host), not dead, and is alive again: its state and its place in
+the job are intact, so matchmaking groups it again (holding it out for good would leave it training
+alone to its last step). Only the observer's clock is used, so the hosts' clocks need not agree. A
+process that leaves normally writes "<incarnation>:left" and is gone at once. A restarted process (same slot, a new
 incarnation from the runtime) is a new member: it joins, and an old incarnation still held alive is
 lost at that moment. Detection takes between lease_s and
 lease_s + the observer's polling interval (measured in tests/test_async_control.py and docs/async.md).

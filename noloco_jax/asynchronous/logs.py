@@ -3,7 +3,8 @@
 Each process of a job run with `outer.schedule='async'` writes into WORKDIR/process_<i>/ (asynchronous/job.py):
 `metrics.jsonl` (its training and evaluation rows), `pairings_<i>.jsonl` (every round: its group, the
 partners' progress, the wait, the exchange, or why it was skipped) and `membership_<i>.jsonl` (who it saw
-join, leave or be lost, and when; whom it served or joined from). `merge` reads them all:
+join, leave, be lost or return after it was held lost, and when; whom it served or joined from). `merge`
+reads them all:
 
     python -m noloco_jax.asynchronous.logs runs/async            # one line per process
     python -m noloco_jax.asynchronous.logs runs/async --out=DIR  # and the merged rows as JSONL files
@@ -152,6 +153,8 @@ def summary(merged: dict) -> list[str]:
     elif event == "left":  # the rounds' end of a process that finished, or of one stopped early
       what = ("finished" if ending(merged, slot) == "finished" else
               f"stopped before its last step (left the rounds at step ≤ {last_step(merged, slot)})")
+    elif event == "returned":  # held lost, then its heartbeat moved again: stopped, not dead (liveness.py)
+      what = "returned after it was held lost (stopped, not dead: grouped again)"
     else:
       what = event
     observers = sorted({s["observer"] for s in sightings})

@@ -106,10 +106,19 @@ class Session:
     return cls(connection.kv, connection.slot, connection.incarnation, options, heartbeat=connection.heartbeat, **logs)
 
   def _event(self, record: dict) -> None:
-    """A membership event into its log (from the heartbeat's thread or the round's), stamped with the step."""
+    """A membership event into its log (from the heartbeat's thread or the round's), stamped with the step;
+    a peer held lost, or back from lost, also in a log line (what it means for the rounds)."""
     with self._lock:
       if self._events is not None:
         self._events.append({"step": self.step, **record})
+    peer, event = record.get("slot"), record.get("event")
+    if event == "lost" and peer != self.slot:
+      logging.warning("Slot %d: slot %s (incarnation %s) is held lost: dead, or silent for more than lease_s=%.3g s; "
+                      "it is not grouped while it is (one that was only stopped returns).", self.slot, peer,
+                      record.get("incarnation"), self.options.lease_s)
+    elif event == "returned":
+      logging.warning("Slot %d: slot %s (incarnation %s) returned: its heartbeat moves again (it was stopped, not "
+                      "dead); it is grouped again.", self.slot, peer, record.get("incarnation"))
 
   def round(self, message, progress: int, step: int | None = None) -> RoundResult:
     """Finds this round's group and exchanges `message` (a pytree of arrays) with it; see the module docstring.

@@ -170,8 +170,9 @@ class AsyncConfig(Section):
   # An exchange that has not completed after this many seconds fails (counted: async/failed_rounds) and the
   # state stays as it was: the partner died, stalled or gave up.
   exchange_timeout_s: float = 30.0
-  # A process whose heartbeat (every lease_s / 10 s) has not moved for this long is held dead: never paired
-  # again, logged as lost.
+  # A process whose heartbeat (every lease_s / 10 s) has not moved for this long is held lost (logged): never
+  # grouped while it is. One whose heartbeat moves again (it was stopped or starved, not dead) has returned
+  # (logged) and is grouped again; a restarted one is a new member (asynchronous/liveness.py).
   lease_s: float = 10.0
   match_odd: str = "triple"  # an odd batch of ready processes: "triple" (one group of three) or "leave_out".
   # How long a (re)started process waits for the live peer it asked for its state (the peer serves it at its
