@@ -6,6 +6,8 @@ import argparse
 import json
 import math
 import os
+import pathlib
+import re
 import subprocess
 import sys
 import zipfile
@@ -168,3 +170,17 @@ def test_a_check_stopped_from_outside_keeps_what_it_measured(tmp_path):
   report = json.loads(out.read_text())
   assert report["status"] == "stopped" and report["sections"]["environment"]["status"] == "ok"
   assert report["sections"]["smoke"]["error"].startswith("the check was stopped from outside")
+
+
+def test_every_requirement_is_in_the_wheels_list_or_carried_by_a_gpu_python():
+  """The offline install can only add what the wheels list names: a requirement missing from it fails every
+  section on a machine without a network (clu did, on the lent H200). What the list's header says such a
+  machine's Python already carries is the one exception."""
+  carried = {"jax", "numpy", "absl-py", "tensorboard", "pyarrow", "sentencepiece"}
+  setup = pathlib.Path(REPO, "setup.py").read_text()
+  requires = re.findall(r'^\s+"([A-Za-z0-9_.-]+)[<>=!~;"]', setup.split("install_requires=[", 1)[1].split("]", 1)[0], re.M)
+  listed = {line.split("==")[0].strip().lower() for line in pathlib.Path(REPO, "scripts/accelerator_check_wheels.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
+  assert len(requires) >= 10, requires
+  missing = [r for r in requires if r.lower() not in listed | carried]
+  assert not missing, f"setup.py requires {missing}, which scripts/accelerator_check_wheels.txt does not list"
