@@ -20,7 +20,8 @@ The methods, each run for the same wall-clock budget: `diloco` (H_D = 2·H, the 
 50) runs first, for --rounds measured rounds (≥ 30 by default); its training time is the budget and its
 final validation loss the target; then `ddp`, `noloco` (lock-step, τ = 0), `noloco_overlap` (lock-step
 with the round in flight beside τ inner steps: outer.overlap_steps), `async` (the asynchronous schedule,
-the same τ), each stopped at the budget (SIGTERM: every process saves and exits). Each may send its
+the same τ), each stopped at the budget (SIGTERM: every process saves and exits). Without diloco, the
+first lock-step method of --methods sets the budget and the target (--budget_s sets a budget instead). Each may send its
 messages under a codec (--codecs METHOD=CODEC: bfloat16, int8, int4, topk; float32 otherwise).
 
 Compute is emulated as device time: every step is paced to --step_s (process 0 --straggler_factor × as
@@ -126,8 +127,8 @@ def run_method(method: str, p: int, seed: int, args, root: str, fabric, budget_s
   """One job of `method`: to its --rounds (DiLoCo, the budget setter) or stopped at `budget_s`."""
   h = inner_steps(method, args)
   eval_every = args.eval_rounds * inner_steps("diloco", args)
-  if budget_s is None:  # DiLoCo: (rounds + 1) rounds, the first compiling, ending at an evaluation
-    steps = math.ceil((args.rounds + 1) * h / eval_every) * eval_every
+  if budget_s is None:  # the budget setter: (rounds + 1) rounds, the first compiling, ending at an evaluation
+    steps = math.ceil((args.rounds + 1) * (args.inner_steps if method == "ddp" else h) / eval_every) * eval_every
   else:  # never reached within the budget (the stop comes first)
     steps = math.ceil((budget_s / (args.step_s / 2) + 4 * h) / eval_every) * eval_every
   workdir = os.path.join(root, f"{method}{'_killed' if kill else ''}_p{p}_s{seed}")
@@ -343,7 +344,8 @@ def parse(argv):
   add("--rates", default="", help="per process: RATE or UP/DOWN, N*RATE for N alike (6*10mbit,2*1mbit)")
   add("--control", choices=["unshaped", "shaped"], default="unshaped",
       help="per_node: the coordination service on a bridge of its own, unshaped, or on the shaped links")
-  X
+  add("--queue_ms", type=float, default=400.0, help="per_node: each tbf's queue bound (shorter ones drop "
+      "more: TCP then loses whole retransmission timeouts of 200 ms)")
   add("--burst", default="128kb", help="shared: the loopback tbf's burst (above the 64 KiB loopback MTU)")
   add("--self_test_s", type=float, default=2.0, help="per_node: seconds of each link's rate the self-test sends")
   add("--step_s", type=float, default=0.1, help="emulated device time per step (seconds)")
@@ -407,9 +409,9 @@ def main(argv=None) -> dict:
     harness.usage_error("--links=shared needs --rate (one queue for the whole job) and takes no --rates.")
   links = {p: node_links.parse_links(args.rate, args.rates, p) for p in args.processes} if args.links == "per_node" else {}
   jobs.check_placement(max(args.processes), limit=node_links.MAX_NODES)
-  if "diloco" not in args.methods and not args.budget_s:
-    harness.usage_error(f"--methods {' '.join(args.methods)}: without diloco (whose run sets the budget and the "
-                        "target) give --budget_s.")
+  if args.methods == ["async"] and not args.budget_s:
+    harness.usage_error("--methods async: the asynchronous schedule alone has no end; give --budget_s (or a "
+                        "lock-step method, whose run sets the budget and the target).")
   if args.links != "loopback" and not getattr(args, netns.FLAG[2:]):
     if args.links == "shared":
       raise SystemExit(netns.rerun_rate_limited(__file__, sys.argv[1:], rate=args.rate, burst=args.burst))
@@ -444,7 +446,7 @@ def _run_seed(p, seed, args, root, fabric, rates, results, bench) -> None:
   label = _links_label(args)
   for method in [m for m in METHODS if m in args.methods]:
     run = run_method(method, p, seed, args, root, fabric, budget)
-    if budget is None:  # DiLoCo: its training time is everyone's budget, its final loss the target
+    if budget is None:  # the first lock-step method (DiLoCo): its time is everyone's budget, its loss the target
       out = summarise(method, run, args, p, None, None)
       budget, target = out["budget_s"], out["eval_loss_at_budget"]
       out["target_loss"], out["time_to_target_s"] = target, budget

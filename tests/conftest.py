@@ -21,10 +21,8 @@ EXHAUSTIVE = {
        for name in ("01_group_size_and_H.ipynb", "03_pairing_dtype_momentum.ipynb", "04_compression.ipynb")},
     "tests/test_notebooks.py::test_compare_methods_smoke_json": "compare_methods end to end: "
     "tests/test_compare_methods.py runs it too",
-    **{f"tests/test_bench_network.py::test_quick_{name}": "bench_network's quick modes (its summaries, the "
-       "latency model's column and the async summaries: the file's unit tests; the async schedule itself: "
-       "tests/test_async_driver.py)"
-       for name in ("straggler", "lognormal", "bandwidth")},
+    "tests/test_bench_network.py::test_quick_on_loopback": "bench_network's quick mode without root (its parts: "
+    "the file's unit tests; on per-node links: the real tier's quick run)",
     **{f"tests/test_elastic.py::test_killed_job_resumed_by_the_survivor_trains_to_the_end[{mode}": f"{mode} "
        "after a killed job, through the command line (grow stays, and drop and recreate from inside an "
        "overlap window)" for mode in ("drop", "recreate")},
