@@ -76,6 +76,9 @@ METHODS = ("diloco", "ddp", "noloco", "noloco_overlap", "async")  # the order th
 KIND = {"diloco": "diloco", "ddp": "ddp", "noloco": "noloco", "noloco_overlap": "noloco", "async": "noloco"}
 EXCHANGE = {"diloco": "ring", "ddp": "ring", "noloco": "group", "noloco_overlap": "group", "async": "group"}
 CODECS = ("float32", "bfloat16", "int8", "int4", "topk")
+# P processes share this machine's 2 cores: each runs XLA on one thread (a step 16 ms instead of 25 on a
+# loaded machine, no oversubscription); an accelerator's step does not depend on it.
+SINGLE_THREADED = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def codec_flags(codec: str) -> list[str]:
@@ -106,7 +109,10 @@ def job_flags(method: str, workdir: str, processes: int, steps: int, args, seed:
   flags = ["--config=configs/default.py:smoke", *MODELS[args.model], f"--workdir={workdir}",
            f"--config.outer.kind={KIND[method]}", f"--config.num_replicas={processes}", f"--config.num_steps={steps}",
            f"--config.seed={seed}", "--config.inner.min_lr_ratio=1.0", f"--config.log_every={h}",
-           f"--config.eval_every={eval_every}", f"--config.data.eval_batches={args.eval_batches}"]
+           f"--config.eval_every={eval_every}", f"--config.data.eval_batches={args.eval_batches}",
+           # No consensus evaluation: the replicas' average φ is gathered over the network at every evaluation
+           # (measured: it doubled the lock-step jobs' bytes on the wire); eval/loss, each replica's own, is kept.
+           "--config.eval_consensus="]
   if method != "ddp":
     flags.append(f"--config.outer.inner_steps={h}")
   if method in ("noloco", "noloco_overlap"):
@@ -133,17 +139,34 @@ def run_method(method: str, p: int, seed: int, args, root: str, fabric, budget_s
     steps = math.ceil((budget_s / (args.step_s / 2) + 4 * h) / eval_every) * eval_every
   workdir = os.path.join(root, f"{method}{'_killed' if kill else ''}_p{p}_s{seed}")
   port = launch_local.free_port()
-  env = {"NOLOCO_FAULTS": args.faults + (f";{kill}" if kill else ""), **(fabric.job_env(port) if fabric else {})}
+  env = {"NOLOCO_FAULTS": args.faults + (f";{kill}" if kill else ""), "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREADED}".strip(),
+         **(fabric.job_env(port) if fabric else {})}
+  marks = {}  # the kernel's byte counters at the origin and at the stop: the measured window's wire bytes
+  rule = jobs.never if budget_s is None else jobs.stop_after(budget_s)
+
+  def stop(traces, now):
+    if fabric and "origin" not in marks and jobs.origin(traces) is not None:
+      marks["origin"] = (now, fabric.wire_bytes())
+    if rule(traces, now):
+      if fabric:
+        marks["stop"] = (now, fabric.wire_bytes())
+      return True
+    return False
+
   before = fabric.wire_bytes() if fabric else None
-  stop = jobs.never if budget_s is None else jobs.stop_after(budget_s)
   run = jobs.run_job(job_flags(method, workdir, p, steps, args, seed), p, workdir, env, stop,
                      keep_going=method == "async", wrap=fabric.wrap if fabric else None, port=port)
   killed = [q for q, c in enumerate(run["codes"]) if c == -9]
   if [c for q, c in enumerate(run["codes"]) if q not in killed] != [0] * (p - len(killed)):
     raise RuntimeError(f"{method} P={p} seed {seed} failed {run['codes']}:\n{jobs.failure_tail(run)}")
   if fabric:
-    after = fabric.wire_bytes()
-    run["wire_bytes"] = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
+    end = (None, fabric.wire_bytes())
+    delta = lambda a, b: [{k: y[k] - x[k] for k in y} for x, y in zip(a, b)]
+    run["wire_bytes"] = delta(before, end[1])  # the whole job: start-up, checks, the final save included
+    if "origin" in marks:
+      stop_mark = marks.get("stop", end)
+      run["wire_window"] = {"from": marks["origin"][0], "to": stop_mark[0],
+                            "bytes": delta(marks["origin"][1], stop_mark[1])}
   run["killed"] = killed
   return run
 
@@ -167,7 +190,8 @@ def summarise(method: str, run: dict, args, p: int, budget_s: float | None, targ
   steps = float(np.mean([r["step"] for r in last]))
   out = {"method": method, "schedule": "async" if method == "async" else "lockstep", "tau": tau(method, args),
          "codec": args.codec_of[method], "inner_steps": h if method != "ddp" else None, "processes_count": p,
-         "idle_fraction": figures["idle_fraction"], "skipped_fraction": rounds["skipped_fraction"],
+         "idle_fraction": figures["idle_fraction"], "wait_fraction": figures["wait_fraction"],
+         "skipped_fraction": rounds["skipped_fraction"],
          "failed_fraction": rounds["failed_fraction"], "triples_share": rounds["triples_share"],
          "tokens_per_s": figures["tokens_per_s"],
          **run_figures.bytes_figures(sent, steps, TOKENS_PER_STEP, figures["tokens_per_s"], p),
@@ -180,8 +204,13 @@ def summarise(method: str, run: dict, args, p: int, budget_s: float | None, targ
          "message_bytes": message_bytes(method, run, last, h, survivors)}
   if "wire_bytes" in run:
     out["wire_bytes"] = run["wire_bytes"]
-    tokens = [max(len(run["traces"][q]), 1) * TOKENS_PER_STEP for q in range(p)]
-    out["wire_bytes_per_token"] = float(np.mean([w["sent"] / t for w, t in zip(run["wire_bytes"], tokens)]))
+    window = run.get("wire_window")
+    if window:  # per token each process trained on between the origin and the stop (or the job's end)
+      t0, t1 = window["from"], window["to"] or np.inf
+      steps_in = [sum(t0 <= r["end"] <= t1 for r in run["traces"][q]) for q in range(p)]
+      out["wire_bytes_per_token"] = float(np.mean([w["sent"] / max(n * TOKENS_PER_STEP, 1)
+                                                   for w, n in zip(window["bytes"], steps_in)]))
+      out["wire_window"] = window
   if method == "async":
     out["round_breakdown"] = async_runs.summarise(run, h, TOKENS_PER_STEP, survivors, overlapped=tau(method, args) > 0)[
         "round_breakdown"]
@@ -206,8 +235,24 @@ def message_bytes(method: str, run: dict, last: list[dict], h: int, survivors: l
 # ---- the model beside the measurement ----
 
 
-def predict(method: str, out: dict, args, link_rates: list[tuple[float, float]] | None, seed: int) -> dict | None:
-  """latency.py's figures for the run's setting (module docstring), and their error against the measurement."""
+def measured_step_times(traces: list[list[dict]], skip: int) -> np.ndarray:
+  """[steps, P] each step's time as it ran (inner_s + slept_s: the device time, or the real compute where it
+  overran) after each process's first `skip` steps (its first round: start-up and compiles, tens of seconds
+  on a loaded machine), a shorter trace padded with its median step; the model fed these instead of the
+  device times predicts the schedule and the network alone, given the steps this machine managed."""
+  steps = max(len(t) for t in traces) - skip
+  out = np.empty((steps, len(traces)))
+  for q, trace in enumerate(traces):
+    times = [r["inner_s"] + r["slept_s"] for r in trace[skip:]]
+    out[:, q] = times + [float(np.median(times))] * (steps - len(times))
+  return out
+
+
+def predict(method: str, out: dict, args, link_rates: list[tuple[float, float]] | None, seed: int,
+            step_times: np.ndarray | None = None) -> dict | None:
+  """latency.py's figures for the run's setting (module docstring), and their error against the measurement.
+  `step_times` [steps, P]: the steps' times as they ran (default: the device times the run was paced to);
+  the idle fraction is then the time outside them, compared with the measured `wait_fraction`."""
   p, h, size = out["processes_count"], inner_steps(method, args), out["message_bytes"]
   if size is None:
     return None
@@ -217,6 +262,8 @@ def predict(method: str, out: dict, args, link_rates: list[tuple[float, float]] 
   if method == "async":
     steps = int(out["budget_s"] / args.step_s * 1.5) + 4 * h  # more than any process takes within the budget
     times = jobs.device_times(p, steps, args.step_s, args.straggler_factor, args.lognormal_pair, seed=0)
+    if step_times is not None:
+      times = np.vstack([step_times, np.tile(np.median(step_times, axis=0), (max(steps - len(step_times), 0), 1))])
     first = float(times[:h].sum(axis=0).max())  # the origin: every process past its first steps (about)
     model = latency.async_schedule(times, h, window_s=args.match_window_s, max_wait_s=args.max_wait_s,
                                    exchange_s=exchange, until_s=out["budget_s"] + first, seed=seed,
@@ -233,6 +280,9 @@ def predict(method: str, out: dict, args, link_rates: list[tuple[float, float]] 
     else:
       groups = [[list(range(p))]] * barriers
     times = jobs.device_times(p, barriers * per, args.step_s, args.straggler_factor, args.lognormal_pair, seed=0)
+    if step_times is not None:
+      barriers = min(barriers, len(step_times) // per)
+      times, groups = step_times[:barriers * per], groups[:barriers]
     compute = latency.per_barrier(times, per)
     hidden = None
     if method == "ddp":  # the all-reduce runs inside the paced step: hidden behind its device time
@@ -242,7 +292,8 @@ def predict(method: str, out: dict, args, link_rates: list[tuple[float, float]] 
     model = latency.barrier_schedule(groups[:barriers], compute, exchange_s=exchange, hidden_s=hidden, first=first)
     pred = {"idle_fraction": model["idle_fraction"],
             "tokens_per_s": per * p * TOKENS_PER_STEP / model["wall_s_per_barrier"], "skipped_fraction": 0.0}
-  measured_idle, model_idle = np.asarray(out["idle_fraction"]), np.asarray(pred["idle_fraction"])[:len(out["idle_fraction"])]
+  measured_idle = np.asarray(out["idle_fraction" if step_times is None else "wait_fraction"])
+  model_idle = np.asarray(pred["idle_fraction"])[:len(measured_idle)]
   pred["tokens_per_s_error"] = out["tokens_per_s"] / pred["tokens_per_s"] - 1.0
   pred["idle_error"] = float(np.mean(np.abs(measured_idle - model_idle)))  # mean |measured − model| per process
   return pred
@@ -454,6 +505,9 @@ def _run_seed(p, seed, args, root, fabric, rates, results, bench) -> None:
       out = summarise(method, run, args, p, budget, target)
     out.update(seed=seed, links_label=label, **_link_fields(results, p))
     out["model"] = predict(method, out, args, rates, seed)
+    if method != "ddp":  # (DDP's all-reduce runs inside its steps: their times are not compute)
+      out["model_measured_steps"] = predict(method, out, args, rates, seed,
+                                            measured_step_times(run["traces"], inner_steps(method, args)))
     results["runs"].append(out)
     bench.note(json.dumps({k: v for k, v in out.items() if k not in ("processes", "groups", "val_curve", "wire_bytes")}))
     if method == "async" and args.kill:

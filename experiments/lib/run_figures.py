@@ -8,7 +8,9 @@ Idle. With each step paced to its device time (jobs.device_time_faults), a proce
 the sum of its steps' device times, and idle the rest of its measured wall time: waiting for partners or
 for an all-reduce, exchanging, and any real compute beyond the device time (`overrun_s`: this machine's
 CPU, not the method; reported apart, so that a loaded machine shows as such). An evaluation (a barrier in
-the lock-step schedule) and the logs run on the host within the steps' device time when they fit in it.
+the lock-step schedule) and the logs run on the host within the steps' device time when they fit in it,
+and count as overrun when they do not (a fast process waiting at an evaluation barrier for a slow one
+too). `wait_fraction`: the share of the wall time outside the steps (in rounds: waiting, exchanging).
 
 Pure functions of the rows (tests/test_bench_network.py builds synthetic ones).
 """
@@ -35,8 +37,10 @@ def process_figures(rows: list[dict]) -> dict:
   wall = float(sum(r["inner_s"] + r["slept_s"] + r["round_s"] for r in rows))
   device = float(sum(r.get("device_s", r["slept_s"]) for r in rows))
   overrun = float(sum(max(r["inner_s"] - r["device_s"], 0.0) for r in rows if "device_s" in r))
-  return {"steps": len(rows), "wall_s": wall, "device_s": device, "round_s": float(sum(r["round_s"] for r in rows)),
-          "idle_fraction": 1.0 - device / wall if wall > 0 else 0.0, "overrun_s": overrun,
+  rounds = float(sum(r["round_s"] for r in rows))
+  return {"steps": len(rows), "wall_s": wall, "device_s": device, "round_s": rounds,
+          "idle_fraction": 1.0 - device / wall if wall > 0 else 0.0,
+          "wait_fraction": rounds / wall if wall > 0 else 0.0, "overrun_s": overrun,
           "overrun_fraction": overrun / wall if wall > 0 else 0.0,
           "real_step_share": float(inner.sum() / device) if device > 0 else None,
           "median_inner_s": float(np.median(inner)) if len(inner) else None}
@@ -53,6 +57,7 @@ def job_figures(traces: list[list[dict]], first: int, tokens_per_step: int, budg
   steps = sum(p["steps"] for p in per)
   shares = [p["real_step_share"] for p in per if p["real_step_share"] is not None]
   return {"processes": per, "idle_fraction": [p["idle_fraction"] for p in per],
+          "wait_fraction": [p["wait_fraction"] for p in per],
           "tokens_per_s": steps * tokens_per_step / longest if longest > 0 else 0.0,
           "measured_steps": [p["steps"] for p in per], "measured_s": longest,
           "real_step_share": float(np.mean(shares)) if shares else None,
