@@ -40,8 +40,10 @@ bytes per run, per token and per second (a replica's, the run's accounting: nolo
 the bytes the kernel counted on each node's link, the validation curve, time_to_target_s (null if not
 reached), eval_loss_at_budget; and beside it `model`: experiments/lib/latency.py's prediction for the same
 setting (the device times, the run's groupings, each node's measured link rate, the message the run's
-codec sent), with its error. Lock-step jobs evaluate every --eval_rounds DiLoCo rounds (an evaluation is a
-barrier), asynchronous processes every round (no barrier).
+codec sent), with its error, and `model_measured_steps`: the same fed the steps' times as they ran, against
+the measured time outside the steps (`wait_fraction`): the schedule and the network alone. Lock-step jobs
+evaluate every --eval_rounds DiLoCo rounds (an evaluation is a barrier), DDP every --inner_steps steps,
+asynchronous processes every round (no barrier).
 """
 
 from __future__ import annotations
@@ -101,15 +103,24 @@ def tau(method: str, args) -> int:
   return args.tau if method in ("noloco_overlap", "async") else 0
 
 
+def eval_every(method: str, args) -> int:
+  """Steps between evaluations: asynchronous processes every round (no barrier); DDP every --inner_steps
+  steps (its steps are barriers anyway, and at 10 Mbit/s a step takes seconds); the other lock-step jobs
+  every --eval_rounds DiLoCo rounds (an evaluation is a barrier of the whole job). A lock-step job agrees on
+  a stop at its evaluations (runtime/preemption.py), so it runs on past the budget until the next one."""
+  if method in ("async", "ddp"):
+    return args.inner_steps
+  return args.eval_rounds * inner_steps("diloco", args)
+
+
 def job_flags(method: str, workdir: str, processes: int, steps: int, args, seed: int) -> list[str]:
   """The job's command line. A constant learning rate after the warm-up (min_lr_ratio 1): jobs stopped at a
   wall-clock budget never reach num_steps, so nothing may depend on it."""
   h = inner_steps(method, args)
-  eval_every = h if method == "async" else args.eval_rounds * inner_steps("diloco", args)
   flags = ["--config=configs/default.py:smoke", *MODELS[args.model], f"--workdir={workdir}",
            f"--config.outer.kind={KIND[method]}", f"--config.num_replicas={processes}", f"--config.num_steps={steps}",
            f"--config.seed={seed}", "--config.inner.min_lr_ratio=1.0", f"--config.log_every={h}",
-           f"--config.eval_every={eval_every}", f"--config.data.eval_batches={args.eval_batches}",
+           f"--config.eval_every={eval_every(method, args)}", f"--config.data.eval_batches={args.eval_batches}",
            # No consensus evaluation: the replicas' average φ is gathered over the network at every evaluation
            # (measured: it doubled the lock-step jobs' bytes on the wire); eval/loss, each replica's own, is kept.
            "--config.eval_consensus="]
@@ -132,11 +143,11 @@ def run_method(method: str, p: int, seed: int, args, root: str, fabric, budget_s
                kill: str = "") -> dict:
   """One job of `method`: to its --rounds (DiLoCo, the budget setter) or stopped at `budget_s`."""
   h = inner_steps(method, args)
-  eval_every = args.eval_rounds * inner_steps("diloco", args)
+  every = eval_every(method, args)
   if budget_s is None:  # the budget setter: (rounds + 1) rounds, the first compiling, ending at an evaluation
-    steps = math.ceil((args.rounds + 1) * (args.inner_steps if method == "ddp" else h) / eval_every) * eval_every
+    steps = math.ceil((args.rounds + 1) * (args.inner_steps if method == "ddp" else h) / every) * every
   else:  # never reached within the budget (the stop comes first)
-    steps = math.ceil((budget_s / (args.step_s / 2) + 4 * h) / eval_every) * eval_every
+    steps = math.ceil((budget_s / (args.step_s / 2) + 4 * h) / every) * every
   workdir = os.path.join(root, f"{method}{'_killed' if kill else ''}_p{p}_s{seed}")
   port = launch_local.free_port()
   env = {"NOLOCO_FAULTS": args.faults + (f";{kill}" if kill else ""), "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREADED}".strip(),
