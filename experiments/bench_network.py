@@ -64,6 +64,7 @@ from experiments.lib import harness
 from experiments.lib import jobs
 from experiments.lib import latency
 from experiments.lib import netns
+from experiments.lib import network_legacy
 from experiments.lib import node_links
 from experiments.lib import run_figures
 from noloco_jax.runtime import launch_local
@@ -453,14 +454,14 @@ def main(argv=None) -> dict:
   bench, args = parse(argv)
   text = table if args.table else None
   if args.plot_from:
-    merged = {"setting": None, "runs": []}
-    for path in args.plot_from:
-      saved = json.load(open(path))
-      if saved.get("version") != 2:
-        harness.usage_error(f"--plot_from {path}: written by the shared-link benchmark before issue 37; plot it "
-                            "with the bench_network.py of commit 9a7b632.")
-      merged["setting"] = merged["setting"] or saved["setting"]
-      merged["runs"] += saved["runs"]
+    saved = [json.load(open(path)) for path in args.plot_from]
+    if all(r.get("version") != 2 for r in saved):  # the first benchmark's files (RESULTS.md's older sections)
+      merged, legacy_text = network_legacy.replot(args.plot_from, args.plot, args.plot_loss, args.table)
+      return bench.finish(merged, text=(lambda r: legacy_text) if args.table else None)
+    if any(r.get("version") != 2 for r in saved):
+      harness.usage_error("--plot_from: give files of one benchmark version (those before issue 37 have no "
+                          "\"version\": 2).")
+    merged = {"version": 2, "setting": saved[0]["setting"], "runs": [run for r in saved for run in r["runs"]]}
     _plots(merged, args)
     return bench.finish(merged, text=text)
   if args.links != "loopback":  # root first, in one line

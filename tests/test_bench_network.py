@@ -297,3 +297,11 @@ def test_quick_on_per_node_links_reports_every_field_and_leaves_nothing(tmp_path
 def test_a_rate_tc_refuses_is_one_line_naming_the_flag(tmp_path):
   status, _, err = _quick(tmp_path, "--links=per_node", "--rate=4bit")
   assert status == 2 and len(err.strip().splitlines()) == 1 and "--rate=4bit: tc refuses" in err, err
+
+
+def test_results_of_the_first_benchmark_are_replotted_as_before(tmp_path, capsys):
+  """RESULTS.md's older sections re-plot their saved JSON (no "version": 2) with that benchmark's own model."""
+  saved = os.path.join(REPO, "experiments", "results_bench_network_async_p8_wait02.json")
+  out = bench_network.main(["--plot_from", saved, "--table", "--plot", str(tmp_path / "idle.png")])
+  assert out["runs"] and all("model" in r for r in out["runs"] if r["method"] != "async")
+  assert "| setting | P | method | wall s / round" in capsys.readouterr().out and (tmp_path / "idle.png").exists()
