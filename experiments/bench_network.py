@@ -151,7 +151,8 @@ def run_method(method: str, p: int, seed: int, args, root: str, fabric, budget_s
     steps = math.ceil((budget_s / (args.step_s / 2) + 4 * h) / every) * every
   workdir = os.path.join(root, f"{method}{'_killed' if kill else ''}_p{p}_s{seed}")
   port = launch_local.free_port()
-  env = {"NOLOCO_FAULTS": args.faults + (f";{kill}" if kill else ""), "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREADED}".strip(),
+  env = {"NOLOCO_FAULTS": args.faults + (f";{kill}" if kill else ""),
+         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREADED}".strip(),
          **(fabric.job_env(port) if fabric else {})}
   marks = {}  # the kernel's byte counters at the origin and at the stop: the measured window's wire bytes
   rule = jobs.never if budget_s is None else jobs.stop_after(budget_s)
@@ -235,7 +236,8 @@ def message_bytes(method: str, run: dict, last: list[dict], h: int, survivors: l
   """Bytes of one message, as the run's accounting counts them (a codec's payload): what the model prices.
   Lock-step: the collective's operand per round (per step for DDP); asynchronous: bytes sent per copy sent."""
   if method == "async":
-    copies = sum(len(r.get("group") or ()) - 1 for q in survivors for r in run["pairings"][q] if r["status"] == "exchanged")
+    copies = sum(len(r.get("group") or ()) - 1 for q in survivors for r in run["pairings"][q]
+                 if r["status"] == "exchanged")
     sent = sum(r.get("comm/bytes_sent_per_replica", 0.0) for r in last)
     return sent / copies if copies else None
   row = last[0]
@@ -323,10 +325,12 @@ def table(results: dict) -> str:
   for run in results["runs"]:
     fast = run["idle_fraction"][1:] if results["setting"]["straggler_factor"] != 1.0 else run["idle_fraction"]
     m = run.get("model") or {}
-    model_fast = (m.get("idle_fraction") or [None])[1:] if results["setting"]["straggler_factor"] != 1.0 else m.get("idle_fraction")
+    model_idle = m.get("idle_fraction")
+    model_fast = model_idle[1:] if model_idle and results["setting"]["straggler_factor"] != 1.0 else model_idle
     lines.append(
         f"| {run['processes_count']} | {run.get('links_label', '')} | {run['seed']} | {run['method']} | {run['tau']} | "
-        f"{run['codec']} | {run['measured_rounds']} | {run['tokens_per_s']:,.0f} ({fmt(m.get('tokens_per_s'), '{:,.0f}')}, "
+        f"{run['codec']} | {run['measured_rounds']} | {run['tokens_per_s']:,.0f} "
+        f"({fmt(m.get('tokens_per_s'), '{:,.0f}')}, "
         f"{fmt(m.get('tokens_per_s_error'), '{:+.0%}')}) | {np.mean(fast):.3f} "
         f"({fmt(np.mean(model_fast) if model_fast else None)}) | {run['skipped_fraction']:.3f} | "
         f"{run['triples_share']:.3f} | {fmt(run['bytes_per_token'], '{:,.0f}')} | "
@@ -398,43 +402,54 @@ def parse(argv):
                         quick=dict(processes=[2], rounds=3, inner_steps=2, step_s=0.05, model="smoke", eval_rounds=1,
                                    methods=["diloco", "noloco", "async"], tau=1, self_test_s=0.3),
                         quick_help="P = 2, 3 DiLoCo rounds of H_D = 4, 0.05 s steps, the 27k-parameter model")
-  add = bench.add_argument
-  add("--processes", type=int, nargs="+", default=[4, 8])
-  add("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-  add("--links", choices=["loopback", "shared", "per_node"], default=None,
-      help="per_node: a link per process (default with --rate/--rates); shared: one tbf on loopback; loopback: unshaped")
-  add("--rate", default="", help="every node's up and down rate, tc's syntax (10mbit, 500kbit)")
-  add("--rates", default="", help="per process: RATE or UP/DOWN, N*RATE for N alike (6*10mbit,2*1mbit)")
-  add("--control", choices=["unshaped", "shaped"], default="unshaped",
-      help="per_node: the coordination service on a bridge of its own, unshaped, or on the shaped links")
-  add("--queue_ms", type=float, default=400.0, help="per_node: each tbf's queue bound (shorter ones drop "
-      "more: TCP then loses whole retransmission timeouts of 200 ms)")
-  add("--burst", default="128kb", help="shared: the loopback tbf's burst (above the 64 KiB loopback MTU)")
-  add("--self_test_s", type=float, default=2.0, help="per_node: seconds of each link's rate the self-test sends")
-  add("--step_s", type=float, default=0.1, help="emulated device time per step (seconds)")
-  add("--straggler_factor", type=float, default=2.0, help="process 0's device time, × --step_s")
-  add("--lognormal", default="", help="MEDIAN,SIGMA: seeded log-normal device times per step instead")
-  add("--inner_steps", type=int, default=10, help="H of NoLoCo; DiLoCo's is twice it (the paper's ratio)")
-  add("--diloco_inner_steps", type=int, default=0, help="DiLoCo's H, if not 2 × --inner_steps")
-  add("--rounds", type=int, default=30, help="measured rounds of DiLoCo, whose run sets the budget and the target")
-  add("--budget_s", type=float, default=0.0, help="the budget, when diloco is not among --methods")
-  add("--eval_rounds", type=int, default=3, help="lock-step jobs evaluate every this many DiLoCo rounds")
-  add("--eval_batches", type=int, default=4, help="validation batches per evaluation (data.eval_batches)")
-  add("--model", choices=list(MODELS), default="1m", help="1m: 1.13M parameters; smoke: 27k (tests)")
-  add("--tau", "--async_overlap_steps", dest="tau", type=int, default=5,
-      help="τ of noloco_overlap and async: inner steps run while the round is in flight (outer.overlap_steps)")
-  add("--max_wait_s", type=float, default=1.0, help="async: outer.max_wait_s")
-  add("--match_window_s", type=float, default=0.02, help="async: outer.match_window_s")
-  add("--pairing", default="round_robin", choices=["round_robin", "fresh"], help="lock-step NoLoCo's outer.pairing")
-  add("--codecs", nargs="*", default=[], help=f"METHOD=CODEC, CODEC one of {', '.join(CODECS)} (float32 otherwise)")
-  add("--seeds", type=int, nargs="+", default=[0], help="config.seed of every job (each seed: every job)")
-  add("--kill", action="store_true", help="async: also a job whose last process is killed at mid-budget")
-  add("--workdir", default="", help="keep every job's workdir, logs and traces here (default: a temporary one)")
-  add("--plot", default="", help="also plot each process's idle fraction to this PNG")
-  add("--plot_loss", default="", help="also plot validation loss against wall time to this PNG")
-  add("--plot_from", nargs="*", default=[], help="only plot (or --table) these saved JSON results")
-  add("--table", action="store_true", help="print the runs as a Markdown table")
-  add(netns.FLAG, action="store_true", help=argparse.SUPPRESS)
+  bench.add_argument("--processes", type=int, nargs="+", default=[4, 8])
+  bench.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+  bench.add_argument("--links", choices=["loopback", "shared", "per_node"], default=None,
+                     help="per_node: a link per process (default with --rate/--rates); shared: one tbf on "
+                     "loopback; loopback: unshaped")
+  bench.add_argument("--rate", default="", help="every node's up and down rate, tc's syntax (10mbit, 500kbit)")
+  bench.add_argument("--rates", default="", help="per process: RATE or UP/DOWN, N*RATE for N alike (6*10mbit,2*1mbit)")
+  bench.add_argument("--control", choices=["unshaped", "shaped"], default="unshaped",
+                     help="per_node: the coordination service on a bridge of its own, unshaped, or on the shaped links")
+  bench.add_argument("--queue_ms", type=float, default=400.0,
+                     help="per_node: each tbf's queue bound (shorter ones drop more: TCP then loses whole "
+                     "retransmission timeouts of 200 ms)")
+  bench.add_argument("--burst", default="128kb",
+                     help="shared: the loopback tbf's burst (above the 64 KiB loopback MTU)")
+  bench.add_argument("--self_test_s", type=float, default=2.0,
+                     help="per_node: seconds of each link's rate the self-test sends")
+  bench.add_argument("--step_s", type=float, default=0.1, help="emulated device time per step (seconds)")
+  bench.add_argument("--straggler_factor", type=float, default=2.0, help="process 0's device time, × --step_s")
+  bench.add_argument("--lognormal", default="", help="MEDIAN,SIGMA: seeded log-normal device times per step instead")
+  bench.add_argument("--inner_steps", type=int, default=10,
+                     help="H of NoLoCo; DiLoCo's is twice it (the paper's ratio)")
+  bench.add_argument("--diloco_inner_steps", type=int, default=0, help="DiLoCo's H, if not 2 × --inner_steps")
+  bench.add_argument("--rounds", type=int, default=30,
+                     help="measured rounds of DiLoCo, whose run sets the budget and the target")
+  bench.add_argument("--budget_s", type=float, default=0.0, help="the budget, when diloco is not among --methods")
+  bench.add_argument("--eval_rounds", type=int, default=3, help="lock-step jobs evaluate every this many DiLoCo rounds")
+  bench.add_argument("--eval_batches", type=int, default=4,
+                     help="validation batches per evaluation (data.eval_batches)")
+  bench.add_argument("--model", choices=list(MODELS), default="1m", help="1m: 1.13M parameters; smoke: 27k (tests)")
+  bench.add_argument("--tau", "--async_overlap_steps", dest="tau", type=int, default=5,
+                     help="τ of noloco_overlap and async: inner steps run while the round is in flight "
+                     "(outer.overlap_steps)")
+  bench.add_argument("--max_wait_s", type=float, default=1.0, help="async: outer.max_wait_s")
+  bench.add_argument("--match_window_s", type=float, default=0.02, help="async: outer.match_window_s")
+  bench.add_argument("--pairing", default="round_robin", choices=["round_robin", "fresh"],
+                     help="lock-step NoLoCo's outer.pairing")
+  bench.add_argument("--codecs", nargs="*", default=[],
+                     help=f"METHOD=CODEC, CODEC one of {', '.join(CODECS)} (float32 otherwise)")
+  bench.add_argument("--seeds", type=int, nargs="+", default=[0],
+                     help="config.seed of every job (each seed: every job)")
+  bench.add_argument("--kill", action="store_true", help="async: also a job whose last process is killed at mid-budget")
+  bench.add_argument("--workdir", default="",
+                     help="keep every job's workdir, logs and traces here (default: a temporary one)")
+  bench.add_argument("--plot", default="", help="also plot each process's idle fraction to this PNG")
+  bench.add_argument("--plot_loss", default="", help="also plot validation loss against wall time to this PNG")
+  bench.add_argument("--plot_from", nargs="*", default=[], help="only plot (or --table) these saved JSON results")
+  bench.add_argument("--table", action="store_true", help="print the runs as a Markdown table")
+  bench.add_argument(netns.FLAG, action="store_true", help=argparse.SUPPRESS)
   args = bench.parse(argv)
   args.overrides = bench.overrides()
   args.codec_of = {m: "float32" for m in METHODS}
@@ -470,7 +485,9 @@ def main(argv=None) -> dict:
     harness.usage_error("--links=loopback takes no --rate/--rates (per_node or shared do).")
   if args.links == "shared" and (args.rates or not args.rate):
     harness.usage_error("--links=shared needs --rate (one queue for the whole job) and takes no --rates.")
-  links = {p: node_links.parse_links(args.rate, args.rates, p) for p in args.processes} if args.links == "per_node" else {}
+  links = {}
+  if args.links == "per_node":
+    links = {p: node_links.parse_links(args.rate, args.rates, p) for p in args.processes}
   jobs.check_placement(max(args.processes), limit=node_links.MAX_NODES)
   if args.methods == ["async"] and not args.budget_s:
     harness.usage_error("--methods async: the asynchronous schedule alone has no end; give --budget_s (or a "
@@ -486,7 +503,9 @@ def main(argv=None) -> dict:
   os.makedirs(root, exist_ok=True)
   try:
     for p in args.processes:
-      fabric = node_links.Fabric(links[p], control=args.control, queue_ms=args.queue_ms, cwd=harness.REPO) if links else None
+      fabric = None
+      if links:
+        fabric = node_links.Fabric(links[p], control=args.control, queue_ms=args.queue_ms, cwd=harness.REPO)
       with fabric or contextlib.nullcontext():
         rates = None
         if fabric:
@@ -521,7 +540,8 @@ def _run_seed(p, seed, args, root, fabric, rates, results, bench) -> None:
       out["model_measured_steps"] = predict(method, out, args, rates, seed,
                                             measured_step_times(run["traces"], inner_steps(method, args)))
     results["runs"].append(out)
-    bench.note(json.dumps({k: v for k, v in out.items() if k not in ("processes", "groups", "val_curve", "wire_bytes")}))
+    brief = ("processes", "groups", "val_curve", "wire_bytes", "wire_window")
+    bench.note(json.dumps({k: v for k, v in out.items() if k not in brief}))
     if method == "async" and args.kill:
       kill = f"kill:process={p - 1},step={max(int(budget / 2 / args.step_s), 2 * args.inner_steps)}"
       killed = run_method(method, p, seed, args, root, fabric, budget, kill=kill)
@@ -533,7 +553,8 @@ def _link_fields(results: dict, p: int) -> dict:
   if not links:
     return {"link_mbit": None, "measured_link_mbit": None}
   return {"link_mbit": links["link_mbit"],
-          "measured_link_mbit": [{"up": t["measured_up_mbit"], "down": t["measured_down_mbit"]} for t in links["self_test"]]}
+          "measured_link_mbit": [{"up": t["measured_up_mbit"], "down": t["measured_down_mbit"]}
+                                 for t in links["self_test"]]}
 
 
 def _links_label(args) -> str:

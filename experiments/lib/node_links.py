@@ -28,12 +28,14 @@ addresses, behind the same tbf queues (what a job whose service shares the nodes
 Rates: a tbf on each end of each node's data veth (the kernel's token bucket; burst about 4 ms of the rate,
 at least four full-size frames; queue bound `queue_ms`, 400 ms by default: with 100 ms, a download from an
 unpaced sender overflowed the queue often enough that TCP sat out retransmission timeouts of 200 ms and
-reached 8.5-9.6 Mbit/s of goodput on a 10 Mbit/s link; with 400 ms, 9.55-9.6 in 6 of 6 tries). There is no kernel delay emulation here (`netem`
-is not available on this machine): latency is not added, only measured (`self_test`'s round trip).
+reached 8.5-9.6 Mbit/s of goodput on a 10 Mbit/s link; with 400 ms, 9.55-9.6 in 6 of 6 tries). There is
+no kernel delay emulation here (`netem` is not available on this machine): latency is not added, only
+measured (`self_test`'s round trip).
 
 `self_test` sends `seconds` worth of bytes through every link at once, both directions in turn, and reports
-each link's achieved TCP goodput beside its setting: Ethernet, IP and TCP headers take about 4.4% of a
-full frame (1448 payload bytes of 1514), so goodput sits a few percent under the rate even when tbf is exact.
+each link's achieved TCP goodput beside its setting, and the rate on the wire it implies: Ethernet, IP and
+TCP headers take 4.4% of a full frame (1448 payload bytes of 1514), so goodput sits that much under the
+rate even when tbf is exact.
 """
 
 from __future__ import annotations
@@ -271,9 +273,10 @@ class Fabric:
       for i, goodput in enumerate(self._transfer(direction, sizes)):
         setting = getattr(self.links[i], f"{direction}_bit_s")
         wire = goodput / (1 - HEADER_SHARE)
+        within = None if setting is None else abs(wire / setting - 1) <= tolerance
         out[i].update({f"{direction}_mbit": None if setting is None else setting / 1e6,
                        f"measured_{direction}_mbit": wire / 1e6, f"goodput_{direction}_mbit": goodput / 1e6,
-                       f"{direction}_within_tolerance": None if setting is None else abs(wire / setting - 1) <= tolerance})
+                       f"{direction}_within_tolerance": within})
     for i, rtt in enumerate(self._round_trips(round_trips)):
       out[i]["round_trip_ms"] = rtt * 1e3
     return out

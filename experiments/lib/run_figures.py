@@ -116,5 +116,6 @@ def async_rounds(pairings: list[list[dict]], processes: list[int] | None = None)
   count = lambda status: sum(r.get("status") == status for r in rows)
   exchanged = [r for r in rows if r.get("status") == "exchanged"]
   total = max(len(rows), 1)
+  triples = sum(len(r.get("group") or ()) == 3 for r in exchanged)
   return {"rounds": len(rows), "skipped_fraction": count("skipped") / total, "failed_fraction": count("failed") / total,
-          "triples_share": (sum(len(r.get("group") or ()) == 3 for r in exchanged) / len(exchanged)) if exchanged else 0.0}
+          "triples_share": triples / len(exchanged) if exchanged else 0.0}
