@@ -54,6 +54,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -154,17 +155,17 @@ def run_method(method: str, p: int, seed: int, args, root: str, fabric, budget_s
   env = {"NOLOCO_FAULTS": args.faults + (f";{kill}" if kill else ""),
          "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREADED}".strip(),
          **(fabric.job_env(port) if fabric else {})}
-  marks = {}  # the kernel's byte counters at the origin and at the stop: the measured window's wire bytes
-  rule = jobs.never if budget_s is None else jobs.stop_after(budget_s)
+  samples = []  # (time, the kernel's byte counters): what each node sent between two polls
+
+  def rule(traces, now):  # the budget on the job's clock: evaluations left out (run_figures.Clock)
+    if budget_s is None or jobs.origin(traces) is None:
+      return False
+    return run_figures.Clock(traces, every)(now) >= budget_s
 
   def stop(traces, now):
-    if fabric and "origin" not in marks and jobs.origin(traces) is not None:
-      marks["origin"] = (now, fabric.wire_bytes())
-    if rule(traces, now):
-      if fabric:
-        marks["stop"] = (now, fabric.wire_bytes())
-      return True
-    return False
+    if fabric:
+      samples.append((now, [w["sent"] for w in fabric.wire_bytes()]))
+    return rule(traces, now)
 
   before = fabric.wire_bytes() if fabric else None
   run = jobs.run_job(job_flags(method, workdir, p, steps, args, seed), p, workdir, env, stop,
@@ -173,13 +174,9 @@ def run_method(method: str, p: int, seed: int, args, root: str, fabric, budget_s
   if [c for q, c in enumerate(run["codes"]) if q not in killed] != [0] * (p - len(killed)):
     raise RuntimeError(f"{method} P={p} seed {seed} failed {run['codes']}:\n{jobs.failure_tail(run)}")
   if fabric:
-    end = (None, fabric.wire_bytes())
-    delta = lambda a, b: [{k: y[k] - x[k] for k in y} for x, y in zip(a, b)]
-    run["wire_bytes"] = delta(before, end[1])  # the whole job: start-up, checks, the final save included
-    if "origin" in marks:
-      stop_mark = marks.get("stop", end)
-      run["wire_window"] = {"from": marks["origin"][0], "to": stop_mark[0],
-                            "bytes": delta(marks["origin"][1], stop_mark[1])}
+    after = fabric.wire_bytes()
+    run["wire_bytes"] = [{k: a[k] - b[k] for k in a} for b, a in zip(before, after)]  # the whole job
+    run["wire_samples"] = samples
   run["killed"] = killed
   return run
 
@@ -189,13 +186,15 @@ def summarise(method: str, run: dict, args, p: int, budget_s: float | None, targ
   h = inner_steps(method, args)
   survivors = [q for q in range(p) if q not in run["killed"]]
   first = args.inner_steps if method == "ddp" else h  # the first round compiles: left out
-  figures = run_figures.job_figures(run["traces"], first, TOKENS_PER_STEP, budget_s, survivors)
+  every = eval_every(method, args)
+  clock = run_figures.Clock(run["traces"], every)
+  figures = run_figures.job_figures(run["traces"], first, TOKENS_PER_STEP, budget_s, survivors, every)
   if method == "async":
-    curve = run_figures.async_curve(run, survivors)
+    curve = run_figures.async_curve(run, clock, survivors)
     last = [[r for r in run["rows"][q] if "train/loss" in r][-1] for q in survivors]
     rounds = run_figures.async_rounds(run["pairings"], survivors)
   else:
-    curve = run_figures.lockstep_curve(run["traces"], run["job_rows"])
+    curve = run_figures.lockstep_curve(run["traces"], run["job_rows"], clock)
     last = [[r for r in run["job_rows"] if "train/loss" in r][-1]]
     rounds = {"rounds": None, "skipped_fraction": 0.0, "failed_fraction": 0.0, "triples_share": 0.0}
   budget = budget_s if budget_s is not None else (curve[-1][0] if curve else None)
@@ -209,21 +208,16 @@ def summarise(method: str, run: dict, args, p: int, budget_s: float | None, targ
          "tokens_per_s": figures["tokens_per_s"],
          **run_figures.bytes_figures(sent, steps, TOKENS_PER_STEP, figures["tokens_per_s"], p),
          "measured_rounds": min(figures["measured_steps"]) // (1 if method == "ddp" else h),
-         "measured_s": figures["measured_s"], "budget_s": budget, "target_loss": target,
+         "measured_s": figures["measured_s"], "evaluations_s": figures["evaluations_s"], "budget_s": budget, "target_loss": target,
          "time_to_target_s": run_figures.time_to_target(curve, target, budget),
          "eval_loss_at_budget": run_figures.loss_at_budget(curve, budget), "val_curve": curve,
          "real_step_share": figures["real_step_share"], "overrun_fraction": figures["overrun_fraction"],
          "processes": figures["processes"], "killed": run["killed"],
          "message_bytes": message_bytes(method, run, last, h, survivors)}
   if "wire_bytes" in run:
-    out["wire_bytes"] = run["wire_bytes"]
-    window = run.get("wire_window")
-    if window:  # per token each process trained on between the origin and the stop (or the job's end)
-      t0, t1 = window["from"], window["to"] or np.inf
-      steps_in = [sum(t0 <= r["end"] <= t1 for r in run["traces"][q]) for q in range(p)]
-      out["wire_bytes_per_token"] = float(np.mean([w["sent"] / max(n * TOKENS_PER_STEP, 1)
-                                                   for w, n in zip(window["bytes"], steps_in)]))
-      out["wire_window"] = window
+    out["wire_bytes"] = run["wire_bytes"]  # the whole job: start-up, checks, evaluations, the final save
+    out["wire_bytes_per_token"] = run_figures.wire_bytes_per_token(
+        run["wire_samples"], run["traces"], clock, budget, every, TOKENS_PER_STEP)
   if method == "async":
     out["round_breakdown"] = async_runs.summarise(run, h, TOKENS_PER_STEP, survivors, overlapped=tau(method, args) > 0)[
         "round_breakdown"]
@@ -498,6 +492,8 @@ def main(argv=None) -> dict:
     raise SystemExit(netns.rerun_in_namespace(__file__, sys.argv[1:]))
   for bits in {b for ls in links.values() for l in ls for b in (l.up_bit_s, l.down_bit_s) if b}:
     node_links.check_rate(bits, f"--rate={args.rate}" if args.rate else f"--rates={args.rates}", args.queue_ms)
+  # SIGTERM: the clean-up below runs (jobs, nodes and bridges end; every process has pdeathsig besides).
+  signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
   results = {"version": 2, "setting": _setting(args), "links": {}, "runs": [], "kills": []}
   root = args.workdir or tempfile.mkdtemp(prefix="bench_network_")
   os.makedirs(root, exist_ok=True)
@@ -545,7 +541,7 @@ def _run_seed(p, seed, args, root, fabric, rates, results, bench) -> None:
     if method == "async" and args.kill:
       kill = f"kill:process={p - 1},step={max(int(budget / 2 / args.step_s), 2 * args.inner_steps)}"
       killed = run_method(method, p, seed, args, root, fabric, budget, kill=kill)
-      results["kills"].append(_kill_record(killed, run, p, seed, budget))
+      results["kills"].append(_kill_record(killed, run, p, seed, budget, args))
 
 
 def _link_fields(results: dict, p: int) -> dict:
@@ -576,11 +572,12 @@ def _setting(args) -> dict:
           "device_time": "every step paced to its device time less its real compute (NOLOCO_FAULTS pace)"}
 
 
-def _kill_record(killed_run: dict, run: dict, p: int, seed: int, budget: float) -> dict:
+def _kill_record(killed_run: dict, run: dict, p: int, seed: int, budget: float, args) -> dict:
   """The survivors of a job that lost its last process at mid-budget, against the unkilled job at the budget."""
   survivors = [q for q in range(p) if q not in killed_run["killed"]]
-  killed_curve = run_figures.async_curve(killed_run, survivors)
-  same = run_figures.async_curve(run, survivors)
+  every = eval_every("async", args)
+  killed_curve = run_figures.async_curve(killed_run, run_figures.Clock(killed_run["traces"], every), survivors)
+  same = run_figures.async_curve(run, run_figures.Clock(run["traces"], every), survivors)
   killed_val, same_val = run_figures.loss_at_budget(killed_curve, budget), run_figures.loss_at_budget(same, budget)
   return {"processes_count": p, "seed": seed, "killed": killed_run["killed"], "budget_s": budget,
           "val_loss_survivors": killed_val, "val_loss_unkilled_same_processes": same_val,

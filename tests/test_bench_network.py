@@ -111,7 +111,7 @@ def test_idle_against_device_time_from_the_origin_to_the_budget():
   assert out["processes"][0]["real_step_share"] == pytest.approx(0.25) and out["overrun_fraction"] == 0.0
   # A budget of 0.8 s from the origin (10.2): steps 4 and 5 end by 11.0 on both (process 1's step 6 and
   # its round end at 11.2).
-  cut = run_figures.job_figures(traces, h, 64, budget_s=0.8)
+  cut = run_figures.job_figures(traces, h, 64, budget_s=0.8)  # no evaluations: the clock is the time
   assert cut["measured_steps"] == [2, 2] and cut["measured_s"] == pytest.approx(0.4)
   # A step whose real compute overran its device time: the excess is idle, and reported apart.
   over = run_figures.process_figures(_paced(0.2, 0.25, 0.0, 4, 4))
@@ -120,18 +120,54 @@ def test_idle_against_device_time_from_the_origin_to_the_budget():
 
 def test_a_process_that_started_early_counts_from_the_origin():
   early, late = _paced(0.1, 0.01, 0.0, 10, 2, start=0.0), _paced(0.1, 0.01, 0.0, 10, 2, start=0.5)
-  rows = run_figures.measured_rows(early, 2, jobs.origin([early, late]), None)
+  rows = run_figures.measured_rows(early, 2, run_figures.Clock([early, late], None), None)
   assert [r["step"] for r in rows] == [7, 8, 9, 10]  # its steps 3 to 6 ran before the other's first ended (0.6)
+
+
+def _evaluated(device_s, inner_s, steps, every, seconds, start=0.0):
+  """A paced process's rows with an evaluation of `seconds` after every `every`-th step (in the next row)."""
+  rows, t = [], start
+  for step in range(1, steps + 1):
+    inner = inner_s + (seconds if step > 1 and (step - 1) % every == 0 else 0.0)
+    slept = max(device_s - inner, 0.0)
+    t += inner + slept
+    rows.append({"step": step, "inner_s": inner, "round_s": 0.0, "slept_s": slept, "end": t, "device_s": device_s})
+  return rows
+
+
+def test_evaluations_are_left_out_of_the_clock_and_of_the_idle_time():
+  # Steps of 0.1 s device time (0.01 real), an evaluation of 2 s after steps 4 and 8 (rows 5 and 9).
+  trace = _evaluated(0.1, 0.01, 10, 4, 2.0)
+  assert [round(run_figures.barrier_s(r, 4), 6) for r in trace] == [0, 0, 0, 0, 2.0 - 0.09, 0, 0, 0, 2.0 - 0.09, 0]
+  clock = run_figures.Clock([trace], 4)
+  assert clock.start == pytest.approx(0.1)
+  assert clock(trace[-1]["end"]) == pytest.approx(0.9)  # 10 steps of 0.1 s after the first: evaluations out
+  figures = run_figures.process_figures(trace[1:], 4)
+  assert figures["wall_s"] == pytest.approx(0.9) and figures["idle_fraction"] == pytest.approx(0.0, abs=1e-9)
+  assert figures["evaluations_s"] == pytest.approx(2 * 1.91) and figures["overrun_s"] == pytest.approx(0.0)
+  # A budget of 0.5 s on the clock: steps 2 to 6 (the first evaluation left out of it).
+  assert [r["step"] for r in run_figures.measured_rows(trace, 1, clock, 0.5)] == [2, 3, 4, 5, 6]
 
 
 def test_curves_target_and_budget():
   traces = [_paced(0.1, 0.01, 0.0, 6, 3, start=0.0), _paced(0.1, 0.01, 0.2, 6, 3, start=0.0)]
   job_rows = [{"step": 0, "eval/loss": 5.0}, {"step": 3, "eval/loss": 4.0}, {"step": 6, "eval/loss": 3.0}]
-  curve = run_figures.lockstep_curve(traces, job_rows)
+  curve = run_figures.lockstep_curve(traces, job_rows, run_figures.Clock(traces, None))
   np.testing.assert_allclose(curve, [[0.5 - 0.1, 4.0], [1.0 - 0.1, 3.0]])  # the later process's step end
   assert run_figures.time_to_target(curve, 3.5, None) == pytest.approx(0.9)
   assert run_figures.time_to_target(curve, 3.5, 0.5) is None and run_figures.time_to_target(curve, None, None) is None
   assert run_figures.loss_at_budget(curve, 0.5) == 4.0 and run_figures.loss_at_budget(curve, 0.1) is None
+
+
+def test_wire_bytes_per_token_outside_the_evaluations():
+  # One node, steps of 0.1 s from 0 (origin 0.1), an evaluation of 2 s after step 4; the counter polled
+  # every 0.1 s, 1000 bytes a step of training and 50,000 during the evaluation (left out).
+  trace = _evaluated(0.1, 0.01, 8, 4, 2.0)
+  times = np.arange(0.0, 3.0, 0.1)
+  sent = np.cumsum([0] + [50_000 if trace[4]["end"] - 2.0 < t <= trace[4]["end"] else 1000 for t in times[1:]])
+  samples = [(t, [int(b)]) for t, b in zip(times, sent)]
+  got = run_figures.wire_bytes_per_token(samples, [trace], run_figures.Clock([trace], 4), None, 4, 64)
+  assert got == pytest.approx(1000 / 64, rel=0.2)
 
 
 def test_rounds_skipped_failed_and_in_triples():
