@@ -21,8 +21,11 @@ The methods, each run for the same wall-clock budget: `diloco` (H_D = 2·H, the 
 final validation loss the target; then `ddp`, `noloco` (lock-step, τ = 0), `noloco_overlap` (lock-step
 with the round in flight beside τ inner steps: outer.overlap_steps), `async` (the asynchronous schedule,
 the same τ), each stopped at the budget (SIGTERM: every process saves and exits). Without diloco, the
-first lock-step method of --methods sets the budget and the target (--budget_s sets a budget instead). Each may send its
-messages under a codec (--codecs METHOD=CODEC: bfloat16, int8, int4, topk; float32 otherwise).
+first lock-step method of --methods sets the budget and the target (--budget_s sets a budget instead).
+Each may send its messages under a codec (--codecs METHOD=CODEC: bfloat16, int8, int4, topk; float32
+otherwise). Times are on the job's training clock, which leaves out the evaluations the benchmark runs
+to draw its curves (experiments/lib/run_figures.py: a lock-step evaluation also gathers the replicas'
+weight spread, two all-reduces of the model, 15 s at 10 Mbit/s).
 
 Compute is emulated as device time: every step is paced to --step_s (process 0 --straggler_factor × as
 long; or --lognormal MEDIAN,SIGMA per step) less its own real compute, which is waited for
@@ -33,8 +36,8 @@ modelled with its all-reduce overlapped with the backward pass, as PyTorch's DDP
 tiny Llama with 5 layers, 1.13M parameters (a 4.5 MB float32 message), batch 2 × 32 tokens per replica.
 
 Per run (JSON): method, schedule, tau, codec, inner_steps, link_mbit (set, per process) and
-measured_link_mbit (the self-test's), idle_fraction per process (1 − device time / wall time, measured
-from each process's second round to the budget), skipped_fraction and triples_share (asynchronous:
+measured_link_mbit (the self-test's), idle_fraction per process (1 − device time / time, measured from
+each process's second round to the budget), skipped_fraction and triples_share (asynchronous:
 exchanges skipped for want of a partner within max_wait_s, and exchanges in a group of three), tokens_per_s,
 bytes per run, per token and per second (a replica's, the run's accounting: noloco_jax/outer/wire.py) and
 the bytes the kernel counted on each node's link, the validation curve, time_to_target_s (null if not
@@ -208,7 +211,8 @@ def summarise(method: str, run: dict, args, p: int, budget_s: float | None, targ
          "tokens_per_s": figures["tokens_per_s"],
          **run_figures.bytes_figures(sent, steps, TOKENS_PER_STEP, figures["tokens_per_s"], p),
          "measured_rounds": min(figures["measured_steps"]) // (1 if method == "ddp" else h),
-         "measured_s": figures["measured_s"], "evaluations_s": figures["evaluations_s"], "budget_s": budget, "target_loss": target,
+         "measured_s": figures["measured_s"], "evaluations_s": figures["evaluations_s"], "budget_s": budget,
+         "target_loss": target,
          "time_to_target_s": run_figures.time_to_target(curve, target, budget),
          "eval_loss_at_budget": run_figures.loss_at_budget(curve, budget), "val_curve": curve,
          "real_step_share": figures["real_step_share"], "overrun_fraction": figures["overrun_fraction"],
@@ -219,8 +223,8 @@ def summarise(method: str, run: dict, args, p: int, budget_s: float | None, targ
     out["wire_bytes_per_token"] = run_figures.wire_bytes_per_token(
         run["wire_samples"], run["traces"], clock, budget, every, TOKENS_PER_STEP)
   if method == "async":
-    out["round_breakdown"] = async_runs.summarise(run, h, TOKENS_PER_STEP, survivors, overlapped=tau(method, args) > 0)[
-        "round_breakdown"]
+    breakdown = async_runs.summarise(run, h, TOKENS_PER_STEP, survivors, overlapped=tau(method, args) > 0)
+    out["round_breakdown"] = breakdown["round_breakdown"]
   else:
     out["groups"] = [r["groups"] for r in run["job_pairings"]] or None
   return out
@@ -243,15 +247,16 @@ def message_bytes(method: str, run: dict, last: list[dict], h: int, survivors: l
 # ---- the model beside the measurement ----
 
 
-def measured_step_times(traces: list[list[dict]], skip: int) -> np.ndarray:
+def measured_step_times(traces: list[list[dict]], skip: int, every: int | None) -> np.ndarray:
   """[steps, P] each step's time as it ran (inner_s + slept_s: the device time, or the real compute where it
   overran) after each process's first `skip` steps (its first round: start-up and compiles, tens of seconds
   on a loaded machine), a shorter trace padded with its median step; the model fed these instead of the
-  device times predicts the schedule and the network alone, given the steps this machine managed."""
+  device times predicts the schedule and the network alone, given the steps this machine managed.
+  Evaluations (every `every` steps) are left out, as from the measurement."""
   steps = max(len(t) for t in traces) - skip
   out = np.empty((steps, len(traces)))
   for q, trace in enumerate(traces):
-    times = [r["inner_s"] + r["slept_s"] for r in trace[skip:]]
+    times = [r["inner_s"] + r["slept_s"] - run_figures.barrier_s(r, every) for r in trace[skip:]]
     out[:, q] = times + [float(np.median(times))] * (steps - len(times))
   return out
 
@@ -534,7 +539,8 @@ def _run_seed(p, seed, args, root, fabric, rates, results, bench) -> None:
     out["model"] = predict(method, out, args, rates, seed)
     if method != "ddp":  # (DDP's all-reduce runs inside its steps: their times are not compute)
       out["model_measured_steps"] = predict(method, out, args, rates, seed,
-                                            measured_step_times(run["traces"], inner_steps(method, args)))
+                                            measured_step_times(run["traces"], inner_steps(method, args),
+                                                                eval_every(method, args)))
     results["runs"].append(out)
     brief = ("processes", "groups", "val_curve", "wire_bytes", "wire_window")
     bench.note(json.dumps({k: v for k, v in out.items() if k not in brief}))
