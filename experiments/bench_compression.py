@@ -35,7 +35,7 @@ def main(argv=None) -> dict:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from experiments.lib import experiment  # pylint: disable=g-import-not-at-top
-  from noloco_jax.outer import pairing, rounds as rounds_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import pairing, programs as programs_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.tools import hlo as hlo_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
@@ -50,15 +50,15 @@ def main(argv=None) -> dict:
     setup = build_lib.build(config, vocab_size=257)
     state = jax.eval_shape(setup.init_state)
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
-    counted = setup.method.bytes_per_round(one)
+    counted = setup.method.traffic(one, setup.config.num_replicas)[0].operand
     dense = dense or counted
     row = {"setting": name, "params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(one))),
            "bytes_per_round": counted, "vs_float32": round(counted / dense, 5)}
     if args.hlo:
       mesh = mesh_lib.make_mesh(config.num_replicas, config.num_replicas)
-      groups = pairing.groups_from_permutation(np.arange(config.num_replicas), config.outer.group_size)
+      groups = pairing.groups_from_permutation(np.arange(config.num_replicas), config.outer.rule.group_size)
       shardings = jax.tree.map(lambda _: mesh_lib.replica_sharding(mesh), state)
-      lowered = rounds_lib.make_round_fn(setup.method, mesh, (groups,)).lower(
+      lowered = programs_lib.make_round_fn(setup.method, mesh, (groups,)).lower(
           jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings), jnp.int32(0))
       row["compiled_permute_bytes"] = hlo_lib.collective_bytes(lowered.compile().as_text(), "collective-permute")
       row["compiled_equals_counted"] = None if name == "bfloat16" else row["compiled_permute_bytes"] == counted

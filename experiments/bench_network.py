@@ -19,7 +19,7 @@ flow of the job and the control plane (an aggregate limit, not a link per node).
 The methods, each run for the same wall-clock budget: `diloco` (H_D = 2·H, the paper's ratio of 100 to
 50) runs first, for --rounds measured rounds (≥ 30 by default); its training time is the budget and its
 final validation loss the target; then `ddp`, `noloco` (lock-step, τ = 0), `noloco_overlap` (lock-step
-with the round in flight beside τ inner steps: outer.overlap_steps), `async` (the asynchronous schedule,
+with the round in flight beside τ inner steps: outer.overlap.steps), `async` (the asynchronous schedule,
 the same τ), each stopped at the budget (SIGTERM: every process saves and exits). Without diloco, the
 first lock-step method of --methods sets the budget and the target (--budget_s sets a budget instead).
 Each may send its messages under a codec (--codecs METHOD=CODEC: bfloat16, int8, int4, topk; float32
@@ -92,8 +92,8 @@ def codec_flags(codec: str) -> list[str]:
   if codec == "float32":
     return []
   if codec == "bfloat16":
-    return ["--config.outer.message_dtype=bfloat16"]
-  return [f"--config.outer.compression={codec}"]
+    return ["--config.outer.codec.message_dtype=bfloat16"]
+  return [f"--config.outer.codec.compression={codec}"]
 
 
 def inner_steps(method: str, args) -> int:
@@ -134,10 +134,11 @@ def job_flags(method: str, workdir: str, processes: int, steps: int, args, seed:
   if method in ("noloco", "noloco_overlap"):
     flags.append(f"--config.outer.pairing={args.pairing}")
   if tau(method, args):
-    flags.append(f"--config.outer.overlap_steps={tau(method, args)}")
+    flags.append(f"--config.outer.overlap.steps={tau(method, args)}")
   if method == "async":
     flags += ["--config.outer.schedule=async", "--config.outer.pairing=fresh",
-              f"--config.outer.max_wait_s={args.max_wait_s}", f"--config.outer.match_window_s={args.match_window_s}"]
+              f"--config.outer.asynchronous.max_wait_s={args.max_wait_s}",
+              f"--config.outer.asynchronous.match_window_s={args.match_window_s}"]
   return flags + codec_flags(args.codec_of[method]) + [f"--config.{o}" for o in args.overrides]
 
 
@@ -432,9 +433,9 @@ def parse(argv):
   bench.add_argument("--model", choices=list(MODELS), default="1m", help="1m: 1.13M parameters; smoke: 27k (tests)")
   bench.add_argument("--tau", "--async_overlap_steps", dest="tau", type=int, default=5,
                      help="τ of noloco_overlap and async: inner steps run while the round is in flight "
-                     "(outer.overlap_steps)")
-  bench.add_argument("--max_wait_s", type=float, default=1.0, help="async: outer.max_wait_s")
-  bench.add_argument("--match_window_s", type=float, default=0.02, help="async: outer.match_window_s")
+                     "(outer.overlap.steps)")
+  bench.add_argument("--max_wait_s", type=float, default=1.0, help="async: outer.asynchronous.max_wait_s")
+  bench.add_argument("--match_window_s", type=float, default=0.02, help="async: outer.asynchronous.match_window_s")
   bench.add_argument("--pairing", default="round_robin", choices=["round_robin", "fresh"],
                      help="lock-step NoLoCo's outer.pairing")
   bench.add_argument("--codecs", nargs="*", default=[],

@@ -263,11 +263,11 @@ def test_async_summary_and_validation_loss_over_time():
   assert async_runs.time_of_tokens(traces, 100) is None
 
 
-
-
 # ---- The benchmark in its seconds-long mode (--quick: P = 2, H = 2, DiLoCo's H = 4, 3 rounds) ----
 
 
+@pytest.mark.exhaustive(reason="bench_network's quick mode without root (its parts: this file's unit tests; on "
+                        "per-node links: the real tier's quick run)")
 def test_quick_on_loopback_the_stragglers_partner_idles_and_the_model_says_so(tmp_path):
   """No root: unshaped loopback. With two processes the straggler's (process 0's) only partner waits for it in
   every schedule; the model says half its time; the asynchronous job paired."""

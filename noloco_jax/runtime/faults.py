@@ -31,7 +31,7 @@ hooks then wait for the state to be computed (so steps no longer overlap with th
 {step, inner_s, round_s, slept_s} to DIR/trace_<process>.jsonl: inner_s from the end of the previous
 step to the end of this inner step, round_s the outer round (its exchange and any wait for partners),
 slept_s the injected delay (with `pace` also device_s, the step's emulated device time); at a round step
-also program_wait_s (how long the round blocked on its compiled program, outer/ahead.py), compiles and
+also program_wait_s (how long the round blocked on its compiled program, outer/programs.py), compiles and
 compile_s (this process's compiles so far, their seconds).
 """
 
@@ -145,7 +145,7 @@ class Injector:
       self._round_start = time.perf_counter()
 
   def after_program(self, stats) -> None:
-    """Tracing only: how long the round waited for its compiled program (outer/ahead.Stats), and the
+    """Tracing only: how long the round waited for its compiled program (outer/programs.Stats), and the
     compiles so far, so that a benchmark can tell compile time from exchange and partner waits."""
     if self._trace is not None:
       self._program = {"program_wait_s": stats.waits_s[-1] if stats.waits_s else 0.0,
