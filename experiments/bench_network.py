@@ -294,9 +294,11 @@ def predict(method: str, out: dict, args, link_rates: list[tuple[float, float]] 
     else:
       groups = [[list(range(p))]] * barriers
     times = jobs.device_times(p, barriers * per, args.step_s, args.straggler_factor, args.lognormal_pair, seed=0)
-    if step_times is not None:
-      barriers = min(barriers, len(step_times) // per)
-      times, groups = step_times[:barriers * per], groups[:barriers]
+    if step_times is not None:  # they start after the first round (measured_step_times): its groups go too
+      barriers = min(barriers - first, len(step_times) // per)
+      if barriers < 1:
+        return None
+      times, groups, first = step_times[:barriers * per], groups[first:first + barriers], 0
     compute = latency.per_barrier(times, per)
     hidden = None
     if method == "ddp":  # the all-reduce runs inside the paced step: hidden behind its device time

@@ -211,6 +211,19 @@ def test_barrier_schedule_on_links_of_their_own_and_with_the_round_in_flight():
                              bytes_by_group_size=lambda n: 1.0)
 
 
+def test_the_model_fed_the_measured_steps_uses_the_measured_rounds_groups():
+  """The measured step times start after the first round: the model takes the groups of the same rounds and
+  leaves nothing more out (it raised with a single measured round, and paired the rounds one off)."""
+  args = bench_network.parse(["--step_s=1", "--straggler_factor=2", "--inner_steps=2", "--tau=0"])[1]
+  out = {"processes_count": 2, "message_bytes": 8.0, "measured_rounds": 1, "tokens_per_s": 64.0,
+         "idle_fraction": [0.0, 0.5], "wait_fraction": [0.0, 0.5],
+         "groups": [[[0], [1]], [[0, 1]]]}  # the first (compiling) round alone, the measured one together
+  steps = np.asarray([[2.0, 1.0], [2.0, 1.0]])  # one measured round of H = 2: process 0 twice as slow
+  model = bench_network.predict("noloco", out, args, None, 0, steps)
+  assert model["idle_fraction"] == pytest.approx([0.0, 0.5])  # process 1 waits for its partner: the round's group
+  assert model["tokens_per_s"] == pytest.approx(2 * 2 * bench_network.TOKENS_PER_STEP / 4.0)
+
+
 def test_async_law_with_the_round_in_flight_and_links_of_their_own():
   equal = np.ones((2, 3))
   plain = law.simulate(equal, window_s=0.0, max_wait_s=2.0, exchange_s=0.5)
