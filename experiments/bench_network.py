@@ -22,8 +22,8 @@ final validation loss the target; then `ddp`, `noloco` (lock-step, τ = 0), `nol
 with the round in flight beside τ inner steps: outer.overlap.steps), `async` (the asynchronous schedule,
 the same τ), each stopped at the budget (SIGTERM: every process saves and exits). Without diloco, the
 first lock-step method of --methods sets the budget and the target (--budget_s sets a budget instead).
-Each may send its messages under a codec (--codecs METHOD=CODEC: bfloat16, int8, int4, topk; float32
-otherwise). Times are on the job's training clock, which leaves out the evaluations the benchmark runs
+NoLoCo's three may send their messages under a codec (--codecs METHOD=CODEC: bfloat16, int8, int4, topk;
+float32 otherwise; DiLoCo's and DDP's all-reduces carry float32, their rounds read no codec). Times are on the job's training clock, which leaves out the evaluations the benchmark runs
 to draw its curves (experiments/lib/run_figures.py: a lock-step evaluation also gathers the replicas'
 weight spread, two all-reduces of the model, 15 s at 10 Mbit/s).
 
@@ -441,7 +441,8 @@ def parse(argv):
   bench.add_argument("--pairing", default="round_robin", choices=["round_robin", "fresh"],
                      help="lock-step NoLoCo's outer.pairing")
   bench.add_argument("--codecs", nargs="*", default=[],
-                     help=f"METHOD=CODEC, CODEC one of {', '.join(CODECS)} (float32 otherwise)")
+                     help=f"METHOD=CODEC, CODEC one of {', '.join(CODECS)} (float32 otherwise; noloco, noloco_overlap "
+                     "and async only: DiLoCo's and DDP's all-reduces carry float32)")
   bench.add_argument("--seeds", type=int, nargs="+", default=[0],
                      help="config.seed of every job (each seed: every job)")
   bench.add_argument("--kill", action="store_true", help="async: also a job whose last process is killed at mid-budget")
@@ -460,6 +461,9 @@ def parse(argv):
     if method not in METHODS or codec not in CODECS:
       harness.usage_error(f"--codecs {item!r} is not valid: METHOD=CODEC with METHOD one of {', '.join(METHODS)} and "
                           f"CODEC one of {', '.join(CODECS)}.")
+    if method in ("diloco", "ddp") and codec != "float32":  # their specs read no config.outer.codec field
+      harness.usage_error(f"--codecs {item!r}: {method}'s all-reduce carries float32 (its round reads no "
+                          "config.outer.codec field); a codec is for noloco, noloco_overlap or async.")
     args.codec_of[method] = codec
   args.links = args.links or ("per_node" if args.rate or args.rates else "loopback")
   args.lognormal_pair = tuple(float(x) for x in args.lognormal.split(",")) if args.lognormal else None

@@ -63,6 +63,7 @@ def test_bad_rates_are_one_line_naming_the_flag(rate, rates, message, capsys):
     (["--links=per_node", "--rate=10mbit"], "--links=per_node needs root"),
     (["--processes", "100000"], "--processes=100000: this machine can place at most"),
     (["--codecs", "noloco=zip"], "--codecs 'noloco=zip' is not valid"),
+    (["--codecs", "diloco=bfloat16"], "--codecs 'diloco=bfloat16': diloco's all-reduce carries float32"),
     (["--methods", "async"], "the asynchronous schedule alone has no end; give --budget_s"),
     (["--links=loopback", "--rate=10mbit"], "--links=loopback takes no --rate")])
 def test_bad_command_lines_are_one_line(argv, message, capsys, monkeypatch):
