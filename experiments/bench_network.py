@@ -23,8 +23,8 @@ with the round in flight beside τ inner steps: outer.overlap.steps), `async` (t
 the same τ), each stopped at the budget (SIGTERM: every process saves and exits). Without diloco, the
 first lock-step method of --methods sets the budget and the target (--budget_s sets a budget instead).
 NoLoCo's three may send their messages under a codec (--codecs METHOD=CODEC: bfloat16, int8, int4, topk;
-float32 otherwise; DiLoCo's and DDP's all-reduces carry float32, their rounds read no codec). Times are on the job's training clock, which leaves out the evaluations the benchmark runs
-to draw its curves (experiments/lib/run_figures.py: a lock-step evaluation also gathers the replicas'
+float32 otherwise; DiLoCo's and DDP's all-reduces carry float32, their rounds read no codec). Times are
+on the job's training clock, which leaves out the evaluations the benchmark runs to draw its curves (experiments/lib/run_figures.py: a lock-step evaluation also gathers the replicas'
 weight spread, two all-reduces of the model, 15 s at 10 Mbit/s).
 
 Compute is emulated as device time: every step is paced to --step_s (process 0 --straggler_factor × as
