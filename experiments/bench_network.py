@@ -24,8 +24,9 @@ the same τ), each stopped at the budget (SIGTERM: every process saves and exits
 first lock-step method of --methods sets the budget and the target (--budget_s sets a budget instead).
 NoLoCo's three may send their messages under a codec (--codecs METHOD=CODEC: bfloat16, int8, int4, topk;
 float32 otherwise; DiLoCo's and DDP's all-reduces carry float32, their rounds read no codec). Times are
-on the job's training clock, which leaves out the evaluations the benchmark runs to draw its curves (experiments/lib/run_figures.py: a lock-step evaluation also gathers the replicas'
-weight spread, two all-reduces of the model, 15 s at 10 Mbit/s).
+on the job's training clock, which leaves out the evaluations the benchmark runs to draw its curves
+(experiments/lib/run_figures.py: a lock-step evaluation also gathers the replicas' weight spread, two
+all-reduces of the model, 15 s at 10 Mbit/s).
 
 Compute is emulated as device time: every step is paced to --step_s (process 0 --straggler_factor × as
 long; or --lognormal MEDIAN,SIGMA per step) less its own real compute, which is waited for
