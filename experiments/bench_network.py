@@ -332,7 +332,7 @@ def table(results: dict) -> str:
     model_fast = model_idle[1:] if model_idle and results["setting"]["straggler_factor"] != 1.0 else model_idle
     lines.append(
         f"| {run['processes_count']} | {run.get('links_label', '')} | {run['seed']} | {run['method']} | {run['tau']} | "
-        f"{run['codec']} | {run['measured_rounds']} | {run['tokens_per_s']:,.0f} "
+        f"{codec_sent(run)} | {run['measured_rounds']} | {run['tokens_per_s']:,.0f} "
         f"({fmt(m.get('tokens_per_s'), '{:,.0f}')}, "
         f"{fmt(m.get('tokens_per_s_error'), '{:+.0%}')}) | {np.mean(fast):.3f} "
         f"({fmt(np.mean(model_fast) if model_fast else None)}) | {run['skipped_fraction']:.3f} | "
@@ -341,6 +341,12 @@ def table(results: dict) -> str:
         f"{run['overrun_fraction']:.3f} | {fmt(run['time_to_target_s'], '{:.1f}')} | "
         f"{fmt(run['eval_loss_at_budget'])} |")
   return "\n".join(lines)
+
+
+def codec_sent(run: dict) -> str:
+  """What the run's messages travelled as: DiLoCo's and DDP's all-reduces carry float32 whatever was asked
+  (results saved before --codecs refused it say "bfloat16" for a float32 DiLoCo)."""
+  return "float32" if run["method"] in ("diloco", "ddp") else run["codec"]
 
 
 def _panels(results: dict) -> list[tuple]:
@@ -360,7 +366,7 @@ def plot_loss(results: dict, path: str) -> None:
       if r["val_curve"]:
         t, v = zip(*r["val_curve"])
         ax.plot(t, v, "-o" if r["schedule"] == "lockstep" else "-", ms=3, lw=1,
-                label=f"{r['method']} τ={r['tau']} {r['codec']}, seed {r['seed']}")
+                label=f"{r['method']} τ={r['tau']} {codec_sent(r)}, seed {r['seed']}")
     targets = {r["target_loss"] for r in runs if r.get("target_loss") is not None}
     for target in targets:
       ax.axhline(target, color="k", ls="--", lw=0.8)

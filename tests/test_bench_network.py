@@ -356,3 +356,13 @@ def test_results_of_the_first_benchmark_are_replotted_as_before(tmp_path, capsys
   out = bench_network.main(["--plot_from", saved, "--table", "--plot", str(tmp_path / "idle.png")])
   assert out["runs"] and all("model" in r for r in out["runs"] if r["method"] != "async")
   assert "| setting | P | method | wall s / round" in capsys.readouterr().out and (tmp_path / "idle.png").exists()
+
+
+def test_saved_per_node_results_are_tabled_with_the_codec_each_method_sent(tmp_path, capsys):
+  """RESULTS.md's per-node figures re-plot from their JSON; DiLoCo's all-reduce carried float32 although that
+  run asked for bfloat16 (its round reads no codec), and the table says what was sent."""
+  saved = os.path.join(REPO, "experiments", "results_bench_network_p8_hetero.json")
+  out = bench_network.main(["--plot_from", saved, "--table", "--plot_loss", str(tmp_path / "loss.png")])
+  assert [r["method"] for r in out["runs"]] == list(bench_network.METHODS) and (tmp_path / "loss.png").exists()
+  text = capsys.readouterr().out
+  assert "| diloco | 0 | float32 |" in text and "| async | 8 | bfloat16 |" in text
