@@ -226,6 +226,21 @@ def test_faults_parse_and_draw_reproducibly():
   assert faults.Injector(faults.parse("kill:process=1,step=2"), 0).faults == []  # not this process
 
 
+def test_pace_fills_each_step_up_to_its_device_time():
+  """`pace`: sleep the device time less the step's own compute (never negative); the entry naming the
+  process wins over process=*; with sigma, the device times are lognormal's draws, seeded per process."""
+  spec = "pace:seconds=0.2; pace:process=0,seconds=0.4"
+  straggler, other = faults.Injector(faults.parse(spec), 0), faults.Injector(faults.parse(spec), 1)
+  assert [straggler.delay_after(s, 0.1) for s in (1, 2)] == pytest.approx([0.3, 0.3]) and straggler.device_s == 0.4
+  assert other.delay_after(1, 0.05) == pytest.approx(0.15) and other.device_s == 0.2
+  assert other.delay_after(2, 0.5) == 0.0 and other.device_s == 0.2  # the step overran its device time
+  paced = faults.Injector(faults.parse("pace:seconds=0.1,sigma=0.5,seed=3"), 2)
+  drawn = faults.Injector(faults.parse("lognormal:median=0.1,sigma=0.5,seed=3"), 2)
+  for step in range(1, 6):
+    paced.delay_after(step, 0.0)
+    assert paced.device_s == drawn.delay_after(step, 0.0)  # the same stream: the model sees the same times
+
+
 @pytest.mark.parametrize("spec,message", [("explode:process=1", "fault kind 'explode'"),
                                           ("delay:process=1", "needs ['seconds']"),
                                           ("delay:seconds=fast", "not a number"),

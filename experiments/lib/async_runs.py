@@ -1,9 +1,8 @@
-"""The asynchronous schedule in experiments/bench_network.py: its job, what is read from it, and its model.
+"""The asynchronous schedule in experiments/bench_network.py: what is read from its job, and its model.
 
 An asynchronous job has no common end: each process trains at its own pace. So the benchmark gives it a
-wall-clock budget instead of a step count, the longest training time of the lock-step jobs it is
-compared with (or, run alone, the time its slowest process takes for the lock-step jobs' steps), and
-stops every process then with SIGTERM (each saves and exits 0; runtime/preemption.py).
+wall-clock budget instead of a step count and stops every process then with SIGTERM (each saves and exits
+0; runtime/preemption.py): experiments/lib/jobs.py runs it (`run_job`, `stop_after`).
 
 Every process evaluates its own replica every round (no barrier in this schedule), so its validation
 loss is known over time: the job's validation loss at wall time t is the mean over processes of each
@@ -14,75 +13,10 @@ one row per step with its end time).
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-from typing import Callable
-
 import numpy as np
 
-from experiments.lib import harness
 from experiments.lib import latency
-from noloco_jax.io import metrics as metrics_lib
-from noloco_jax.runtime import launch_local
-
-
-def read_traces(trace_dir: str, processes: int) -> list[list[dict]]:
-  """Each process's trace rows so far (a partly written last line is left out)."""
-  return [metrics_lib.read_jsonl(os.path.join(trace_dir, f"trace_{p}.jsonl"), missing_ok=True, skip_damaged=True)
-          for p in range(processes)]
-
-
-def origin(traces: list[list[dict]]) -> float | None:
-  """When every process had finished its first step (None before)."""
-  if not all(traces):
-    return None
-  return max(t[0]["end"] for t in traces)
-
-
-def run_job(flags: list[str], processes: int, workdir: str, env: dict, stop: Callable[[list[list[dict]], float], bool],
-            timeout_s: float = 1200.0, poll_s: float = 0.2) -> dict:
-  """Runs the job until `stop(traces, now)` (then SIGTERM to every process) and every process has exited.
-
-  A process that dies (an injected kill) does not stop the others. Returns the traces, each process's
-  metrics rows and pairing log, and the exit statuses.
-  """
-  trace_dir = os.path.join(workdir, "trace")
-  job = launch_local.Job(processes, 1, flags, log_dir=workdir + "_logs", cwd=harness.REPO,
-                         env={"NOLOCO_TRACE": trace_dir, "NOLOCO_HEARTBEAT_TIMEOUT_S": "60", **env})
-  deadline, stopped = time.time() + timeout_s, False
-  try:
-    while any(p.poll() is None for p in job.procs):
-      if time.time() > deadline:
-        raise RuntimeError(f"the asynchronous job in {workdir} did not finish in {timeout_s} s")
-      if not stopped and stop(read_traces(trace_dir, processes), time.time()):
-        job.forward(signal.SIGTERM)
-        stopped = True
-      time.sleep(poll_s)
-  finally:
-    for p in job.procs:
-      if p.poll() is None:
-        p.kill()
-  codes = [p.wait() for p in job.procs]
-  process_dirs = [os.path.join(workdir, f"process_{p}") for p in range(processes)]
-  read = lambda path: metrics_lib.read_jsonl(path, missing_ok=True)
-  return {"traces": read_traces(trace_dir, processes), "codes": codes,
-          "rows": [read(os.path.join(d, "metrics.jsonl")) for p, d in enumerate(process_dirs)],
-          "pairings": [read(os.path.join(d, f"pairings_{p}.jsonl")) for p, d in enumerate(process_dirs)],
-          "log_paths": job.log_paths}
-
-
-def stop_after(seconds: float, min_steps: int = 0) -> Callable:
-  """Stop once `seconds` have passed since the origin (and every live process has `min_steps` steps)."""
-  def stop(traces, now):
-    start = origin(traces)
-    return start is not None and now - start >= seconds and min(len(t) for t in traces) >= min_steps
-  return stop
-
-
-def stop_at_steps(steps: int) -> Callable:
-  """Stop once every process has taken `steps` steps (the slowest decides)."""
-  return lambda traces, now: all(len(t) >= steps for t in traces)
+from experiments.lib.jobs import origin, read_traces, run_job, stop_after, stop_at_steps  # noqa: F401  (re-exported)
 
 
 def curves(run: dict) -> list[list[tuple[float, float]]]:

@@ -77,7 +77,7 @@ def link_bytes(method: str, group_size: int, s_bytes: float) -> float:
 
 def barrier_schedule(groups_by_barrier: Sequence[Groups], compute: np.ndarray, *, alpha: float = 0.0,
                      beta: float = 0.0, bytes_by_group_size=None, burst_bytes: float = 0.0,
-                     first: int = 1) -> dict:
+                     first: int = 1, exchange_s=None, hidden_s: np.ndarray | None = None) -> dict:
   """Finish times, idle fractions and time per barrier of the model above.
 
   groups_by_barrier[b]: barrier b's groups (lists of process indices covering every process);
@@ -86,6 +86,11 @@ def barrier_schedule(groups_by_barrier: Sequence[Groups], compute: np.ndarray, *
   burst_bytes: the link's token bucket (full at time 0);
   first: barriers before it set the clocks but are not counted (the benchmark leaves its first,
   compiling round out too).
+  exchange_s(group): instead of the shared link, seconds of a group's exchange on links of its own
+  (per-node links: latency.per_node_exchange_s); groups never queue behind each other.
+  hidden_s [B, P]: seconds of member q's compute after barrier b that run while b's exchange is in flight
+  (the lock-step overlapped round, outer.overlap_steps τ: the first τ steps of the next round): q then
+  leaves b at ready + max(exchange − hidden_s[b, q], 0).
   Returns idle_fraction [P], wall_s_per_barrier (the slowest process's time over the counted barriers
   / their number), wait_s and busy_s [P] (counted barriers) and finish [B, P].
   """
@@ -97,6 +102,8 @@ def barrier_schedule(groups_by_barrier: Sequence[Groups], compute: np.ndarray, *
     raise ValueError(f"first={first} must be in [0, {num_barriers})")
   if beta > 0 and bytes_by_group_size is None:
     raise ValueError("beta > 0 needs bytes_by_group_size")
+  if beta > 0 and exchange_s is not None:
+    raise ValueError("beta (one shared link) and exchange_s (links of their own) exclude each other")
   finish = np.zeros((num_barriers, processes))
   left = np.zeros(processes)  # when each process left its previous barrier
   # Groups become ready in time order (a group's ready time is at least the finish that made it
@@ -123,7 +130,9 @@ def barrier_schedule(groups_by_barrier: Sequence[Groups], compute: np.ndarray, *
     ready, b, g = heapq.heappop(heap)
     group = groups_by_barrier[b][g]
     sent = ready
-    if beta > 0:
+    if exchange_s is not None:
+      sent = ready + exchange_s(tuple(group))
+    elif beta > 0:
       start = max(ready, link_free)
       tokens = min(burst_bytes, tokens + (start - link_free) / beta)
       size = bytes_by_group_size(len(group))
@@ -132,8 +141,10 @@ def barrier_schedule(groups_by_barrier: Sequence[Groups], compute: np.ndarray, *
       sent = link_free
     end = sent + alpha
     for q in group:
-      finish[b, q] = end
-      left[q] = end
+      # With the round in flight beside the next steps, q waits only for what they did not cover.
+      own = end if hidden_s is None else ready + max(end - ready - hidden_s[b, q], 0.0)
+      finish[b, q] = own
+      left[q] = own
       if b + 1 < num_barriers:
         arrive(q, b + 1)
   counted = slice(first, num_barriers)

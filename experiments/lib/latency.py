@@ -29,6 +29,10 @@ Sections, in order:
   9. The asynchronous schedule on one setting (`async_schedule`): no barrier at all; the pairing law of
      noloco_jax/asynchronous/law.py decides who meets whom and when; the model column of
      bench_network.py's async runs.
+ 10. Per-node links (`per_node_exchange_s`): every process on a link of its own with its own up and down
+     rate (experiments/lib/node_links.py), so an exchange's time is set by its own members' links and does
+     not grow with P; what a message weighs comes from the run's accounting (noloco_jax/outer/wire.py),
+     so a codec's payload is priced as it is sent.
 """
 
 from __future__ import annotations
@@ -380,7 +384,8 @@ def summary(ns: Sequence[int] = tuple(2 ** k for k in range(1, 13)), key_n: int 
 
 
 def async_schedule(step_times: np.ndarray, inner_steps: int, *, window_s: float, max_wait_s: float,
-                   exchange_s: float = 0.0, until_s: float | None = None, seed: int = 0, odd: str = "triple") -> dict:
+                   exchange_s=0.0, until_s: float | None = None, seed: int = 0, odd: str = "triple",
+                   overlap_steps: int = 0) -> dict:
   """The asynchronous schedule (docs/async.md) on per-process compute times, as `barrier_schedule` for the others.
 
   step_times [steps, P]: seconds of compute of each process's every step (straggler_step_times, or the
@@ -389,13 +394,46 @@ def async_schedule(step_times: np.ndarray, inner_steps: int, *, window_s: float,
   (seed, batch)) and each exchange costs `exchange_s`. With `until_s` no process starts a round after it
   (so processes of different speeds cover the same wall time). Returns per process the idle fraction
   (everything but compute: waiting for a partner, exchanging, waiting out a skip), rounds, exchanges
-  and skips, compute and end times, and steps/s of the job (Σ steps / the latest end).
+  and skips, compute and end times, and steps/s of the job (Σ steps / the latest end). `exchange_s`: seconds
+  per exchange, or a function of the group (per-node links: `per_node_exchange_s`); `overlap_steps` τ: the
+  round runs beside the next round's first τ steps (law.simulate's overlap τ/H).
   """
   durations = per_barrier(np.asarray(step_times, np.float64), inner_steps).T  # [P, rounds]
   sim = law.simulate(durations, window_s=window_s, max_wait_s=max_wait_s, exchange_s=exchange_s, seed=seed,
-                     until_s=until_s, odd=odd)
+                     until_s=until_s, odd=odd, overlap=overlap_steps / inner_steps)
   end = np.maximum(sim.end_s, 1e-12)
   return {"idle_fraction": [float(x) for x in (end - sim.busy_s) / end], "rounds": sim.rounds.tolist(),
           "exchanges": sim.exchanges.tolist(), "skips": sim.skips.tolist(), "busy_s": sim.busy_s.tolist(),
           "end_s": sim.end_s.tolist(), "steps_per_s": float(sim.rounds.sum() * inner_steps / end.max()),
           "wall_s_per_round": float(np.median(end / np.maximum(sim.rounds, 1)))}
+
+
+# ----------------------------------------------------------------------------------------------------
+# 10. Per-node links
+# ----------------------------------------------------------------------------------------------------
+# Each process q has a link of its own: it sends at up[q] and receives at down[q] bits per second
+# (node_links.Link; the rates a run's self-test measured, TCP goodput). Links are independent, so a
+# group's exchange costs what its members' links give, whatever the other groups do:
+#  * a group exchange (NoLoCo, gossip; pairs or a triple): every member sends its message of S bytes to
+#    each of the n − 1 others and receives theirs, all at once; member q's uplink carries (n − 1)·S and
+#    its downlink (n − 1)·S, so the exchange ends when the busiest of them has: max over members of
+#    (n − 1)·S·8 / min(up[q], down[q]).
+#  * a ring all-reduce over the group in slot order (DiLoCo per round, DDP per step): 2(n − 1) steps in
+#    sequence, each moving S/n from every member to the next at once, so each step lasts as long as the
+#    slowest hop: 2(n − 1)/n · S·8 / min over hops (q → q+1) of min(up[q], down[q + 1]).
+# No latency is added (no delay emulation on the links: experiments/lib/node_links.py); an exchange's
+# software cost is the α of the caller.
+
+
+def per_node_exchange_s(kind: str, group, message_bytes: float, up_bit_s, down_bit_s) -> float:
+  """Seconds of one exchange of `kind` ("group" or "ring") among `group` (slots) on per-node links."""
+  group = sorted(group)
+  n = len(group)
+  if n < 2:
+    return 0.0
+  if kind == "group":
+    return max((n - 1) * message_bytes * 8 / min(up_bit_s[q], down_bit_s[q]) for q in group)
+  if kind == "ring":
+    hops = [min(up_bit_s[q], down_bit_s[group[(i + 1) % n]]) for i, q in enumerate(group)]
+    return 2 * (n - 1) / n * message_bytes * 8 / min(hops)
+  raise ValueError(f"kind={kind!r}: 'group' or 'ring'")

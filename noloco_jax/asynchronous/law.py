@@ -32,7 +32,7 @@ statistical tests, and the model of the schedule's idle time.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -101,15 +101,21 @@ class Simulation:
     return self.wait_s / np.maximum(self.end_s, 1e-12)
 
 
-def simulate(durations: np.ndarray, *, window_s: float, max_wait_s: float, exchange_s: float = 0.0,
-             seed: int = 0, live: Sequence[int] | None = None, until_s: float | None = None,
-             odd: str = "triple") -> Simulation:
+def simulate(durations: np.ndarray, *, window_s: float, max_wait_s: float,
+             exchange_s: float | Callable[[tuple[int, ...]], float] = 0.0, seed: int = 0,
+             live: Sequence[int] | None = None, until_s: float | None = None, odd: str = "triple",
+             overlap: float = 0.0) -> Simulation:
   """The law on a job whose process p spends durations[p, r] seconds on the inner steps of its round r.
 
   Every process runs durations.shape[1] rounds, or, with `until_s`, starts no round after that time
   (so that processes of different speeds are compared over the same wall time). `live`: the slots
-  taking part (default all).
+  taking part (default all). `exchange_s`: seconds of every exchange, or a function of its group (slots,
+  sorted): links of their own per process. `overlap` ω in [0, 1): the round runs beside the first ω of the
+  next round's inner steps (outer.overlap_steps τ = ω·H), and the process waits only for what is left of
+  it after them: it becomes ready next at ready + d + max(0, done − (ready + ω·d)).
   """
+  if not 0.0 <= overlap < 1.0:
+    raise ValueError(f"overlap={overlap} is not valid: a fraction of a round in [0, 1).")
   durations = np.asarray(durations, np.float64)
   num, rounds = durations.shape
   slots = list(range(num)) if live is None else sorted(live)
@@ -126,17 +132,22 @@ def simulate(durations: np.ndarray, *, window_s: float, max_wait_s: float, excha
   open_members: list[int] = []
   opened_at = 0.0
 
-  def finish_round(p: int, t: float, paired: bool) -> None:
+  def finish_round(p: int, t: float, group: tuple[int, ...] | None) -> None:
     wait_s[p] += t - waiting_since[p]
     done[p] += 1
-    (exchanges if paired else skips)[p] += 1
-    end = t + (exchange_s if paired else 0.0)
+    (exchanges if group else skips)[p] += 1
+    cost = (exchange_s(group) if callable(exchange_s) else exchange_s) if group else 0.0
+    end = t + cost
     end_s[p] = end
     if done[p] < rounds and (until_s is None or end < until_s):
       d = durations[p, done[p]]
       busy_s[p] += d
-      ready_at[p] = waiting_since[p] = end + d
-      deadline[p] = end + d + max_wait_s
+      if overlap:  # the next round's first ω·d ran meanwhile
+        start = waiting_since[p]
+        ready_at[p] = waiting_since[p] = start + d + max(0.0, end - (start + overlap * d))
+      else:
+        ready_at[p] = waiting_since[p] = end + d
+      deadline[p] = ready_at[p] + max_wait_s
     else:
       del ready_at[p]
 
@@ -169,9 +180,9 @@ def _close(batches, members, opened_at, t, seed, odd, deadline, finish_round, re
   batches.append(Batch(index, opened_at, t, tuple(members), groups, left_out))
   for group in groups:
     for p in group:
-      finish_round(p, t, True)
+      finish_round(p, t, group)
   for p in left_out:
     if t < deadline[p]:
       ready_at[p] = t  # takes a new ticket at once
     else:
-      finish_round(p, t, False)
+      finish_round(p, t, None)

@@ -25,6 +25,11 @@ The protocol of one exchange (group = the Match from matchmaking.py, tag = its b
 
 Any failure is an `ExchangeFailed` naming the partner and the reason, raised at most `timeout_s`
 after the call (plus one store call): the caller skips the exchange and trains on.
+
+Where the server listens: the address this host's name resolves to (`data_host`), as JAX's CPU
+collectives (gloo) bind theirs in the lock-step schedule: 127.0.0.1 on a machine whose name maps there,
+the node's own address on a cluster, or in a network namespace of its own (experiments/lib/node_links.py,
+where weights then cross the node's shaped link).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import socket
 import threading
 import time
 
@@ -48,6 +54,14 @@ class ExchangeFailed(RuntimeError):
   def __init__(self, partner: int, reason: str):
     super().__init__(f"exchange with slot {partner} failed: {reason}")
     self.partner, self.reason = partner, reason
+
+
+def data_host() -> str:
+  """The address this host's name resolves to (gloo's rule for its own collectives); 127.0.0.1 if none."""
+  try:
+    return socket.gethostbyname(socket.gethostname())
+  except OSError:
+    return "127.0.0.1"
 
 
 def uuid(tag: int, owner: int, puller: int) -> int:
@@ -76,9 +90,10 @@ class Stats:
 class Transport:
   """This process's transfer server, its address in the store, and its connections to partners."""
 
-  def __init__(self, kv: KV, slot: int, incarnation: int, *, host: str = "127.0.0.1", keep_tags: int = 16):
+  def __init__(self, kv: KV, slot: int, incarnation: int, *, host: str | None = None, keep_tags: int = 16):
     from jax.experimental import transfer  # pylint: disable=g-import-not-at-top
     self.kv, self.slot, self.incarnation, self.keep_tags = kv, slot, incarnation, keep_tags
+    host = host or data_host()
     client = jax.local_devices()[0].client
     self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
     kv.set(f"tx/{slot}", json.dumps([incarnation, self.server.address()]))

@@ -10,6 +10,11 @@ come from the environment variable NOLOCO_FAULTS, a `;`-separated list of `kind:
     lognormal:process=*,median=0.05,sigma=0.5,seed=0
                                                  sleep a log-normal time after every step; the draws of
                                                  process p come from seed + p, so they are reproducible
+    pace:seconds=0.1                             emulated device time: every step takes at least 0.1 s
+                                                 (sleep 0.1 s less the step's own compute, which is
+                                                 waited for); `sigma=0.5,seed=0`: a log-normal time of
+                                                 median `seconds` per step instead, drawn as lognormal's;
+                                                 an entry naming the process wins over process=*
     stall:process=1,step=4,seconds=3             sleep 3 s once, after step 4 (the process stops; to
                                                  its peers much like a link down for 3 s, see linkdown)
     kill:process=1,step=5                        SIGKILL process 1 right after step 5 (a lost host)
@@ -25,8 +30,9 @@ NOLOCO_TRACE=DIR (benchmarks: experiments/bench_network.py) also times every ste
 hooks then wait for the state to be computed (so steps no longer overlap with the host) and append
 {step, inner_s, round_s, slept_s} to DIR/trace_<process>.jsonl: inner_s from the end of the previous
 step to the end of this inner step, round_s the outer round (its exchange and any wait for partners),
-slept_s the injected delay; at a round step also program_wait_s (how long the round blocked on its
-compiled program, outer/programs.py), compiles and compile_s (this process's compiles so far, their seconds).
+slept_s the injected delay (with `pace` also device_s, the step's emulated device time); at a round step
+also program_wait_s (how long the round blocked on its compiled program, outer/programs.py), compiles and
+compile_s (this process's compiles so far, their seconds).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from noloco_jax.runtime import link_faults
 
 ENV = "NOLOCO_FAULTS"
 TRACE_ENV = "NOLOCO_TRACE"
-KINDS = ("delay", "slowdown", "lognormal", "stall", "kill", "linkdown")
+KINDS = ("delay", "slowdown", "lognormal", "pace", "stall", "kill", "linkdown")
 
 
 @dataclasses.dataclass
@@ -73,7 +79,7 @@ def parse(spec: str) -> list[Fault]:
       fault = Fault(kind, None if process == "*" else int(process), values)
     except ValueError:
       raise ValueError(f"{ENV}: {entry!r} has a value that is not a number.") from None
-    need = {"delay": {"seconds"}, "slowdown": {"factor"}, "lognormal": {"median", "sigma"},
+    need = {"delay": {"seconds"}, "slowdown": {"factor"}, "lognormal": {"median", "sigma"}, "pace": {"seconds"},
             "stall": {"step", "seconds"}, "kill": {"step"}, "linkdown": {"step", "seconds"}}[kind]
     if need - values.keys():
       raise ValueError(f"{ENV}: {entry!r} needs {sorted(need)}.")
@@ -92,8 +98,13 @@ class Injector:
     self._round_start = None
     self._program = {}  # tracing: the current round's program wait and compile counts (after_program)
     self.faults = [f for f in faults if f.process in (None, process_index)]
+    paces = [f for f in self.faults if f.kind == "pace"]
+    named = [f for f in paces if f.process is not None]
+    self.faults = [f for f in self.faults if f.kind != "pace"] + (named or paces)[-1:]  # one pace: the most specific
     self._rngs = {id(f): np.random.default_rng(int(f.params.get("seed", 0)) + process_index)
-                  for f in self.faults if f.kind == "lognormal"}
+                  for f in self.faults if f.kind in ("lognormal", "pace")}
+    self._pace = next((f for f in self.faults if f.kind == "pace"), None)
+    self.device_s = None  # the last step's emulated device time (pace), for its trace row
     self._links = {}
     for f in self.faults:
       if f.kind == "linkdown":  # refused now, in one line, rather than at step k
@@ -113,7 +124,11 @@ class Injector:
     total = 0.0
     for f in self.faults:
       p = f.params
-      if f.kind == "delay":
+      if f.kind == "pace":
+        self.device_s = p["seconds"] * (float(np.exp(p["sigma"] * self._rngs[id(f)].standard_normal()))
+                                        if p.get("sigma") else 1.0)
+        total += max(self.device_s - step_s, 0.0)
+      elif f.kind == "delay":
         total += p["seconds"]
       elif f.kind == "slowdown":
         total += max(p["factor"] - 1.0, 0.0) * step_s
@@ -130,7 +145,7 @@ class Injector:
       self._round_start = time.perf_counter()
 
   def after_program(self, stats) -> None:
-    """Tracing only: how long the round waited for its compiled program (outer/ahead.Stats), and the
+    """Tracing only: how long the round waited for its compiled program (outer/programs.Stats), and the
     compiles so far, so that a benchmark can tell compile time from exchange and partner waits."""
     if self._trace is not None:
       self._program = {"program_wait_s": stats.waits_s[-1] if stats.waits_s else 0.0,
@@ -139,7 +154,7 @@ class Injector:
   def after_step(self, step: int, state=None) -> None:
     if not self.faults and self._trace is None:
       return
-    if self._trace is not None:
+    if self._trace is not None or self._pace is not None:  # pace needs the step's compute, done
       _wait(state)
     now = time.perf_counter()
     inner_end = self._round_start or now
@@ -149,7 +164,8 @@ class Injector:
       self.slept_s += seconds
     if self._trace is not None:
       self._trace.write(json.dumps({"step": step, "inner_s": inner_end - self._last, "round_s": now - inner_end,
-                                    "slept_s": seconds, "end": time.time(), **self._program}) + "\n")
+                                    "slept_s": seconds, "end": time.time(), **self._program,
+                                    **({"device_s": self.device_s} if self._pace else {})}) + "\n")
     for f in self.faults:
       if f.kind == "linkdown" and step == int(f.params["step"]):
         self._links[id(f)].start()

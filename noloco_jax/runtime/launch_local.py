@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # passed on to the processes (see main)
@@ -67,11 +67,17 @@ def process_env(process_id: int, num_processes: int, devices_per_process: int, p
 
 class Job:
   """P running processes of one job (`python -m module ARGS`, or `python script ARGS`); `wait()`
-  returns their exit statuses."""
+  returns their exit statuses.
+
+  `wrap(i, command)`: the command process i actually runs, e.g. the command prefixed to enter a network
+  namespace of its own (experiments/lib/node_links.py); it must exec the command in place (same pid), so
+  that signals reach the process.
+  """
 
   def __init__(self, num_processes: int, devices_per_process: int, args: Sequence[str], *,
                module: str = "noloco_jax.main", script: str | None = None, port: int = 0,
-               log_dir: str | None = None, env: dict[str, str] | None = None, cwd: str | None = None):
+               log_dir: str | None = None, env: dict[str, str] | None = None, cwd: str | None = None,
+               wrap: Callable[[int, list[str]], list[str]] | None = None):
     self.port = port or free_port()
     self.procs: list[subprocess.Popen] = []
     self.first_failure: int | None = None  # the index of the process seen failing first (`wait`)
@@ -79,6 +85,7 @@ class Job:
     self._threads = []
     for i in range(num_processes):
       cmd = [sys.executable, *([script] if script else ["-m", module]), *args]
+      cmd = wrap(i, cmd) if wrap else cmd
       log_path = os.path.join(log_dir, f"process_{i}.log") if log_dir else None
       if log_path:
         os.makedirs(log_dir, exist_ok=True)
