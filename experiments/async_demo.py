@@ -12,6 +12,8 @@ launch, and a way to watch the schedule work:
 
 NOLOCO_FAULTS (noloco_jax/runtime/faults.py) applies after every inner step (e.g. `kill:process=2,step=40`).
 `--join` makes a (re)started process take its state from a live peer before training (churn.py).
+Every round goes to LOG_DIR/rounds_<slot>.jsonl with digests of the whole state before its message and
+after its update (a failed or skipped round must leave it bit for bit: tests/test_async_exchange_faults.py).
 At the end each process writes LOG_DIR/result_<slot>.json; process 0, which hosts the coordination
 service unless `--standalone_service`, waits (up to --linger_s) for the others to finish first.
 """
@@ -75,7 +77,7 @@ def main(argv=None) -> None:
                                 exchange_timeout_s=opts.exchange_timeout_s, lease_s=opts.lease_s,
                                 beat_s=min(0.5, opts.lease_s / 4), odd=opts.odd, join_timeout_s=30.0)
   os.makedirs(opts.log_dir, exist_ok=True)
-  logs = [JsonlLog(os.path.join(opts.log_dir, f"{name}_{slot}.jsonl")) for name in ("pairings", "membership")]
+  logs = [JsonlLog(os.path.join(opts.log_dir, f"{name}_{slot}.jsonl")) for name in ("pairings", "membership", "rounds")]
   session = session_lib.Session(connection.kv, slot, connection.incarnation, options, pairings=logs[0], events=logs[1])
   injector = faults.from_env(slot)
   lr = 0.1
@@ -121,12 +123,15 @@ def main(argv=None) -> None:
       time.sleep(opts.step_s)
       if injector is not None:  # None without NOLOCO_FAULTS (a restarted process runs without it)
         injector.after_step(step, state.params)
+    before = _digest(state)
     state, own, payload, _ = message(state)
     outcome = session.round(payload, progress=step)
     if outcome.exchanged:  # the group's messages, own first: the weighted mean, then NoLoCo's merge
       weights = async_rules.staleness_weights(outcome.progress, inner_steps=opts.inner_steps, decay=opts.decay)
       weights = None if async_rules.equal(weights) else weights  # equal: the lock-step mean's arithmetic
       state = merge(state, mean_of(own, tuple(outcome.messages[1:]), weights))
+    logs[2].append({"step": step, "time": time.time(), "status": outcome.status, "batch": outcome.batch,
+                    "group": list(outcome.group), "before": before, "after": _digest(state)})
     phi = state.outer["slow"]
     if session.serve_joins(lambda: (state.outer["slow"], state.opt_state), progress=step):
       served.append({"phi": _digest(phi), "inner": _digest(state.opt_state), "progress": step})

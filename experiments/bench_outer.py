@@ -18,6 +18,11 @@ lax.switch runs one such branch).
     python experiments/bench_outer.py --json                                  # tiny preset, P = 1, 2, 4
     python experiments/bench_outer.py --preset=small --config.model.num_layers=2 --processes=1,2 --json
 
+`--part=pairing` measures instead what a fresh pairing costs (its compile per round, the stall at round
+boundaries, the inner steps slowed): experiments/lib/pairing.py, whose flags it then takes, e.g.
+
+    python experiments/bench_outer.py --part=pairing --modes=fresh,round_robin --config.outer.inner_steps=5 --json
+
 On a machine with fewer cores than devices, every "device" shares the same cores, so these times
 measure compute and memory traffic under contention as much as communication (see RESULTS.md).
 """
@@ -250,7 +255,13 @@ def _table(runs: list[dict]) -> tuple[str, dict]:
 
 def main(argv=None) -> dict | None:
   argv = list(sys.argv[1:] if argv is None else argv)
+  if "--part=pairing" in argv or any(a == "--part" and b == "pairing" for a, b in zip(argv, argv[1:])):
+    from experiments.lib import pairing  # pylint: disable=g-import-not-at-top  (its own flags and devices)
+    i = argv.index("--part=pairing") if "--part=pairing" in argv else argv.index("--part")
+    return pairing.main(argv[:i] + argv[i + (1 if argv[i] == "--part=pairing" else 2):])
   bench = harness.Bench(__doc__, config=True)
+  bench.add_argument("--part", default="outer", choices=("outer", "pairing"),
+                     help="outer: the round's wall time and bytes (this page); pairing: a fresh pairing's cost")
   bench.add_argument("--processes", default="1,2,4", help="comma-separated process counts")
   bench.add_argument("--replicas", type=int, default=8, help="N replicas = N fake CPU devices in all")
   bench.add_argument("--preset", default="tiny", help="model preset (tiny | small | medium | large)")

@@ -500,7 +500,7 @@ def test_the_checks_catch_what_they_should():
           "async_demo.py defines no flag --nope",
       "bash scripts/nope.sh": "does not exist",
       "pip install -e .[plotz]": "no extra",
-      "python experiments/bench_pairing.py --rounds=6 --config.outer.pairing_pool=4": "not a field of the config",
+      "python experiments/bench_outer.py --part=pairing --rounds=6 --config.outer.pairing_pool=4": "not a field of the config",
       "python experiments/bench_ab.py --a.outer.pairing_pool=4": "not a field of the schema",
       "python experiments/bench_ab.py --a.outer.inner_steps=often": "outer.inner_steps",
       "python experiments/bench_ab.py --c.outer.inner_steps=5": "takes no --c.FIELD overrides",

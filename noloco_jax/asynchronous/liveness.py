@@ -25,7 +25,7 @@ tests' processes beat while they train). A lease says the process is running, no
 progress; a process that is alive but never ready simply never pairs.
 
 Every change an observer sees becomes an event {"time", "slot", "incarnation", "event"} with event one
-of joined | left | lost | returned, kept in `events` and passed to `on_event` (logged per process).
+of joined | left | lost | returned (and, of itself, left_behind: `beat`), kept in `events` and passed to `on_event` (logged per process).
 """
 
 from __future__ import annotations
@@ -123,10 +123,11 @@ class Liveness:
     self.events: list[dict] = []
     self.on_event = on_event  # may be set later (the session's membership log)
     self._counter = 0
+    self._last_beat: float | None = None  # its own clock at its last beat
     self._left = False  # left the schedule, still beating (leave(keep_beating=True))
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
-    self._lock = threading.Lock()
+    self._lock = threading.RLock()  # poll's events are emitted under it (_emit takes it again)
     self._observe = observe
 
   def attach(self, on_event: Callable[[dict], None]) -> None:
@@ -142,7 +143,13 @@ class Liveness:
       self.on_event = None
 
   def beat(self) -> None:
-    """Renews this process's lease once."""
+    """Renews this process's lease once. A gap since its last beat longer than the lease (by its own clock:
+    the process was stopped, or its host paused) means the others have held it lost: it is told so by a
+    `left_behind` event; its next beat makes it `returned` to them, and it is paired again."""
+    now = self._clock()
+    if self._last_beat is not None and now - self._last_beat > self.lease_s:
+      self._emit([{**_event(self.slot, self.incarnation, "left_behind"), "silent_s": round(now - self._last_beat, 3)}])
+    self._last_beat = now
     self._counter += 1
     tail = f"{LEFT}:{self._counter}" if self._left else str(self._counter)
     self.kv.set(f"{PREFIX}{self.slot}", f"{self.incarnation}:{tail}")
@@ -203,10 +210,13 @@ class Liveness:
     raw = self.kv.dir(PREFIX)
     values = {int(k[len(PREFIX):]): v for k, v in raw.items()}
     with self._lock:
-      events = self.table.observe(values, self._clock())
+      self._emit(self.table.observe(values, self._clock()))
+      return self.table.alive()
+
+  def _emit(self, events: list[dict]) -> None:
+    with self._lock:
       for e in events:
         self.events.append(e)
         logging.info("Membership: slot %d (incarnation %d) %s.", e["slot"], e["incarnation"], e["event"])
         if self.on_event is not None:
           self.on_event(e)
-      return self.table.alive()

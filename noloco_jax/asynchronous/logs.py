@@ -40,7 +40,7 @@ import sys
 PROCESS_DIR = re.compile(r"process_(\d+)")  # a process's run in a job's workdir
 # Per-process figures that are not the job's (see the module docstring).
 NOT_THE_JOBS = ("replicas/weight_std", "eval/consensus_loss", "eval/consensus_ppl")
-ENDS = ("lost", "left", "returned", "joined_from")  # the membership events summary() lists
+ENDS = ("lost", "left", "returned", "joined_from", "left_behind")  # the membership events summary() lists
 
 
 def _jsonl(path: str) -> list[dict]:

@@ -22,9 +22,21 @@ The protocol of one exchange (group = the Match from matchmaking.py, tag = its b
    (`TransferConnection._poison_connection`, which ends the pull with an error at once) and the next
    exchange with that partner opens a new connection. A partner whose process died makes the pull
    fail by itself ("Connection closed", about 1 s).
+4. Commit: each member, once it holds every partner's message, writes `x/<tag>/<me>/ack` and waits
+   (to the deadline) for its partners' acks. Then the group's record `x/<tag>/decided/<least slot>` is
+   *created* by the first member to decide, "commit" when it saw every ack, else "abort: why"; the store
+   lets exactly one creator win and every member follows that record: either every member merges the
+   exchange or none does. A member that comes late (stopped, slowed, its clock stepped) finds the record
+   written: "abort" if its partners gave up on it (it is told so, and merges nothing), "commit" if they
+   had all acknowledged before it stopped (it merges, as they did). No process merges with a partner that
+   did not merge with it, whatever the timing (issue 38.3; tests/test_async_exchange_faults.py). A
+   record lives until its least slot has made 16 more exchanges (keep_tags); one stopped longer finds
+   none, writes "abort" and merges nothing.
 
 Any failure is an `ExchangeFailed` naming the partner and the reason, raised at most `timeout_s`
-after the call (plus one store call): the caller skips the exchange and trains on.
+after the call (plus a few store calls): the caller skips the exchange and trains on, its state
+as it was. Faults can be placed inside an exchange for tests (runtime/faults.py: xkill, xstop, xdelay,
+xclock at offered | announced | pulled).
 
 Where the server listens: the address this host's name resolves to (`data_host`), as JAX's CPU
 collectives (gloo) bind theirs in the lock-step schedule: 127.0.0.1 on a machine whose name maps there,
@@ -44,7 +56,9 @@ import time
 import jax
 
 from noloco_jax.asynchronous.control import KV
+from noloco_jax.runtime import faults as faults_lib
 
+COMMIT = "commit"  # the group's record of an exchange every member completed (else "abort: why")
 _SLOTS = 1 << 12  # slots (and so processes) an id can name; tags take the remaining 40 bits
 
 
@@ -71,6 +85,12 @@ def uuid(tag: int, owner: int, puller: int) -> int:
   return (tag * _SLOTS + owner) * _SLOTS + puller
 
 
+def _decision_key(tag: int, slots) -> str:
+  """The store key of a group's record for exchange `tag` (groups of one batch are disjoint: the least slot
+  names the group)."""
+  return f"x/{tag}/decided/{min(slots)}"
+
+
 def signature(leaves) -> str:
   return json.dumps([[list(x.shape), str(x.dtype)] for x in leaves])
 
@@ -90,7 +110,10 @@ class Stats:
 class Transport:
   """This process's transfer server, its address in the store, and its connections to partners."""
 
-  def __init__(self, kv: KV, slot: int, incarnation: int, *, host: str | None = None, keep_tags: int = 16):
+  def __init__(self, kv: KV, slot: int, incarnation: int, *, host: str | None = None, keep_tags: int = 16,
+               hook: faults_lib.ExchangeFaults | None = None):
+    """`host`: where the server listens (None: `data_host()`); `hook`: faults placed inside its exchanges
+    (tests; default: NOLOCO_FAULTS' x* kinds, usually none)."""
     from jax.experimental import transfer  # pylint: disable=g-import-not-at-top
     self.kv, self.slot, self.incarnation, self.keep_tags = kv, slot, incarnation, keep_tags
     host = host or data_host()
@@ -100,25 +123,38 @@ class Transport:
     self._conns: dict[int, tuple[int, object]] = {}  # slot -> (incarnation, connection)
     self._tags: list[int] = []
     self.stats = Stats()
+    self.hook = hook if hook is not None else faults_lib.exchange_from_env(slot)
+
+  def _at(self, phase: str) -> None:
+    if self.hook is not None:
+      self.hook.at(phase)
 
   def exchange(self, message, partners, tag: int, timeout_s: float) -> list:
     """Sends `message` (a pytree of arrays) to each partner (matchmaking.Member) and returns theirs, in order.
 
-    Raises ExchangeFailed at most `timeout_s` after the call when a partner does not deliver.
+    Raises ExchangeFailed at most `timeout_s` after the call (plus a few store calls) when the group does not
+    commit it (module docstring, step 4); a late member (stopped, slowed) follows the group's record.
     """
     start = time.monotonic()
     deadline = start + timeout_s
     leaves, treedef = jax.tree.flatten(message)
     sig = signature(leaves)
+    if self.hook is not None:
+      self.hook.begin()
     for p in partners:
       self.offer(leaves, tag, p.slot, timeout_s + 5.0)  # an offer outlives our own wait
+    self._at("offered")
     self.kv.set(f"x/{tag}/{self.slot}", sig)
+    self._at("announced")
     self._remember(tag)
     nbytes = sum(x.nbytes for x in leaves)
     self.stats.bytes_sent += nbytes * len(partners)
-    received = []
+    record = _decision_key(tag, [self.slot, *(p.slot for p in partners)])
+    received, failure = [], None
     try:
       for p in partners:
+        if self.kv.get(record) is not None:  # the group has decided without us (we are late): follow it
+          raise ExchangeFailed(p.slot, "the group decided before this process had pulled every message")
         theirs = self.kv.wait(f"x/{tag}/{p.slot}", deadline - time.monotonic())
         if theirs is None:
           raise ExchangeFailed(p.slot, f"it did not offer its message within {timeout_s:.3g} s (stalled, dead, or "
@@ -130,9 +166,25 @@ class Transport:
         got = self.fetch(p, tag, specs, deadline)
         self.stats.bytes_received += nbytes
         received.append(jax.tree.unflatten(treedef, got))
-    except ExchangeFailed:
+      self._at("pulled")
+      self.kv.set(f"x/{tag}/{self.slot}/ack", "1")
+      for p in partners:
+        if self.kv.wait(f"x/{tag}/{p.slot}/ack", deadline - time.monotonic()) is None:
+          raise ExchangeFailed(p.slot, f"it did not acknowledge our message within {timeout_s:.3g} s (stalled, dead, "
+                                       "or it gave up)")
+    except ExchangeFailed as e:
+      failure = e
+    # The group's one record: the first member to decide writes it (create: exactly one wins), every member
+    # follows it, so either all of them merge this exchange or none does.
+    want = COMMIT if failure is None else f"abort: slot {self.slot}: {failure}"
+    self.kv.create(record, want)
+    decided = self.kv.get(record)
+    if decided != COMMIT:
       self.stats.failures += 1
-      raise
+      if failure is None or decided != want:
+        failure = ExchangeFailed(failure.partner if failure else partners[0].slot,
+                                 f"the group aborted the exchange ({decided}); this process was late, nothing is merged")
+      raise failure
     self.stats.exchanges += 1
     self.stats.seconds += time.monotonic() - start
     return received
@@ -186,4 +238,6 @@ class Transport:
   def _remember(self, tag: int) -> None:
     self._tags.append(tag)
     while len(self._tags) > self.keep_tags:
-      self.kv.delete(f"x/{self._tags.pop(0)}/{self.slot}")
+      old = self._tags.pop(0)
+      for key in (f"x/{old}/{self.slot}", f"x/{old}/{self.slot}/ack", f"x/{old}/decided/{self.slot}"):
+        self.kv.delete(key)  # the last: the record of a group this slot was the least of

@@ -270,7 +270,7 @@ class RoundPrograms:
   def start(self, state, last_round: int | None = None, first_round: int = 0, compile_ahead: bool = True) -> None:
     """Starts compiling, on a background thread, the fixed programs and round `first_round`'s exchange for
     `state`'s layout. `last_round`: nothing is compiled for a round after it; `compile_ahead=False`: each
-    round's exchange compiles when the round asks for it (what experiments/bench_pairing.py compares with)."""
+    round's exchange compiles when the round asks for it (what experiments/bench_outer.py --part=pairing compares with)."""
     self._layout(abstract(state))
     self._last, self._ahead = last_round, compile_ahead
     self._futures = collections.OrderedDict()
@@ -348,7 +348,7 @@ class RoundPrograms:
 
 @dataclasses.dataclass
 class Stats:
-  """The background compiles of a run's round programs (NOLOCO_TRACE and experiments/bench_pairing.py)."""
+  """The background compiles of a run's round programs (NOLOCO_TRACE and experiments/bench_outer.py --part=pairing)."""
   compiles: int = 0  # programs compiled
   compile_s: list = dataclasses.field(default_factory=list)  # seconds each took (lower + compile)
   waits_s: list = dataclasses.field(default_factory=list)  # seconds each `get` blocked the caller

@@ -26,6 +26,25 @@ come from the environment variable NOLOCO_FAULTS, a `;`-separated list of `kind:
 `process=*` (or leaving `process` out) applies to every process. Nothing else reads the variable;
 without it `after_step` does nothing, so a normal run carries no fault code on its path.
 
+Faults inside an exchange of the asynchronous schedule (asynchronous/transport.py calls `ExchangeFaults.at`
+at three points of each exchange; `round=k`: the process's k-th exchange since it started):
+
+    xkill:process=1,round=3,at=announced         SIGKILL itself at that point (a host lost mid-transfer)
+    xstop:process=1,round=3,at=offered,seconds=8 SIGSTOP itself (every thread, its heartbeat and transfer
+                                                 server too) for 8 s; a helper process sends SIGCONT
+    xdelay:process=1,round=3,at=offered,seconds=4
+                                                 sleep 4 s there (alive but late: its partner's transfer
+                                                 times out)
+    xclock:process=1,round=3,at=offered,seconds=-3600
+                                                 step its wall clock by −3600 s (libfaketime: the process
+                                                 must run with it preloaded and FAKETIME_TIMESTAMP_FILE set;
+                                                 the fault writes the offset there)
+
+`at`: `offered` (its message is on its transfer server, its partners not yet told), `announced` (its
+store entry is written: partners pull from it now), `pulled` (it holds its partners' messages, before it
+returns them). A stop or a delay past the exchange's deadline, or past the lease, is what the tests of
+issue 38 place (tests/test_async_exchange_faults.py).
+
 NOLOCO_TRACE=DIR (benchmarks: experiments/bench_network.py) also times every step: the loop's
 hooks then wait for the state to be computed (so steps no longer overlap with the host) and append
 {step, inner_s, round_s, slept_s} to DIR/trace_<process>.jsonl: inner_s from the end of the previous
@@ -50,7 +69,9 @@ from noloco_jax.runtime import link_faults
 
 ENV = "NOLOCO_FAULTS"
 TRACE_ENV = "NOLOCO_TRACE"
-KINDS = ("delay", "slowdown", "lognormal", "pace", "stall", "kill", "linkdown")
+KINDS = ("delay", "slowdown", "lognormal", "pace", "stall", "kill", "linkdown", "xkill", "xstop", "xdelay", "xclock")
+EXCHANGE_KINDS = ("xkill", "xstop", "xdelay", "xclock")
+PHASES = ("offered", "announced", "pulled")  # the points of an exchange where transport.py calls the hook
 
 
 @dataclasses.dataclass
@@ -58,6 +79,7 @@ class Fault:
   kind: str
   process: int | None  # None: every process
   params: dict[str, float]
+  at: str | None = None  # exchange faults: the point of the exchange (PHASES)
 
 
 def parse(spec: str) -> list[Fault]:
@@ -74,13 +96,19 @@ def parse(spec: str) -> list[Fault]:
         raise ValueError(f"{ENV}: {pair!r} in {entry!r} is not key=value.")
       params[key.strip()] = value.strip()
     process = params.pop("process", "*")
+    at = params.pop("at", None)
+    if (at is not None) != (kind in EXCHANGE_KINDS) or (at is not None and at not in PHASES):
+      raise ValueError(f"{ENV}: {entry!r}: at={at} is not valid" + (f" (valid: {', '.join(PHASES)})." if kind in
+                       EXCHANGE_KINDS else f" ({kind} applies after a step; at= is for {', '.join(EXCHANGE_KINDS)})."))
     try:
       values = {k: float(v) for k, v in params.items()}
-      fault = Fault(kind, None if process == "*" else int(process), values)
+      fault = Fault(kind, None if process == "*" else int(process), values, at)
     except ValueError:
       raise ValueError(f"{ENV}: {entry!r} has a value that is not a number.") from None
     need = {"delay": {"seconds"}, "slowdown": {"factor"}, "lognormal": {"median", "sigma"}, "pace": {"seconds"},
-            "stall": {"step", "seconds"}, "kill": {"step"}, "linkdown": {"step", "seconds"}}[kind]
+            "stall": {"step", "seconds"}, "kill": {"step"}, "linkdown": {"step", "seconds"},
+            "xkill": {"round"}, "xstop": {"round", "seconds"}, "xdelay": {"round", "seconds"},
+            "xclock": {"round", "seconds"}}[kind]
     if need - values.keys():
       raise ValueError(f"{ENV}: {entry!r} needs {sorted(need)}.")
     faults.append(fault)
@@ -97,7 +125,7 @@ class Injector:
       self._trace = open(os.path.join(trace_dir, f"trace_{process_index}.jsonl"), "a", buffering=1)
     self._round_start = None
     self._program = {}  # tracing: the current round's program wait and compile counts (after_program)
-    self.faults = [f for f in faults if f.process in (None, process_index)]
+    self.faults = [f for f in faults if f.process in (None, process_index) and f.kind not in EXCHANGE_KINDS]
     paces = [f for f in self.faults if f.kind == "pace"]
     named = [f for f in paces if f.process is not None]
     self.faults = [f for f in self.faults if f.kind != "pace"] + (named or paces)[-1:]  # one pace: the most specific
@@ -174,6 +202,47 @@ class Injector:
     self._round_start = None
     self._program = {}
     self._last = time.perf_counter()
+
+
+class ExchangeFaults:
+  """The exchange faults (x*) that name this process; `at(phase)` is called by transport.py inside every
+  exchange, `begin()` once at its start (it counts the rounds)."""
+
+  def __init__(self, faults: list[Fault], process_index: int):
+    self.faults = [f for f in faults if f.process in (None, process_index) and f.kind in EXCHANGE_KINDS]
+    self.round = 0
+
+  def begin(self) -> None:
+    self.round += 1
+
+  def at(self, phase: str) -> None:
+    for f in self.faults:
+      if f.at != phase or int(f.params["round"]) != self.round:
+        continue
+      seconds = f.params.get("seconds", 0.0)
+      if f.kind == "xkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+      elif f.kind == "xstop":
+        # Nothing inside a stopped process runs, so another process ends the stop.
+        import subprocess  # pylint: disable=g-import-not-at-top
+        subprocess.Popen(["/bin/sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"], start_new_session=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+      elif f.kind == "xdelay":
+        time.sleep(seconds)
+      elif f.kind == "xclock":
+        path = os.environ.get("FAKETIME_TIMESTAMP_FILE")
+        if not path or "faketime" not in os.environ.get("LD_PRELOAD", ""):
+          raise failures.ReportedError(f"{ENV}: xclock needs libfaketime preloaded (LD_PRELOAD) and "
+                                       "FAKETIME_TIMESTAMP_FILE set; this process has neither.")
+        with open(path, "w") as out:
+          out.write(f"{seconds:+.0f}\n")
+
+
+def exchange_from_env(process_index: int) -> ExchangeFaults | None:
+  """The exchange faults of this process from NOLOCO_FAULTS; None when it names none (the exchange then
+  carries no fault code on its path)."""
+  hook = ExchangeFaults(parse(os.environ.get(ENV, "")), process_index) if os.environ.get(ENV) else None
+  return hook if hook is not None and hook.faults else None
 
 
 def from_env(process_index: int | None = None) -> Injector | None:

@@ -1,4 +1,5 @@
-"""What a fresh pairing costs: the compile per round, the stall at round boundaries, the inner steps slowed.
+"""`experiments/bench_outer.py --part=pairing`: what a fresh pairing costs: the compile per round, the stall at
+round boundaries, the inner steps slowed.
 
 With outer.pairing=fresh on a mesh every round's grouping needs its own program (ppermute's routing is
 static). For NoLoCo and gossip that program holds only the grouping's routes (outer/programs.py: the
@@ -30,9 +31,9 @@ program (`whole_round_compile_s`, what every fresh round compiled before the rou
 inner step's time while a compile of either runs without pause on the background thread, against no
 compile (`slowdown_while_compiling`: the worst case, a compile for the whole of the steps).
 
-    python experiments/bench_pairing.py --json                         # default outer config, tiny model
-    python experiments/bench_pairing.py --modes=fresh,round_robin --config.outer.inner_steps=5 --json
-    python experiments/bench_pairing.py --modes=fresh --rounds=20 --config.model.d_model=256 --json
+    python experiments/bench_outer.py --part=pairing --json                         # default outer config, tiny model
+    python experiments/bench_outer.py --part=pairing --modes=fresh,round_robin --config.outer.inner_steps=5 --json
+    python experiments/bench_outer.py --part=pairing --modes=fresh --rounds=20 --config.model.d_model=256 --json
 
 The default config's outer settings are used as they are (N = 8, n = 2, H = 50, fresh); only the model
 is shrunk (--preset, --config.model.FIELD=VALUE) so that it runs on CPU. Every fake device shares the same cores.
@@ -225,7 +226,3 @@ def main(argv=None) -> dict:
     bench.note(f"compile: whole round {cost['whole_round_compile_s']} s, routes {cost.get('routes_compile_s')} s; "
                f"inner step slowed while compiling: {cost['slowdown_while_compiling']}")
   return bench.finish(result)
-
-
-if __name__ == "__main__":
-  harness.run(main)

@@ -1,0 +1,374 @@
+"""experiments/bench_churn.py's pieces: the failure trace, the supervisor of one job under it, and what is read
+from the job afterwards (goodput, time lost per failure, the audit).
+
+The failure trace (`failure_trace`, pure): each process fails as a Poisson process of rate 1/mtbf_s, drawn
+from (seed, process) alone, so every method of a sweep meets the same failures at the same moments (in
+seconds from the job's origin: the moment every process has finished its first step).
+
+The supervisor (`run`), one job, P processes on one machine:
+
+- asynchronous NoLoCo: the coordination service in a process of its own (docs/async.md §5: a process of
+  the job may then die, process 0 included), P training processes. A failure SIGKILLs that process; after
+  `restart_delay_s` the supervisor starts it again with the same slot, and it rejoins from a live peer.
+  A failure that hits a process already down (waiting or starting) is skipped: it is not counted.
+- lock-step NoLoCo, DiLoCo, DDP: one `jax.distributed` job. A failure SIGKILLs the process, and the
+  supervisor kills the rest at once (a lock-step job cannot go on without it; the others would fail at
+  their next collective: the time they take to notice is not charged, so lock-step's loss is a lower
+  bound); after `restart_delay_s` it starts the whole job again with the same command, which resumes
+  from its last checkpoint. A failure during the wait is skipped; one while the job starts restarts it.
+  `checkpoint.elastic` does not apply: the whole job comes back with its P processes.
+- at `budget_s` from the origin every running process gets SIGTERM (it saves and exits).
+
+Accounting (`account`):
+
+- tokens that contributed to the surviving model: lock-step, the last checkpoint's step × P × tokens per
+  step (steps done again after a restart count once). Asynchronous, per process and incarnation: a killed
+  incarnation's steps up to its last exchange that completed (merged into its partners: its pairings log,
+  copied when it was killed, before its restart rewrites it), the surviving incarnation's up to its last
+  step; a restarted incarnation counts only steps beyond what its previous one counted (a restart that
+  resumes from its own checkpoint redoes steps, which count once).
+- goodput = those tokens ÷ (P × budget_s × a healthy process's tokens/s); healthy: the most steps per
+  second per process that any run of the sweep made before its first failure (from the origin to the
+  first kill, at least 5 s), rounds, evaluations and checkpoints included: the best pace the machine
+  allowed any schedule, so a schedule's own waiting counts against it as failures do.
+- time lost per failure: from the kill to the first step after the restart (the job's, or that process's),
+  plus the steps lost (lock-step: since the last checkpoint; asynchronous: since the last exchange) at
+  the healthy step time.
+- audit: rows_lost counts metrics rows missing or logged twice (lock-step: every multiple of log_every up
+  to the last checkpoint once; asynchronous, per process: no step twice, and the surviving incarnation's
+  every multiple of log_every from its start to its last row); corrupt_states counts checkpoints that do
+  not read back with valid checksums (io/checkpoint/read.py: digests and every replica's state checksum)
+  and processes whose last evaluation is not finite or lies outside its peers' spread (asynchronous:
+  not below the initial evaluation (step 0: a state reset to random weights or diverged), or outside
+  [min − d, max + d] of the others' last evaluations, d = the larger of their range and 1 nat: processes
+  at different progress differ by up to about 1 nat early in a run (seen: 3.90 against 2.92 at step 20
+  on the smoke model), so only a gross fault is caught). A last
+  evaluation is the last one at or before that process's (job's) last checkpoint: the model that survived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from experiments.lib import async_runs
+from experiments.lib import harness
+from noloco_jax.io import metrics as metrics_lib
+from noloco_jax.runtime import failures
+from noloco_jax.runtime import launch_local
+
+METHODS = ("async", "noloco", "diloco", "ddp")
+
+
+def failure_trace(seed: int, processes: int, mtbf_s: float, horizon_s: float) -> list[tuple[float, int]]:
+  """[(seconds from the origin, process)] sorted by time: each process a Poisson process of mean interval
+  mtbf_s (math.inf: none), its draws from (seed, process) alone."""
+  events = []
+  if math.isinf(mtbf_s):
+    return events
+  for p in range(processes):
+    rng = np.random.default_rng([seed, p, 38])
+    t = 0.0
+    while True:
+      t += float(rng.exponential(mtbf_s))
+      if t >= horizon_s:
+        break
+      events.append((t, p))
+  return sorted(events)
+
+
+@dataclasses.dataclass
+class Setting:
+  processes: int
+  budget_s: float
+  mtbf_s: float
+  restart_delay_s: float
+  step_s: float
+  inner_steps: int
+  checkpoint_every: int
+  eval_every: int
+  straggler: float  # the slow process's factor (process 0); 1: none
+  seed: int
+  max_wait_s: float
+  lease_s: float
+  exchange_timeout_s: float
+
+
+def flags(method: str, workdir: str, s: Setting) -> list[str]:
+  """The trainer's flags: the smoke model, one replica per process, a constant learning rate after warm-up
+  (the job runs to a wall-clock budget, not to num_steps)."""
+  out = ["--config=configs/default.py:smoke", f"--workdir={workdir}", f"--config.num_replicas={s.processes}",
+         "--config.num_steps=1000000", f"--config.outer.inner_steps={s.inner_steps}", f"--config.seed={s.seed}",
+         "--config.inner.min_lr_ratio=1.0", f"--config.log_every={s.inner_steps}",
+         f"--config.eval_every={s.eval_every}", f"--config.checkpoint_every={s.checkpoint_every}"]
+  if method == "async":
+    return out + ["--config.outer.kind=noloco", "--config.outer.schedule=async",
+                  f"--config.outer.asynchronous.max_wait_s={s.max_wait_s}",
+                  f"--config.outer.asynchronous.lease_s={s.lease_s}", "--config.outer.asynchronous.join_timeout_s=60",
+                  f"--config.outer.asynchronous.exchange_timeout_s={s.exchange_timeout_s}"]
+  # One program for every round (bench_network.py's reason: a fresh pairing compiles every round, and P
+  # compiles share this machine's cores).
+  return out + [f"--config.outer.kind={method}"] + (["--config.outer.pairing=round_robin"] if method == "noloco" else [])
+
+
+def device_time(s: Setting) -> str:
+  """NOLOCO_FAULTS emulating device time: a sleep of step_s after every step, (factor − 1) × more on process 0."""
+  spec = f"delay:seconds={s.step_s}"
+  if s.straggler > 1:
+    spec += f";delay:process=0,seconds={(s.straggler - 1) * s.step_s}"
+  return spec
+
+
+class _Procs:
+  """The job's processes: one Popen per slot (asynchronous) or one launch_local.Job (lock-step)."""
+
+  def __init__(self, method: str, workdir: str, s: Setting):
+    self.method, self.workdir, self.s = method, workdir, s
+    self.trace_dir = os.path.join(workdir, "trace")
+    # A long heartbeat timeout: on a loaded machine a starting process can miss JAX's heartbeats for 30 s.
+    self.env = {"NOLOCO_FAULTS": device_time(s), "NOLOCO_TRACE": self.trace_dir, "NOLOCO_HEARTBEAT_TIMEOUT_S": "120"}
+    self.port = launch_local.free_port()
+    self.service = None
+    self.procs: list[subprocess.Popen | None] = [None] * s.processes
+    self.started = [0.0] * s.processes  # when each slot's current process was started
+    self.logs = os.path.join(workdir + "_logs")
+    os.makedirs(self.logs, exist_ok=True)
+    if method == "async":
+      self.env["NOLOCO_STANDALONE_SERVICE"] = "1"
+      self.service = subprocess.Popen([sys.executable, "-m", "noloco_jax.asynchronous.control", f"--port={self.port}",
+                                       f"--num_processes={s.processes}", "--heartbeat_timeout_s=120"], cwd=harness.REPO, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, text=True,
+                                      env={**os.environ, "JAX_PLATFORMS": "cpu"}, process_group=0)
+      self.service.stdout.readline()  # "... coordination service for P processes ..." once it listens
+
+  def start(self, slots) -> None:
+    if self.method != "async":  # the whole job, one port per launch (the old service may linger)
+      self.port = launch_local.free_port()
+    for p in slots:
+      self.started[p] = time.time()
+      with open(os.path.join(self.logs, f"process_{p}.log"), "a") as log:
+        self.procs[p] = subprocess.Popen(
+            [sys.executable, "-m", "noloco_jax.main", *flags(self.method, self.workdir, self.s)], cwd=harness.REPO,
+            env=launch_local.process_env(p, self.s.processes, 1, self.port, self.env), stdout=log,
+            stderr=subprocess.STDOUT, process_group=0)
+
+  def alive(self, p: int) -> bool:
+    return self.procs[p] is not None and self.procs[p].poll() is None
+
+  def kill(self, p: int) -> None:
+    if self.alive(p):
+      self.procs[p].send_signal(signal.SIGKILL)
+      self.procs[p].wait()
+
+  def stop(self, timeout_s: float = 120.0) -> list[int | None]:
+    """SIGTERM to every process that has stepped since it (re)started (it saves and exits); SIGKILL to one
+    still starting (it has nothing of its own to save, and may not read SIGTERM until it trains)."""
+    traces = async_runs.read_traces(self.trace_dir, self.s.processes)
+    stepped = lambda p: any(r["end"] > self.started[p] for r in traces[p])
+    for p in range(self.s.processes):
+      if self.alive(p):
+        self.procs[p].send_signal(signal.SIGTERM if stepped(p) else signal.SIGKILL)
+    end = time.time() + timeout_s
+    while time.time() < end and any(self.alive(p) for p in range(self.s.processes)):
+      time.sleep(0.2)
+    for p in range(self.s.processes):
+      self.kill(p)
+    if self.service is not None:
+      self.service.terminate()
+      try:
+        self.service.wait(timeout=30)
+      except subprocess.TimeoutExpired:  # a loaded machine: it holds nothing, so it need not go quietly
+        self.service.kill()
+        self.service.wait()
+    return [None if proc is None else proc.returncode for proc in self.procs]
+
+
+def run(method: str, root: str, s: Setting, trace: list[tuple[float, int]], start_timeout_s: float = 600.0) -> dict:
+  """One job under `trace` (module docstring); what `account` reads."""
+  workdir = os.path.join(root, f"{method}_mtbf{s.mtbf_s:g}_s{s.seed}")
+  shutil.rmtree(workdir, ignore_errors=True)
+  procs = _Procs(method, workdir, s)
+  lockstep = method != "async"
+  procs.start(range(s.processes))
+  deadline = time.time() + start_timeout_s
+  origin = None
+  while origin is None:
+    if time.time() > deadline or not all(procs.alive(p) for p in range(s.processes)):
+      procs.stop(10)
+      raise RuntimeError(f"{method}: the job did not start (logs in {procs.logs})")
+    time.sleep(0.2)
+    origin = async_runs.origin(async_runs.read_traces(procs.trace_dir, s.processes))
+  pending = list(trace)
+  restarts: dict[int, float] = {}  # slot (lock-step: -1, the job) -> when it starts again
+  kills = []  # {time, process, step, checkpoint, last_exchanged, skipped}
+  skipped = 0
+  end = origin + s.budget_s
+  while time.time() < end:
+    now = time.time()
+    for key, when in sorted(restarts.items()):
+      if now >= when:
+        procs.start(range(s.processes) if key < 0 else [key])
+        del restarts[key]
+    while pending and origin + pending[0][0] <= now:
+      _, p = pending.pop(0)
+      down = (-1 in restarts) if lockstep else (p in restarts or not procs.alive(p))
+      if down:
+        skipped += 1
+        continue
+      kills.append(_kill(procs, p, lockstep, now))
+      restarts[-1 if lockstep else p] = now + s.restart_delay_s
+    time.sleep(0.05)
+  codes = procs.stop()
+  read = lambda path: metrics_lib.read_jsonl(path, missing_ok=True, skip_damaged=True)
+  dirs = [workdir] if lockstep else [os.path.join(workdir, f"process_{p}") for p in range(s.processes)]
+  return {"method": method, "workdir": workdir, "origin": origin, "end": end, "kills": kills, "skipped": skipped,
+          "codes": codes, "traces": async_runs.read_traces(procs.trace_dir, s.processes),
+          "rows": [read(os.path.join(d, "metrics.jsonl")) for d in dirs], "dirs": dirs}
+
+
+def _kill(procs: _Procs, p: int, lockstep: bool, now: float) -> dict:
+  """SIGKILLs process p (lock-step: then the whole job); what was lost, read at once."""
+  traces = async_runs.read_traces(procs.trace_dir, procs.s.processes)
+  step = max((r["step"] for r in traces[p]), default=0)
+  procs.kill(p)
+  record = {"time": now, "process": p, "step": step}
+  if lockstep:
+    for q in range(procs.s.processes):
+      procs.kill(q)
+    record["checkpoint"] = failures.last_checkpoint(procs.workdir) or 0
+  else:
+    path = os.path.join(procs.workdir, f"process_{p}", f"pairings_{p}.jsonl")
+    rows = metrics_lib.read_jsonl(path, missing_ok=True, skip_damaged=True)
+    exchanged = [r["step"] for r in rows if r.get("status") == "exchanged"]
+    record["last_exchanged"] = max(exchanged, default=0)
+  return record
+
+
+# ---- What is read from a job afterwards ----
+
+
+def healthy_rate(run_: dict) -> float | None:
+  """Steps per second per process before the run's first failure (every process's steps from the origin to
+  the first kill, or to the end), None when that stretch is shorter than 5 s."""
+  stop = min([k["time"] for k in run_["kills"]] + [run_["end"]])
+  if stop - run_["origin"] < 5.0:
+    return None
+  steps = sum(1 for t in run_["traces"] for r in t if run_["origin"] < r["end"] <= stop)
+  return steps / (len(run_["traces"]) * (stop - run_["origin"]))
+
+
+def _segments(trace: list[dict], kill_times: list[float]) -> list[list[dict]]:
+  """A process's trace rows cut into its incarnations at the times it was killed."""
+  out, bounds = [], sorted(kill_times) + [math.inf]
+  rows = sorted(trace, key=lambda r: r["end"])
+  lo = -math.inf
+  for hi in bounds:
+    out.append([r for r in rows if lo < r["end"] <= hi])
+    lo = hi
+  return out
+
+
+def contributed_steps(run_: dict) -> tuple[int, list[dict]]:
+  """(steps that reached the surviving model, per failure: the steps it lost); module docstring."""
+  kills = run_["kills"]
+  if run_["method"] != "async":
+    final = failures.last_checkpoint(run_["workdir"]) or 0
+    lost = [{"steps": k["step"] - k["checkpoint"]} for k in kills]
+    return final * len(run_["traces"]), lost
+  total, lost = 0, []
+  for p, trace in enumerate(run_["traces"]):
+    mine = [k for k in kills if k["process"] == p]
+    segments = _segments(trace, [k["time"] for k in mine])
+    counted = 0  # the step up to which this slot's tokens are counted
+    for i, seg in enumerate(segments):
+      if not seg:
+        continue
+      start = seg[0]["step"] - 1
+      top = mine[i]["last_exchanged"] if i < len(mine) else seg[-1]["step"]
+      if i < len(mine):
+        lost.append({"steps": max(mine[i]["step"] - top, 0)})
+      total += max(top - max(start, counted), 0)
+      counted = max(counted, top)
+  return total, lost
+
+
+def downtime(run_: dict) -> list[float]:
+  """Per failure: seconds from the kill to the first step after it (of the job or of that process), or to
+  the end of the budget."""
+  out = []
+  for k in run_["kills"]:
+    traces = run_["traces"] if run_["method"] != "async" else [run_["traces"][k["process"]]]
+    after = [r["end"] for t in traces for r in t if r["end"] > k["time"]]
+    out.append(min(min(after, default=run_["end"]), run_["end"]) - k["time"])
+  return out
+
+
+def audit_rows(run_: dict, log_every: int) -> int:
+  """Rows missing or logged twice (module docstring)."""
+  bad = 0
+  for i, rows in enumerate(run_["rows"]):
+    steps = [r["step"] for r in rows if "train/loss" in r]
+    bad += len(steps) - len(set(steps))
+    if run_["method"] != "async":
+      top = failures.last_checkpoint(run_["workdir"]) or 0
+      bad += len(set(range(log_every, top + 1, log_every)) - set(steps))
+      continue
+    mine = [k["time"] for k in run_["kills"] if k["process"] == i]
+    last = _segments(run_["traces"][i], mine)[-1]
+    if last and steps:
+      start, stop = last[0]["step"] - 1, max(steps)
+      first = (start // log_every + 1) * log_every
+      bad += len(set(range(first, stop + 1, log_every)) - set(steps))
+  return bad
+
+
+def audit_states(run_: dict) -> tuple[int, list[float]]:
+  """(checkpoints that do not read back with valid checksums + processes whose last evaluation is not
+  finite or outside its peers' spread, each process's last evaluation)."""
+  from noloco_jax.io.checkpoint import read as read_lib  # pylint: disable=g-import-not-at-top
+  bad = 0
+  for d in run_["dirs"]:
+    for step in read_lib.steps(d) if os.path.isdir(d) else ():
+      try:
+        read_lib.read(d, step)
+      except Exception:  # pylint: disable=broad-except  (any failure to read it back is a corrupt checkpoint)
+        bad += 1
+  last = []
+  for d, rows in zip(run_["dirs"], run_["rows"]):
+    top = failures.last_checkpoint(d)
+    evals = [r["eval/loss"] for r in rows if "eval/loss" in r and (top is None or r["step"] <= top)]
+    last.append(evals[-1] if evals else math.nan)
+  initial = [r["eval/loss"] for rows in run_["rows"] for r in rows if "eval/loss" in r and r["step"] == 0]
+  for i, value in enumerate(last):
+    others = [v for j, v in enumerate(last) if j != i and math.isfinite(v)]
+    if not math.isfinite(value) or (initial and value >= min(initial)):
+      bad += 1
+    elif others:
+      d = max(max(others) - min(others), 1.0)
+      bad += not (min(others) - d <= value <= max(others) + d)
+  return bad, last
+
+
+def account(run_: dict, s: Setting, healthy_s: float, tokens_per_step: int) -> dict:
+  """The run's JSON record (bench_churn.py)."""
+  steps, lost = contributed_steps(run_)
+  down = downtime(run_)
+  per_failure = [d + l["steps"] * healthy_s for d, l in zip(down, lost)]
+  corrupt, last = audit_states(run_)
+  finite = [v for v in last if math.isfinite(v)]
+  return {"method": run_["method"], "schedule": "async" if run_["method"] == "async" else "lockstep",
+          "mtbf_s": s.mtbf_s, "seed": s.seed, "failures": len(run_["kills"]), "failures_skipped": run_["skipped"],
+          "goodput": steps * tokens_per_step / (s.processes * s.budget_s * tokens_per_step / healthy_s),
+          "tokens": steps * tokens_per_step, "eval_loss_at_budget": float(np.mean(finite)) if finite else None,
+          "time_lost_per_failure_s": float(np.mean(per_failure)) if per_failure else 0.0,
+          "downtime_per_failure_s": float(np.mean(down)) if down else 0.0,
+          "steps_lost_per_failure": float(np.mean([l["steps"] for l in lost])) if lost else 0.0,
+          "rows_lost": audit_rows(run_, s.inner_steps), "corrupt_states": corrupt, "exit_codes": run_["codes"]}

@@ -1,0 +1,131 @@
+"""experiments/bench_churn.py (issue 38.1): its failure trace (a seeded Poisson process per process, the
+same for every method), its accounting of goodput and lost time and its audit on synthetic runs, its
+targets, its one-line errors, and the benchmark itself in its seconds-long mode (--quick)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from scipy import stats
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments import bench_churn  # noqa: E402
+from experiments.lib import churn  # noqa: E402
+
+
+def test_the_failure_trace_is_a_seeded_poisson_process_per_process():
+  trace = churn.failure_trace(3, 8, 50.0, 100.0)
+  assert trace == churn.failure_trace(3, 8, 50.0, 100.0)  # every method meets the same failures
+  assert trace != churn.failure_trace(4, 8, 50.0, 100.0)
+  assert trace == sorted(trace) and all(0 <= t < 100.0 and 0 <= p < 8 for t, p in trace)
+  # A process's failures do not depend on how many processes there are (its draws: (seed, process) alone).
+  assert [e for e in churn.failure_trace(3, 4, 50.0, 100.0)] == [e for e in trace if e[1] < 4]
+  assert churn.failure_trace(0, 8, math.inf, 100.0) == []
+  # Counts over a horizon are Poisson(horizon / mtbf); intervals exponential with mean mtbf.
+  counts = [sum(1 for _, p in churn.failure_trace(seed, 1, 20.0, 100.0)) for seed in range(2000)]
+  assert np.mean(counts) == pytest.approx(5.0, rel=0.05) and np.var(counts) == pytest.approx(5.0, rel=0.12)
+  gaps = np.diff([t for t, _ in churn.failure_trace(0, 1, 20.0, 200000.0)])
+  assert stats.kstest(gaps, "expon", args=(0, 20.0)).pvalue > 0.01
+
+
+def _rows(first, last, h):
+  return [{"step": s, "end": float(s)} for s in range(first, last + 1)]
+
+
+def _metrics(steps, h, evals=3.5):
+  return [{"step": s, "train/loss": 4.0} for s in steps] + [{"step": steps[-1], "eval/loss": evals}]
+
+
+def test_async_accounting_counts_a_killed_incarnation_up_to_its_last_exchange():
+  # Slot 0: steps 1-10, killed at t = 10.5 at step 10, its last exchange at step 8; restarted, joined a peer at
+  # step 12 and trained to step 20. Slot 1 never failed: steps 1-20.
+  kill = {"time": 10.5, "process": 0, "step": 10, "last_exchanged": 8}
+  run = {"method": "async", "kills": [kill], "end": 30.0,
+         "traces": [_rows(1, 10, 5) + [{"step": s, "end": 12.0 + s} for s in range(13, 21)], _rows(1, 20, 5)]}
+  steps, lost = churn.contributed_steps(run)
+  assert steps == 8 + (20 - 12) + 20 and lost == [{"steps": 2}]
+  assert churn.downtime(run) == [pytest.approx(25.0 - 10.5)]  # to its first step after the restart (step 13)
+  run["rows"] = [_metrics([5, 10, 15, 20], 5), _metrics([5, 10, 15, 20], 5)]
+  assert churn.audit_rows(run, 5) == 0
+  run["rows"][1] = _metrics([5, 10, 10, 20], 5)  # step 10 twice, step 15 missing
+  assert churn.audit_rows(run, 5) == 2
+
+
+def test_a_restart_that_redoes_steps_counts_them_once():
+  # Killed at step 10 (last exchange 10), resumed from its own checkpoint of step 6 and trained to 14.
+  kill = {"time": 10.5, "process": 0, "step": 10, "last_exchanged": 10}
+  run = {"method": "async", "kills": [kill], "end": 30.0,
+         "traces": [_rows(1, 10, 5) + [{"step": s, "end": 20.0 + s} for s in range(7, 15)]]}
+  assert churn.contributed_steps(run)[0] == 14
+
+
+def test_the_last_evaluations_outside_the_peers_spread_count_as_corrupt(tmp_path):
+  dirs = [str(tmp_path / f"process_{p}") for p in range(4)]  # no checkpoints: every evaluation counts
+  start = [{"step": 0, "eval/loss": 5.52}]
+  run = {"method": "async", "dirs": dirs, "rows": [start + _metrics([5], 5, v) for v in (3.50, 3.52, 3.49, 5.6)]}
+  assert churn.audit_states(run)[0] == 1  # reset to random weights: worse than at step 0
+  run["rows"][3] = start + _metrics([5], 5, float("nan"))
+  assert churn.audit_states(run)[0] == 1
+  run["rows"][3] = start + _metrics([5], 5, 4.9)  # below the start, but far outside its peers' spread
+  assert churn.audit_states(run)[0] == 1
+  run["rows"][3] = start + _metrics([5], 5, 4.3)  # behind its peers, not corrupt
+  assert churn.audit_states(run)[0] == 0
+
+
+def test_the_healthy_pace_is_measured_before_the_first_failure():
+  run = {"origin": 0.0, "end": 30.0, "kills": [{"time": 10.0}], "traces": [_rows(1, 30, 5), _rows(1, 20, 5)]}
+  assert churn.healthy_rate(run) == pytest.approx(20 / (2 * 10.0))  # steps ending in (0, 10]
+  run["kills"] = [{"time": 4.0}]
+  assert churn.healthy_rate(run) is None
+
+
+def test_targets_are_judged_where_every_lockstep_method_is_at_most_0_6():
+  def r(method, mtbf, goodput, loss):
+    return {"method": method, "mtbf_s": mtbf, "seed": 0, "goodput": goodput, "eval_loss_at_budget": loss,
+            "rows_lost": 0, "corrupt_states": 0}
+  runs = [r("async", 300, 0.93, 3.4), r("noloco", 300, 0.55, 3.7), r("ddp", 300, 0.4, 3.9),
+          r("async", 1200, 0.97, 3.3), r("noloco", 1200, 0.8, 3.3)]
+  out = bench_churn.targets(runs)
+  assert out["rows_lost_and_corrupt_states_zero"]
+  assert [m["mtbf_s"] for m in out["per_seed"]["0"]] == [300]  # at 1200 lock-step NoLoCo is above 0.6
+  assert out["per_seed"]["0"][0]["async_goodput_at_least_0.9"] and out["per_seed"]["0"][0]["async_loss_below_every_lockstep"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mtbf_s", "300", "-5"], "--mtbf_s=-5 is not valid: the mean seconds between failures of one process, > 0"),
+    (["--restart_delay_s", "-1"], "--restart_delay_s=-1 is not valid: seconds ≥ 0 and below --budget_s=120"),
+    (["--restart_delay_s", "200"], "--restart_delay_s=200 is not valid"),
+    (["--methods", "async", "gossip"], "--methods: 'gossip' is not valid"),
+])
+def test_a_rate_or_delay_out_of_range_is_one_line_naming_the_flag(flags, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    bench_churn.main(flags)
+  out = capsys.readouterr()
+  assert e.value.code == 2 and out.out == ""
+  assert out.err.strip().splitlines() == [f"noloco_jax: {message}" + out.err.strip().split(message, 1)[1]]
+
+
+def test_quick_mode_runs_both_schedules_under_the_same_failures(tmp_path):
+  """P = 2, asynchronous and lock-step NoLoCo, failures every 12 s per process on average for 20 s (two)."""
+  out = subprocess.run([sys.executable, "experiments/bench_churn.py", "--quick", "--json", "--keep", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-4000:]
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  runs = {r["method"]: r for r in result["runs"]}
+  assert set(runs) == {"async", "noloco"}
+  trace = churn.failure_trace(0, 2, 12.0, 20.0)
+  for r in runs.values():
+    assert r["failures"] + r["failures_skipped"] == len(trace)
+    assert r["rows_lost"] == 0 and r["corrupt_states"] == 0, r
+    assert 0 < r["goodput"] <= 1.05 and r["eval_loss_at_budget"] is not None and math.isfinite(r["eval_loss_at_budget"])
+  assert runs["async"]["failures"] >= 1
+  # A sweep cut short is accounted from the raw runs it saved: the same records.
+  raw = sorted(str(p) for p in tmp_path.glob("raw_*.json"))
+  again = subprocess.run([sys.executable, "experiments/bench_churn.py", "--from_raw", *raw, "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert json.loads(again.stdout.strip().splitlines()[-1])["runs"] == result["runs"]
