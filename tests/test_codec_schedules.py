@@ -78,9 +78,9 @@ def _inner(lr):
                  donate_argnums=0)
 
 
-def _loop(driver, run, targets, steps):
+def _loop(driver, run, targets, steps, first=1):
   inner = _inner(LR)
-  for step in range(1, steps + 1):
+  for step in range(first, steps + 1):
     driver.before_step(run, step)
     run.state = inner(run.state, targets)
     driver.after_step(run, step, {})
@@ -147,20 +147,24 @@ class _Slot:
     self.slot, self.rejoining = slot, False
 
 
-def _async_drivers(config, theta0, pair, steps=STEPS):
+def _async_drivers(config, theta0, pair, steps, resume):
   """Two asynchronous drivers, one replica each (a process's config: job.process_config): their runs, the
-  drivers, and `train(slot, targets)`, which runs one to `steps` (on a thread of its own)."""
+  drivers, and `train(slot, targets)`, which runs one over `steps` (first, last) on a thread of its own."""
   local = job_lib.process_config(config)
   method = outer_lib.make(local.outer)
   setup = type("Setup", (), dict(config=local, method=method, mesh=mesh_lib.make_mesh(1, 1), state_shardings=None))
   runs, drivers, errors = [], [], []
   for slot in range(N):
-    params = {k: v[slot:slot + 1] for k, v in theta0.items()}
-    state = TrainState(step=np.zeros(1, np.int32), params=params, opt_state=(), outer=method.init(params))
+    if resume is None:
+      params = {k: v[slot:slot + 1] for k, v in theta0.items()}
+      state, record = TrainState(step=np.zeros(1, np.int32), params=params, opt_state=(), outer=method.init(params)), {}
+    else:
+      state, record = jax.tree.map(lambda x: x[slot:slot + 1], resume[0]), resume[1][slot]
     run = _ToyRun(jax.device_put(state, jax.devices()[0]))
     driver = AsyncRounds(setup, _Slot(slot))
-    driver.restore({})
-    driver._record = {"progress": 0.0, "progress_step": 0}  # pylint: disable=protected-access  (what `start` does)
+    driver.restore(record)
+    # What `start` does: a fresh run's record, the session, every program compiled.
+    driver._record = driver._record or {"progress": 0.0, "progress_step": 0}  # pylint: disable=protected-access
     driver.session = pair.session(slot)
     driver._compile_ahead(run.state)  # pylint: disable=protected-access
     runs.append(run)
@@ -168,16 +172,18 @@ def _async_drivers(config, theta0, pair, steps=STEPS):
 
   def train(slot, targets):
     try:
-      _loop(drivers[slot], runs[slot], targets, steps)
+      _loop(drivers[slot], runs[slot], targets, steps[1], steps[0])
     except Exception as e:  # pylint: disable=broad-except  (re-raised on the test's thread)
       errors.append(e)
       pair._barrier.abort()  # pylint: disable=protected-access
   return runs, drivers, train, errors
 
 
-def _async_run(config, theta0, targets, pair=None):
+def _async_run(config, theta0, targets, pair=None, *, steps=(1, STEPS), resume=None):
+  """The two processes' run over `steps`: (their states stacked, their loop records, their drivers).
+  `resume`: (stacked state, driver records) to go on from, what each process's checkpoint holds."""
   pair = pair or _Pair()
-  runs, drivers, train, errors = _async_drivers(config, theta0, pair)
+  runs, drivers, train, errors = _async_drivers(config, theta0, pair, steps, resume)
   threads = [threading.Thread(target=train, args=(slot, {k: v[slot:slot + 1] for k, v in targets.items()}))
              for slot in range(N)]
   for t in threads:
@@ -250,7 +256,23 @@ def test_async_run_at_equal_progress_is_the_lockstep_run_bit_for_bit(codec):
   assert_bitwise((got.params, got.outer), (want.params, want.outer), codec)
 
 
-# ---- The asynchronous schedule: the residual commits with the exchange; its bytes ----
+# ---- The asynchronous schedule: the residual is the process's own, commits with the exchange; bytes ----
+
+
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_async_run_resumed_from_its_state_and_record_is_the_whole_run_bit_for_bit(codec):
+  """Stopped after step 6 (two rounds) and resumed from what each process's checkpoint holds (its state,
+  the codec's residual in it, and its driver's record), the run ends bit for bit where the whole run ends:
+  nothing of the codec lives outside the state."""
+  config = _config(codec, "async")
+  theta0, targets = _problem(4)
+  whole, _, _ = _async_run(config, theta0, targets)
+  first, _, drivers = _async_run(config, theta0, targets, steps=(1, 6))
+  assert all(np.abs(r).max() > 0 for r in jax.tree.leaves(first.outer["residual"]))  # a residual to carry over
+  again, _, _ = _async_run(config, None, targets, steps=(7, STEPS), resume=(first, [d.save() for d in drivers]))
+  paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(again)[0])
+  for path, a, b in zip(paths, leaves, jax.tree.leaves(whole), strict=True):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("codec", ["int8", "topk"])
@@ -259,8 +281,8 @@ def test_a_partner_lost_mid_exchange_leaves_the_residual_as_it_was(codec):
   round 1 sent nothing: no merge and no residual update (the residual is what round 0 left)."""
   config = _config(codec, "async")
   theta0, targets = _problem(2)
-  got, loops, drivers = _async_run(config, theta0, targets, _Pair(lose={1}))
-  for loop, driver in zip(loops, drivers):
+  got, _, drivers = _async_run(config, theta0, targets, _Pair(lose={1}))
+  for driver in drivers:
     assert driver.scalars()["async/failed_rounds"] == 1 and driver.scalars()["async/exchanged_rounds"] == 2
   schedule_np = pairing.PairingSchedule(seed=0, num_replicas=N, group_size=2, mode="fresh")
   theta, phi, delta, residual = np_overlapped_run(
