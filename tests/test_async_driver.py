@@ -41,6 +41,7 @@ from noloco_jax.outer import base as outer_base
 from noloco_jax.runtime import launch_local
 from noloco_jax.training import build as build_lib
 from noloco_jax.training.rounds.asynchronous import AsyncRounds
+from test_codec_schedules import assert_bitwise  # pylint: disable=g-bad-import-order
 
 ASYNC = ["--config.outer.schedule=async"]
 
@@ -62,7 +63,7 @@ def _smoke(**overrides):
     ({"outer.kind": "epidemic"}, "config.outer.schedule='async' is not valid: 'lockstep' with outer.kind='epidemic'"),
     ({"num_stages": 2, "model.num_layers": 2}, "config.num_stages=2 is not valid"),
     ({"outer.overlap.steps": 3}, "config.outer.overlap.steps=3 is not valid"),  # τ < H (smoke: H = 3)
-    ({"outer.codec.compression": "int8"}, "config.outer.codec.compression='int8' is not valid"),
+    ({"outer.offload": True}, "config.outer.offload=True is not valid"),
     ({"outer.pairing": "round_robin"}, "config.outer.pairing='round_robin' is not valid"),
     ({"outer.rule.group_size": 4}, "config.outer.rule.group_size=4 is not valid"),
     ({"nan_policy": "skip_round"}, "config.nan_policy='skip_round' is not valid"),
@@ -79,6 +80,18 @@ def test_unsupported_combinations_are_one_line_naming_the_field(overrides, field
 def test_gossip_and_noloco_are_accepted():
   for kind in ("noloco", "gossip"):
     assert config_lib.load(_smoke(**{"outer.schedule": "async", "outer.kind": kind, "num_replicas": 3})).outer.schedule == "async"
+
+
+# Every codec (outer.codec): a message dtype, or a compression with error feedback.
+CODECS = {"bfloat16": {"outer.codec.message_dtype": "bfloat16"}, "int8": {"outer.codec.compression": "int8"},
+          "int4": {"outer.codec.compression": "int4"},
+          "topk": {"outer.codec.compression": "topk", "outer.codec.topk_density": 0.05, "outer.codec.topk_bits": 2}}
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_every_codec_is_accepted(codec):
+  config = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 3, **CODECS[codec]}))
+  assert (config.outer.codec.compression, config.outer.codec.message_dtype) != ("none", "float32")
 
 
 def test_the_layout_is_one_replica_per_process():
@@ -123,49 +136,71 @@ def test_train_and_evaluate_alone_refuses_the_async_schedule_in_one_line(tmp_pat
     training.train_and_evaluate(_smoke(**{"outer.schedule": "async", "num_replicas": 2}), str(tmp_path))
 
 
+def _assert_same(got, want):
+  """Two pytrees equal bit for bit, leaf by leaf (a failure names the leaf)."""
+  paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(got)[0])
+  for path, a, b in zip(paths, leaves, jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
 class _Process:
   def __init__(self, slot):
     self.slot = slot
 
 
-def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit_and_compiles_nothing():
+@pytest.mark.parametrize("codec", ["float32", "topk"])  # every codec on a toy: test_codec_schedules.py
+def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit_and_compiles_nothing(codec):
   """Three replicas in one group, lock-step (exchange.group_mean on one device) and asynchronous (each
-  member's own AsyncRounds._apply with the others' messages as the transport delivers them). A group of
-  three (outer.asynchronous.match_odd='triple') runs programs compiled before the first step: nothing is
+  member's own AsyncRounds: its message program, then `_apply` with the others' messages as the transport
+  delivers them), with every codec: the message (own term, payload, the codec's new residual) and the
+  state after the round are the lock-step round's, bit for bit. A group of three
+  (outer.asynchronous.match_odd='triple') runs programs compiled before the first step: nothing is
   compiled inside the round (its first triple used to compile its mean there, stalling 3.4-6.5 s)."""
-  cfg = _smoke(**{"num_replicas": 3, "outer.rule.group_size": 3, "num_devices": 1})
+  codec_fields = CODECS.get(codec, {})
+  cfg = _smoke(**{"num_replicas": 3, "outer.rule.group_size": 3, "num_devices": 1, **codec_fields})
   setup = build_lib.build(cfg)
   parts = setup.method.parts
   state = setup.init_state()
-  # Three different replicas: θ moved apart by seeded noise (φ still the common start).
-  keys = jax.random.split(jax.random.key(7), len(jax.tree.leaves(state.params)))
-  noisy = [x + 0.01 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(jax.tree.leaves(state.params), keys)]
+  # Three different replicas: θ moved apart by seeded noise (φ still the common start), and, with error
+  # feedback, a residual left by earlier rounds.
+  leaves = jax.tree.leaves(state.params)
+  keys = jax.random.split(jax.random.key(7), 2 * len(leaves))
+  noisy = [x + 0.01 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
   state = state.replace(params=jax.tree.unflatten(jax.tree.structure(state.params), noisy))
-  states, own, payload, _ = parts.message(state)
+  if "residual" in state.outer:
+    residual = [0.001 * jax.random.normal(k, x.shape, jnp.float32) for x, k in zip(leaves, keys[len(leaves):])]
+    state = state.replace(outer={**state.outer, "residual": jax.tree.unflatten(jax.tree.structure(state.params), residual)})
+  states, own, payload, _ = jax.jit(parts.message)(state)  # the lock-step message program's
   # The lock-step round program (message, exchange, merge in one program) for the grouping (0, 1, 2).
   lockstep, _ = jax.jit(outer_base.round_of(parts)((((0, 1, 2),),), 1))(state, np.asarray(0, np.int32))
-  async_cfg = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 3}))
+  async_cfg = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 3, **codec_fields}))
   local = build_lib.build(job_lib.process_config(async_cfg))
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
   one = lambda tree, i: jax.tree.map(lambda x: x[i:i + 1], tree)
-  for me in range(3):
-    driver = AsyncRounds(local, _Process(me))
-    driver._compile_ahead(one(state, me))  # pylint: disable=protected-access  (what `start` does)
+  driver = AsyncRounds(local, _Process(0))
+  driver._compile_ahead(one(state, 0))  # pylint: disable=protected-access  (what `start` does)
+  for me in range(3):  # every slot's programs are the same: one driver plays each in turn
+    driver._process = _Process(me)  # pylint: disable=protected-access
+    # This process's message program: the lock-step message of its replica, and its state as it was.
+    mine = jax.tree.map(jnp.copy, one(state, me))  # the message donates it
+    before = len(compiles)
+    kept, sent, _, codec_state = driver._compiled["message"](mine)  # pylint: disable=protected-access
+    assert len(compiles) == before, compiles[before:]
+    _assert_same((sent[0], sent[-1], codec_state), (one(own, me), one(payload, me), one(parts.codec_state(states), me)))
+    _assert_same(kept, one(state, me))  # the residual commits with the merge, not here
     others = [s for s in range(3) if s != me]
     result = session_lib.RoundResult("exchanged", 0, (0, 1, 2), (0, 0, 0),
-                                     [one(payload, me)] + [one(payload, s) for s in others], [30, 30, 30])
-    mine, own_me = one(states, me), one(own, me)
-    again = jax.tree.map(jnp.copy, mine)  # the merge donates the state it replaces
+                                     [sent[-1]] + [one(payload, s) for s in others], [30, 30, 30])
+    again = jax.tree.map(jnp.copy, kept)  # the merge donates the state it replaces
     before = len(compiles)
-    new_state, progress = driver._apply(mine, own_me, result)  # pylint: disable=protected-access
-    driver._apply(again, own_me, dataclasses.replace(result, progress=[30, 27, 24]))  # pylint: disable=protected-access
+    new_state, progress = driver._apply(kept, sent[0], codec_state, result)  # pylint: disable=protected-access
+    driver._apply(again, sent[0], codec_state, dataclasses.replace(result, progress=[30, 27, 24]))  # pylint: disable=protected-access
     assert len(compiles) == before, compiles[before:]  # the triple's programs, equal and weighted, were ready
-    driver.programs.close()
     assert progress == 30.0
-    for got, want in zip(jax.tree.leaves(new_state), jax.tree.leaves(one(lockstep, me))):
-      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_bitwise(new_state, one(lockstep, me), codec)
+  driver.programs.close()
 
 
 def test_the_message_program_reads_theta_and_phi_and_writes_the_message_once():
@@ -178,7 +213,8 @@ def test_the_message_program_reads_theta_and_phi_and_writes_the_message_once():
   local = build_lib.build(job_lib.process_config(cfg))
   driver = AsyncRounds(local, _Process(0))
   state = programs_lib.abstract(local.init_state())
-  _, sent, _ = jax.eval_shape(driver.programs.jitted("message", state), state)
+  _, sent, _, codec_state = jax.eval_shape(driver.programs.jitted("message", state), state)
+  assert codec_state == ()  # no residual to hand on
   assert len(sent) == 1 and jax.tree.structure(sent[0]) == jax.tree.structure(state.params)  # own = payload, once
   compiled = driver.programs._lower("message").compile()  # pylint: disable=protected-access
   copies = hlo_lib.bytes_accessed(compiled) / outer_base.tree_bytes(state.params)

@@ -61,10 +61,16 @@ def np_sent(c, fresh, slow, residual, codec):
   return sent, decay * (m - sent)
 
 
-def np_overlapped_run(theta0, targets, schedule, *, steps, H, tau, lr, alpha, beta, gamma, mix, codec=None):
+def np_overlapped_run(theta0, targets, schedule, *, steps, H, tau, lr, alpha, beta, gamma, mix, codec=None, send=None,
+                      skip_rounds=(), commit_skipped=False, with_residual=False):
   """Every replica takes SGD steps on ½‖θ − a_i‖²; round t's message leaves at step tH and its group mean
   (own exact c, the partners' messages as decoded from the wire) is merged after step tH + τ (or the last
-  step): φ, δ by the NoLoCo rule, θ ← λ·θ_local + (1 − λ)·φ. The codec's residual updates at the send."""
+  step): φ, δ by the NoLoCo rule, θ ← λ·θ_local + (1 − λ)·φ. The codec's residual updates at the send.
+
+  `send(c, fresh, slow, residual) -> (decoded, new residual)`: the codec (default np_sent with `codec`).
+  `skip_rounds`: rounds whose exchange failed (asynchronous schedule): nothing merged and, unless
+  `commit_skipped`, the residual left as it was. `with_residual`: also return the residual."""
+  send = send or (lambda c, fresh, slow, residual: np_sent(c, fresh, slow, residual, codec))
   f64 = lambda t: {k: v.astype(np.float64) for k, v in t.items()}
   theta, phi = f64(theta0), f64(theta0)
   delta = {k: np.zeros_like(v) for k, v in theta.items()}
@@ -79,21 +85,24 @@ def np_overlapped_run(theta0, targets, schedule, *, steps, H, tau, lr, alpha, be
       for k in theta:
         c = beta * theta[k] + (gamma - beta) * phi[k]
         sent = np.empty_like(c)
-        for j in range(N):
-          sent[j], residual[k][j] = np_sent(c[j], beta * (theta[k][j] - phi[k][j]), gamma * phi[k][j],
-                                            residual[k][j], codec)
+        for j in range(len(c)):
+          sent[j], new_residual = send(c[j], beta * (theta[k][j] - phi[k][j]), gamma * phi[k][j], residual[k][j])
+          if round_ not in skip_rounds or commit_skipped:
+            residual[k][j] = new_residual
         mean_c[k] = np.empty_like(c)
         for group in groups:
           for i in group:
             mean_c[k][i] = (c[i] + sum(sent[j] for j in group if j != i)) / len(group)
-      in_flight, sent_at, round_ = mean_c, step, round_ + 1
+      if round_ not in skip_rounds:
+        in_flight, sent_at = mean_c, step
+      round_ += 1
     if in_flight is not None and (step == sent_at + tau or step == steps):
       for k in theta:
         delta[k] = alpha * delta[k] + in_flight[k] - gamma * phi[k]
         phi[k] = phi[k] + delta[k]
         theta[k] = mix * theta[k] + (1 - mix) * phi[k]
       in_flight = None
-  return theta, phi, delta
+  return (theta, phi, delta, residual) if with_residual else (theta, phi, delta)
 
 
 class _ToyRun:

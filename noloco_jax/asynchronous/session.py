@@ -69,6 +69,10 @@ class RoundResult:
   waited_s: float = 0.0  # ready → matched (or gave up)
   exchange_s: float = 0.0
   reason: str = ""
+  # What this exchange put on the wire and took off it (the transport's counts: the arrays offered to each
+  # partner, and those pulled), bytes.
+  bytes_sent: int = 0
+  bytes_received: int = 0
 
   @property
   def exchanged(self) -> bool:
@@ -129,12 +133,15 @@ class Session:
                            reason=f"no partner within {self.options.max_wait_s:.3g} s")
     else:
       start = time.monotonic()
+      stats = self.transport.stats
+      sent, received = stats.bytes_sent, stats.bytes_received
       try:
         theirs = self.transport.exchange(message, match.partners, match.batch, self.options.exchange_timeout_s)
         result = RoundResult("exchanged", match.batch, tuple(m.slot for m in match.group),
                              tuple(m.incarnation for m in match.group), [message, *theirs],
                              [match.own.progress, *(m.progress for m in match.partners)], match.waited_s,
-                             time.monotonic() - start)
+                             time.monotonic() - start, bytes_sent=stats.bytes_sent - sent,
+                             bytes_received=stats.bytes_received - received)
       except transport_lib.ExchangeFailed as e:
         self.failed += 1
         logging.warning("Slot %d: %s; the exchange of batch %d is skipped.", self.slot, e, match.batch)

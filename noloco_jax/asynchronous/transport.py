@@ -100,7 +100,7 @@ class Stats:
   exchanges: int = 0
   failures: int = 0
   bytes_sent: int = 0  # offered and announced (whether pulled or not is the partner's side)
-  bytes_received: int = 0
+  bytes_received: int = 0  # pulled
   seconds: float = 0.0
 
   def as_dict(self) -> dict:
@@ -164,7 +164,7 @@ class Transport:
                            "every process must send the same structure (same config).")
         specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
         got = self.fetch(p, tag, specs, deadline)
-        self.stats.bytes_received += nbytes
+        self.stats.bytes_received += sum(x.nbytes for x in got)
         received.append(jax.tree.unflatten(treedef, got))
       self._at("pulled")
       self.kv.set(f"x/{tag}/{self.slot}/ack", "1")

@@ -310,6 +310,10 @@ class OuterConfig(Section):
     if self.codec.compression != "none" and not s.parts:
       fail("outer.codec.compression", self.codec.compression,
            f"'none' with outer.kind={self.kind!r} (compressed messages exist for {in_parts})")
+    if self.codec.message_dtype != CodecConfig.message_dtype and "message_dtype" not in s.exchange:
+      readers = ", ".join(k for k, m in METHODS.items() if "message_dtype" in m.exchange)
+      fail("outer.codec.message_dtype", self.codec.message_dtype,
+           f"'float32' with outer.kind={self.kind!r} (its round sends no message in a chosen dtype; {readers} do)")
     if not self.overlap.steps < self.inner_steps:
       fail("outer.overlap.steps", self.overlap.steps,
            f"an integer in [0, outer.inner_steps − 1] = [0, {self.inner_steps - 1}] (the exchange of one round "
@@ -333,9 +337,8 @@ class OuterConfig(Section):
     if self.pairing != "fresh":
       fail("outer.pairing", self.pairing, with_async("'fresh'") + " (the partners are found at run time among "
            "the processes that are ready)")
-    for name, value, default in (("codec.compression", self.codec.compression, "none"), ("offload", self.offload, False)):
-      if value != default:
-        fail(f"outer.{name}", value, with_async(repr(default)) + " (not supported by the asynchronous schedule)")
+    if self.offload:
+      fail("outer.offload", self.offload, with_async("False") + " (not supported by the asynchronous schedule)")
 
 
 _RULE_FIELDS = frozenset(f.name for f in dataclasses.fields(RuleConfig))

@@ -51,6 +51,12 @@ class RoundParts:
   # identity). A program that would hand on both then hands on the payload alone: XLA gives every output
   # its own buffer, so the same values returned twice cost a copy.
   own_is_payload: bool = False
+  # The codec's state as `message` leaves it (states_k -> its error-feedback residual; () without one), and
+  # (states_k, that) -> states_k holding it. The asynchronous schedule's message program keeps the state as
+  # it was and hands this on: the residual is committed with the merge, only once the exchange completed,
+  # so a skipped or failed exchange leaves it as it was (outer/programs.py, where="host").
+  codec_state: Callable = lambda states: ()
+  commit: Callable = lambda states, codec_state: states
 
   def mean(self, own, received, weights=None):
     """The group mean of the own term and the received payloads (exchange.mean_of)."""
@@ -163,6 +169,16 @@ def group_rule(kind: str, *, beta: float, gamma: float, update: Callable, codec,
   def decode(payload, own_k):
     return exchange.decoder(codec, own_k)(payload)
 
+  def codec_state(states: TrainState):
+    return states.outer.get("residual", ())
+
+  def commit(states: TrainState, residual):
+    if "residual" not in states.outer:
+      return states
+    # In the stored dtype (outer.state_dtype), as the message's state would hold it.
+    residual = jax.tree.map(lambda new, old: new.astype(old.dtype), residual, states.outer["residual"])
+    return states.replace(outer={**states.outer, "residual": residual})
+
   def merge(states: TrainState, mean_c, mix):
     outer = states.outer
     new = jax.tree.map(update, f32(outer["slow"]), f32(outer["momentum"]), mean_c)  # (φ, δ) per leaf
@@ -188,7 +204,8 @@ def group_rule(kind: str, *, beta: float, gamma: float, update: Callable, codec,
     return params, outer
 
   own_is_payload = isinstance(codec, exchange.PlainCodec) and jnp.dtype(codec.dtype) == jnp.float32
-  parts = RoundParts(message=message, own=own, decode=decode, merge=merge, own_is_payload=own_is_payload)
+  parts = RoundParts(message=message, own=own, decode=decode, merge=merge, own_is_payload=own_is_payload,
+                     codec_state=codec_state, commit=commit)
   return OuterMethod(kind=kind, init=init, make_round=round_of(parts), parts=parts, new_replica=new_replica,
                      message_bytes=codec.payload_bytes)
 

@@ -8,7 +8,13 @@ what arrived is formed:
 |---|---|---|---|
 | lock-step (`merge`) | the payload | the routes of the round's grouping: ppermutes on a mesh, a gather on one device; values moved, nothing computed | the group mean of what arrived and the own term (recomputed from the state), then the rule |
 | overlapped (`exchange`) | the payload and, unless it is the own term, the own term | routes and the group mean, in flight while τ inner steps run; the mean waits in the state (base.INFLIGHT) | the rule with the mean from the state, θ mixed with λ |
-| asynchronous (`host`) | as overlapped | the transfer server, at run time (asynchronous/); then the staleness-weighted mean of the group's messages, a local program (`combine`) | the rule with that mean |
+| asynchronous (`host`) | as overlapped, plus the codec's new state (its residual); the state stays as it was | the transfer server, at run time (asynchronous/); then the staleness-weighted mean of the group's messages, a local program (`combine`) | the codec's state committed, then the rule with that mean |
+
+Every codec (outer/exchange.py) runs in every schedule: the codec is part of the message and the merge,
+never of the exchange. In the lock-step and overlapped schedules the message commits the codec's new
+error-feedback residual (every exchange completes). In the asynchronous one an exchange may be skipped or
+fail (no partner, a partner lost mid-exchange), so the residual commits with the merge, which runs only
+after an exchange completed: otherwise it stays as it was, as if nothing had been sent.
 
 The message and the merge are compiled once for the run; only an exchange depends on the round's
 grouping (`ppermute` takes its routing at trace time: docs/architecture.md §2), compiled one round ahead
@@ -143,7 +149,7 @@ class RoundPrograms:
     if self.split:
       params_sh = state_sh.params
       message = mesh_lib.replica_map(self.parts.message, self.mesh, in_specs=(P(REPLICA),), out_specs=(P(REPLICA),) * 4)
-      _, own, payload, _ = jax.eval_shape(_outer_on_device(message, self._state_sh), abstract_state)
+      new_state, own, payload, _ = jax.eval_shape(_outer_on_device(message, self._state_sh), abstract_state)
       # A payload of θ's shapes (the plain codec's cast) lives where θ does (split over fsdp like θ); a
       # compressed payload (chunks of flattened leaves) is split over `replica` only.
       same = jax.tree.structure(payload) == jax.tree.structure(own) and all(
@@ -155,6 +161,9 @@ class RoundPrograms:
       single = self.where == "merge" or self.parts.own_is_payload
       out["sent"] = (out["payload"],) if single else (out["own"], out["payload"])
       out["sent_sh"] = (payload_sh,) if single else (params_sh, payload_sh)
+      # The codec's new state (its residual; () without one), handed on by the host message (`_build`).
+      out["codec_sh"] = self.parts.codec_state(state_sh)
+      out["codec"] = abstract(self.parts.codec_state(new_state), out["codec_sh"])
     self._structs = out
     return out
 
@@ -173,30 +182,31 @@ class RoundPrograms:
   def _build(self, name, s) -> Callable:
     parts, outer_sh = self.parts, self._state_sh
     if name == "message":
-      single = len(s["sent"]) == 1
+      single, host = len(s["sent"]) == 1, self.where == "host"
 
       def message(states):
-        states, own, payload, metrics = parts.message(states)
-        return states, ((payload,) if single else (own, payload)), metrics
+        new, own, payload, metrics = parts.message(states)
+        sent = (payload,) if single else (own, payload)
+        if host:  # the state as it was, and the codec's new state, which the merge commits (class docstring)
+          return states, sent, metrics, parts.codec_state(new)
+        return new, sent, metrics
       # The message donates the state and returns it (only the codec's residual changes), so the next inner
       # step takes it without a copy. Every output's layout is given, the state's too: JAX gives a donated
       # buffer to the first output of its shape and layout, so a state left unplaced would lose θ's buffers
       # to a payload of θ's shapes, and XLA would copy every leaf over.
-      local = self._map(message, (P(REPLICA),), (P(REPLICA), P(REPLICA), P(REPLICA)))
+      local = self._map(message, (P(REPLICA),), (P(REPLICA),) * (4 if host else 3))
       return jax.jit(_outer_on_device(local, outer_sh), donate_argnums=0,
-                     out_shardings=(s["state_sh"], s["sent_sh"], self._replicas))
+                     out_shardings=(s["state_sh"], s["sent_sh"], self._replicas) + ((s["codec_sh"],) if host else ()))
     if name == "merge":  # the rule; the merge donates the state it replaces
       mix = self.mix
       if self.where == "merge":  # (state, received): the group mean formed here, the own term recomputed
-        mean_of = lambda states, received: parts.mean(parts.own(states), received)
-        args = (P(REPLICA), P(REPLICA))
+        merge = lambda states, received: parts.merge(states, parts.mean(parts.own(states), received), mix)
       elif self.where == "exchange":  # (state): the mean in the state's in-flight buffer
-        mean_of = lambda states: states.outer[base.INFLIGHT]
-        args = (P(REPLICA),)
-      else:  # (state, mean)
-        mean_of = lambda states, mean: mean
-        args = (P(REPLICA), P(REPLICA))
-      local = self._map(lambda states, *a: (parts.merge(states, mean_of(states, *a), mix),), args, (P(REPLICA),))
+        merge = lambda states: parts.merge(states, states.outer[base.INFLIGHT], mix)
+      else:  # (state, mean, the codec's state from the message): the exchange completed, so that commits now
+        merge = lambda states, mean, codec_state: parts.merge(parts.commit(states, codec_state), mean, mix)
+      args = (P(REPLICA),) * {"merge": 2, "exchange": 1, "host": 3}[self.where]
+      local = self._map(lambda *a: (merge(*a),), args, (P(REPLICA),))
       return jax.jit(lambda *a: _outer_on_device(local, outer_sh)(*a)[0], donate_argnums=0, out_shardings=s["state_sh"])
     if isinstance(name, str) and name.startswith("combine"):  # (own, received, [weights]) -> the group mean
       if name.endswith("w"):
@@ -225,7 +235,7 @@ class RoundPrograms:
       return program.lower(s["state"])
     if name == "merge":
       extra = {"merge": (tuple(s["payload"] for _ in range(self.schedule.group_size - 1)),) if self.schedule else (),
-               "exchange": (), "host": (s["own"],)}[self.where]
+               "exchange": (), "host": (s["own"], s["codec"])}[self.where]
       return program.lower(s["state"], *extra)
     if isinstance(name, str) and name.startswith("combine"):
       n = int(name[len("combine")])

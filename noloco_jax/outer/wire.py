@@ -95,6 +95,13 @@ def permute(message_bytes: int, copies: int = 1) -> Traffic:
   return Traffic(sent=b, received=b, operand=b, max_sent=b, max_received=b, messages=copies, critical_bytes=b)
 
 
+def measured(sent: int, received: int, messages: int) -> Traffic:
+  """An exchange whose bytes were counted as they went (the asynchronous schedule's transport): `sent`
+  and `received` by this replica, in `messages` point-to-point messages."""
+  return Traffic(sent=sent, received=received, operand=sent, max_sent=sent, max_received=received,
+                 messages=messages, critical_bytes=sent)
+
+
 def push(message_bytes: int, fanout: int, num_replicas: int, regular: bool = False) -> Traffic:
   """Every replica sends its message to `fanout` others; the mean in-degree is `fanout` too.
 

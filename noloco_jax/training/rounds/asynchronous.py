@@ -18,6 +18,14 @@ the first step by which it is done, at the latest after step tH + τ, with strea
 (λ = outer.overlap.mix). A round in flight is not part of a checkpoint (a resume goes on as if it had been
 skipped); the run's last step merges it.
 
+Every codec (outer.codec: bfloat16 messages, int8, int4, top-k with error feedback) travels here as in
+the lock-step schedule. The codec's error-feedback residual is this process's own, part of its state (so
+its checkpoint keeps it): the message program hands the new residual on beside the payload and leaves the
+state's as it was; the merge commits it, so a round that is skipped or fails (a partner lost mid-exchange)
+leaves it as it was, as if nothing had been sent. A round's bytes are what the transport sent and
+received in its exchange (session.RoundResult), counted into the run's comm/* metrics as the lock-step
+schedule counts its own.
+
 Progress (the staleness rule's unit) and the round counters are the driver's record (`save`, `restore`),
 which a checkpoint keeps. Its logs, every round (WORKDIR/pairings_<slot>.jsonl) and every membership event
 it sees (WORKDIR/membership_<slot>.jsonl), are the run's kind of log (io/checkpoint/logs.JsonlLog, rows
@@ -189,11 +197,12 @@ class AsyncRounds(RoundDriver):
         logging.warning("Step %d: %d program(s) compiled inside the round (its partners waited).", step, counter[0])
 
   def _send(self, run, step: int) -> None:
-    # The state's buffers go to the message program (donated): the state it returns is the state now.
-    run.state, sent, round_metrics = self._compiled["message"](run.state)
+    # The state's buffers go to the message program (donated): the state it returns is the state now, its
+    # codec's residual as it was; the new one (`codec_state`) commits with the merge, if the exchange completes.
+    run.state, sent, round_metrics, codec_state = self._compiled["message"](run.state)
     own, payload = sent[0], sent[-1]  # the plain float32 payload is the own term itself, handed on once
     progress = int(round(self._progress(step)))
-    self._inflight.send(step, self.session.round, payload, progress, step, own=own, payload=payload,
+    self._inflight.send(step, self.session.round, payload, progress, step, own=own, codec_state=codec_state,
                         metrics=round_metrics)
     if not self._tau:  # the round at once: the exchange has happened (or not) inside `send`
       self._finish(run, step)
@@ -208,10 +217,10 @@ class AsyncRounds(RoundDriver):
     self._merge_at = 0
     traffic = wire.NOTHING
     if result.exchanged:
-      run.state, merged = self._apply(run.state, info["own"], result)
+      run.state, merged = self._apply(run.state, info["own"], info["codec_state"], result)
       # The τ inner steps since the message are this replica's own, on top of the group's progress.
       self._record.update(progress=merged + (step - sent_at), progress_step=step)
-      traffic = wire.permute(sum(x.nbytes for x in jax.tree.leaves(info["payload"])), len(result.group) - 1)
+      traffic = wire.measured(result.bytes_sent, result.bytes_received, len(result.group) - 1)
     counts = self._counts
     counts[f"async/{result.status}_rounds"] += 1
     counts["async/wait_s"] += result.waited_s
@@ -219,8 +228,9 @@ class AsyncRounds(RoundDriver):
     counts["async/progress"] = self._progress(step)
     run.loop.add_round(step, info["metrics"], traffic)
 
-  def _apply(self, states, own, result):
-    """(new state, merged progress) after an exchange: the weighted mean in the lock-step order, the merge."""
+  def _apply(self, states, own, codec_state, result):
+    """(new state, merged progress) after an exchange: the weighted mean in the lock-step order, the merge,
+    which commits the codec's new state (`codec_state`, from the message program)."""
     me = self._process.slot
     group = list(result.group)  # sorted by slot, this process included
     received = dict(zip([s for s in group if s != me], result.messages[1:]))
@@ -234,7 +244,7 @@ class AsyncRounds(RoundDriver):
       mean = self._compiled[f"combine{len(group)}"](own, others)
     else:
       mean = self._compiled[f"combine{len(group)}w"](own, others, np.asarray(weights, np.float32))  # no jnp: a compile
-    return self._compiled["merge"](states, mean), async_rules.merged_progress(progress, weights)
+    return self._compiled["merge"](states, mean, codec_state), async_rules.merged_progress(progress, weights)
 
   def flush(self) -> None:
     for log in self._logs:
