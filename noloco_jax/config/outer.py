@@ -43,7 +43,10 @@ GROUP_KINDS = ("noloco", "gossip")  # the NoLoCo-update kinds: compressed messag
 # The kinds that average within random groups of group_size (outer/pairing.py draws the groups).
 GROUPED_KINDS: list[str] = [*GROUP_KINDS, "epidemic_adam"]
 # Compressed messages (noloco_jax/outer/compression.py, docs/compression.md).
-COMPRESSIONS = ("none", "int8", "int4", "topk")
+COMPRESSIONS = ("none", "int8", "int4", "topk", "coset")
+COSET_BITS = (2, 3, 4, 5, 6, 7, 8, 16, 32)  # coset codes of 2..8 bits; 16 / 32: the fragment's values as they are
+COSET_ORDERS = ("cyclic", "random", "fisher", "mixed", "damage")  # how a coset message's fragment is chosen each round (outer/coset.py)
+COSET_MODES = ("fragment", "sum", "global")  # which values a coset message codes (outer/coset.py)
 TOPK_BITS = (2, 3, 4, 5, 6, 7, 8)  # bits per kept top-k value (packed); int8 / int4 imply 8 / 4
 SLOW_CODECS = ("float32", "bfloat16", "int8", "int4")  # how the γ·φ part of a top-k message travels
 MAX_CHUNK = 65536  # top-k offsets within a chunk travel as uint16
@@ -147,6 +150,20 @@ class OuterConfig(Section):
   # Error feedback: what a compressed message did not carry, times this decay, is added to the next
   # round's message (to whichever partner that goes). 0 = no feedback (and no residual in the state).
   feedback_decay: float = 1.0
+  # compression='coset' (outer/coset.py): the whole message, a shared fragment of coset_density of each
+  # leaf's blocks of coset_block values, in coset_bits-bit codes decoded against the receiver's own message.
+  coset_density: float = 0.25  # fraction of each leaf's blocks sent per round, in (0, 1]
+  coset_bits: int = 2  # bits per value: 2..8 (coset codes), 16 / 32 (bfloat16 / float32 values)
+  coset_block: int = 256  # values per block of the fragment
+  # cyclic (every block once per ceil(1/density) rounds) | random (a new subset per round) | fisher (the sender's
+  # blocks of largest Adam second moment; indices sent) | mixed (half fisher, half cyclic) | damage (largest
+  # second moment × (rounds since the block was last averaged + 1))
+  coset_order: str = "cyclic"
+  coset_kappa: float = 0.0  # lattice step / the estimated rms of the partners' difference; 0 = the default for coset_bits
+  # fragment: a fragment of coset_density of the blocks, the rest not sent | sum: every group of 1/coset_density
+  # values as one signed sum (1/coset_density a power of two) | global: one fragment of coset_density of the
+  # whole message's blocks, those of largest expected damage (the sender's Adam second moment × its spread estimate)
+  coset_mode: str = "fragment"
   fanout: int | None = None  # epidemic: s, the random peers each replica sends its model to per round (< num_replicas; 1)
   # epidemic: the round's random directed graph (de Vos et al. 2023; outer/epidemic.py):
   #   oracle = EL-Oracle: uniform over the s-regular graphs, every replica sends to s and receives from
@@ -252,6 +269,7 @@ class OuterConfig(Section):
       fail("outer.topk_density", self.topk_density, "a number in (0, 1]")
     one_of("outer.topk_bits", self.topk_bits, TOPK_BITS)
     one_of("outer.slow_codec", self.slow_codec, SLOW_CODECS)
+    self._check_coset()
     if not 0 <= self.feedback_decay <= 1:
       fail("outer.feedback_decay", self.feedback_decay, "a number in [0, 1] (0 turns error feedback off)")
     one_of("outer.topology", self.topology, TOPOLOGIES)
@@ -267,6 +285,25 @@ class OuterConfig(Section):
       if not self.consensus_weight > 0:
         fail("outer.consensus_weight", self.consensus_weight, "a number > 0")
       # The stability of (α, γ) depends on num_replicas too: checked across sections (config/checks.py).
+
+  def _check_coset(self) -> None:
+    if not 0 < self.coset_density <= 1:
+      fail("outer.coset_density", self.coset_density, "a number in (0, 1]")
+    one_of("outer.coset_bits", self.coset_bits, COSET_BITS)
+    at_least("outer.coset_block", self.coset_block, 8)
+    one_of("outer.coset_order", self.coset_order, COSET_ORDERS)
+    one_of("outer.coset_mode", self.coset_mode, COSET_MODES)
+    g = round(1 / self.coset_density)
+    if self.coset_mode == "sum" and (g & (g - 1) or abs(g * self.coset_density - 1) > 1e-9):
+      fail("outer.coset_density", self.coset_density, "1/g with g a power of two (1, 0.5, 0.25, ...) with coset_mode='sum'")
+    if self.coset_mode == "global" and self.coset_bits > 8:
+      fail("outer.coset_bits", self.coset_bits, "2..8 with coset_mode='global' (it sends coset codes only)")
+    if not self.coset_kappa >= 0:
+      fail("outer.coset_kappa", self.coset_kappa, "a number ≥ 0 (0 = the default for coset_bits)")
+    if self.compression == "coset" and self.kind in GROUPED_KINDS and self.group_size != 2:
+      fail("outer.group_size", self.group_size, "2 with outer.compression='coset' (its scale estimate reads a pair's mean)")
+    if self.compression == "coset" and self.overlap_steps:
+      fail("outer.overlap_steps", self.overlap_steps, "0 with outer.compression='coset' (not yet with streaming overlap)")
 
   def _check_overlap(self) -> None:
     if not 0 <= self.overlap_steps < self.inner_steps:

@@ -39,7 +39,7 @@ from noloco_jax.config import outer as outer_schema
 from noloco_jax.config.outer import OuterConfig
 from noloco_jax.inner.state import TrainState
 from noloco_jax.models.base import DTYPES
-from noloco_jax.outer import epidemic, epidemic_adam, exchange, rules
+from noloco_jax.outer import coset, epidemic, epidemic_adam, exchange, rules
 from noloco_jax.outer import wire as wire_lib
 from noloco_jax.outer.pairing import Groups, PairingSchedule
 from noloco_jax.parallel.mesh import REPLICA
@@ -163,13 +163,17 @@ def round_of(parts: RoundParts) -> Callable:
 def _noloco(alpha: float, beta: float, gamma: float, group_size: int, codec, kind: str,
             overlap: bool = False) -> OuterMethod:
   """NoLoCo (and gossip: α=0, β=γ=1) with messages sent through `codec` (exchange.PlainCodec or
-  CompressedCodec). `overlap`: the state also holds the in-flight group mean of streaming overlap."""
+  CompressedCodec, or coset.CosetCodec, whose decode reads the receiver's own message). `overlap`: the
+  state also holds the in-flight group mean of streaming overlap."""
+  side_info = getattr(codec, "side_info", False)
 
   def init(params):
     outer = {"slow": params, "momentum": jax.tree.map(jnp.zeros_like, params)}
-    residual = codec.init_residual(params)
+    residual = None if side_info else codec.init_residual(params)
     if residual is not None:
       outer["residual"] = residual
+    if side_info:  # the codec's own small state (coset.CosetCodec: its scale estimate)
+      outer["codec"] = codec.init_state(params)
     if overlap:  # the group mean of the exchange in flight (meaningful while LoopState.inflight_step > 0)
       outer[INFLIGHT] = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     return outer
@@ -177,6 +181,13 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, codec, kin
   def message(states: TrainState):
     metrics = {"pseudo_grad_norm": pseudo_grad_norm(states)}
     outer = states.outer
+    if side_info:
+      own = rules.noloco_message(states.params, outer["slow"], beta=beta, gamma=gamma)
+      informed = codec.order in coset.SENDER_CHOSEN or codec.mode == "global"
+      importance = adam_second_moment(states.opt_state) if informed else None
+      payload, codec_state = jax.vmap(codec.encode)(own, states.params, outer["slow"], outer["codec"], states.step,
+                                                    importance)
+      return states.replace(outer={**outer, "codec": codec_state}), own, payload, metrics
     own, payload, residual = exchange.encode_stack(codec, states.params, outer["slow"], outer.get("residual"),
                                                    beta=beta, gamma=gamma)
     if residual is not None:
@@ -190,10 +201,15 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, codec, kin
     return lambda payload, route: exchange.receive(payload, pool, route, num_devices)
 
   def combine(own_c, received):
+    if side_info:
+      return exchange.mean_of(own_c, received, lambda payload: jax.vmap(codec.decode)(payload, own_c))
     return exchange.mean_of(own_c, received, exchange.decoder(codec, own_c))
 
   def merge(states: TrainState, mean_c, mix):
     outer = states.outer
+    if side_info:  # the codec learns the replicas' spread from what it decoded (before φ moves)
+      own_c = rules.noloco_message(states.params, outer["slow"], beta=beta, gamma=gamma)
+      outer = {**outer, "codec": jax.vmap(codec.observe)(outer["codec"], own_c, mean_c)}
     if mix is None:
       theta, phi, delta = rules.noloco_update(outer["slow"], outer["momentum"], mean_c, alpha=alpha, gamma=gamma)
     else:
@@ -222,6 +238,15 @@ def _noloco(alpha: float, beta: float, gamma: float, group_size: int, codec, kin
       bytes_per_round=lambda params: (group_size - 1) * codec.payload_bytes(params),
       bytes_per_step=lambda params: 0, parts=parts, new_replica=new_replica,
       wire=lambda params, n, algorithm: (wire_lib.permute(codec.payload_bytes(params), group_size - 1), wire_lib.NOTHING))
+
+
+def adam_second_moment(opt_state):
+  """The inner Adam's second-moment tree (ν) in an optax state (the first ScaleByAdamState found)."""
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+           if isinstance(x, optax.ScaleByAdamState)]
+  if not found:
+    raise ValueError("outer.coset_order='fisher' / 'mixed' reads the inner optimizer's second moment: use adam or adamw")
+  return found[0].nu
 
 
 def _epidemic(fanout: int, message_dtype, regular: bool) -> OuterMethod:
@@ -305,8 +330,13 @@ def _inflight_buffer(o: OuterConfig) -> bool:
   return o.overlap_steps > 0 and o.schedule == "lockstep"
 
 
-def make_codec(o: OuterConfig):
-  """How `outer` sends NoLoCo / gossip messages: a cast to message_dtype, or `outer.compression`'s codec."""
+def make_codec(o: OuterConfig, seed: int = 0):
+  """How `outer` sends NoLoCo / gossip messages: a cast to message_dtype, or `outer.compression`'s codec.
+  `seed`: the run's (config.seed), for codecs that draw shared randomness (coset)."""
+  if o.compression == "coset":
+    return coset.CosetCodec(density=o.coset_density, bits=o.coset_bits, block=o.coset_block, order=o.coset_order,
+                            kappa=o.coset_kappa, inner_steps=o.inner_steps, seed=seed, mode=o.coset_mode,
+                            beta=1.0 if o.kind == "gossip" else o.outer_lr)
   if o.compression == "none":
     return exchange.PlainCodec(MESSAGE_DTYPES[o.message_dtype])
   return exchange.CompressedCodec(kind=o.compression, chunk=o.compression_chunk, density=o.topk_density,
@@ -319,16 +349,20 @@ def make_codec(o: OuterConfig):
 
 Factory = Callable[[OuterConfig, "optax.GradientTransformation | None"], OuterMethod]
 _REGISTRY: dict[str, Factory] = {
-    "noloco": lambda o, opt: _noloco(o.outer_momentum, o.outer_lr, o.consensus_weight, o.group_size, make_codec(o),
-                                     "noloco", overlap=_inflight_buffer(o)),
+    "noloco": lambda o, opt, seed=0: _noloco(o.outer_momentum, o.outer_lr, o.consensus_weight, o.group_size,
+                                             make_codec(o, seed), "noloco", overlap=_inflight_buffer(o)),
     # The momentum ablation: pure pairwise averaging of the fast weights, φ ← mean_G θ.
-    "gossip": lambda o, opt: _noloco(0.0, 1.0, 1.0, o.group_size, make_codec(o), "gossip", overlap=_inflight_buffer(o)),
+    "gossip": lambda o, opt, seed=0: _noloco(0.0, 1.0, 1.0, o.group_size, make_codec(o, seed), "gossip",
+                                             overlap=_inflight_buffer(o)),
     "epidemic": lambda o, opt: _epidemic(o.fanout, MESSAGE_DTYPES[o.message_dtype], regular=o.topology == "oracle"),
     "epidemic_adam": lambda o, opt: _epidemic_adam(o.group_size, MESSAGE_DTYPES[o.message_dtype], opt),
     "diloco": lambda o, opt: _diloco(o.outer_lr, o.outer_momentum, o.nesterov),
     "ddp": lambda o, opt: _ddp(),
     "none": lambda o, opt: _none(),
 }
+
+
+GROUP_FACTORIES = ("noloco", "gossip")  # built-in factories that also take the run's seed (their codec's)
 
 
 def register(kind: str, factory: Factory, *, grouped: bool = False) -> None:
@@ -338,16 +372,18 @@ def register(kind: str, factory: Factory, *, grouped: bool = False) -> None:
   outer_schema.register_kind(kind, grouped=grouped)
 
 
-def make_method(outer_cfg, optimizer: optax.GradientTransformation | None = None) -> OuterMethod:
+def make_method(outer_cfg, optimizer: optax.GradientTransformation | None = None, *, seed: int = 0) -> OuterMethod:
   """The method of `config.outer` (a typed OuterConfig; a ConfigDict is read through the schema).
 
   `optimizer`: the inner optimizer without clipping (inner.make_optimizer(clip=False)); only
-  `epidemic_adam`, whose round steps it, needs one.
+  `epidemic_adam`, whose round steps it, needs one. `seed`: the run's, for a codec's shared randomness.
   """
   o = OuterConfig.parse(outer_cfg)
   if o.kind not in _REGISTRY:
     raise ValueError(f"outer.kind={o.kind!r} is not valid; choose one of {tuple(_REGISTRY)}.")
-  return with_state_dtype(_REGISTRY[o.kind](o, optimizer), o.state_dtype)
+  factory = _REGISTRY[o.kind]
+  method = factory(o, optimizer, seed) if o.kind in GROUP_FACTORIES else factory(o, optimizer)
+  return with_state_dtype(method, o.state_dtype)
 
 
 def with_state_dtype(method: OuterMethod, dtype: str) -> OuterMethod:

@@ -91,7 +91,8 @@ def build(config, mesh=None, vocab_size: int | None = None,
   # clipping slot is then an identity, and the optimizer state keeps the same tree.
   optimizer = inner.make_optimizer(config.inner, config.num_steps, clip=not pipelined)
   # epidemic_adam's round takes one more step of this optimizer, unclipped (outer/epidemic_adam.py).
-  method = outer_lib.make_method(config.outer, inner.make_optimizer(config.inner, config.num_steps, clip=False))
+  method = outer_lib.make_method(config.outer, inner.make_optimizer(config.inner, config.num_steps, clip=False),
+                                  seed=config.seed)
   # The asynchronous schedule pairs processes at run time (asynchronous/): no schedule of groupings.
   schedule = (outer_lib.make_schedule(config.outer, seed=config.seed, num_replicas=config.num_replicas)
               if method.uses_pairing and config.outer.schedule == "lockstep" else None)

@@ -67,7 +67,10 @@ def exchange_in_force(config) -> dict[str, Any]:
   out: dict[str, Any] = {"message_dtype": o.message_dtype}
   if o.kind in ("noloco", "gossip"):
     out["compression"] = o.compression
-    if o.compression != "none":
+    if o.compression == "coset":  # no chunks, no feedback: its own fields (outer/coset.py)
+      out.update(coset_mode=o.coset_mode, coset_order=o.coset_order, coset_density=o.coset_density,
+                 coset_bits=o.coset_bits, coset_block=o.coset_block)
+    elif o.compression != "none":
       out.update(compression_chunk=o.compression_chunk, feedback_decay=o.feedback_decay)
     if o.compression == "topk":
       out.update(topk_density=o.topk_density, topk_bits=o.topk_bits, slow_codec=o.slow_codec)
@@ -111,7 +114,8 @@ def _outer_line(config, in_force: dict[str, Any]) -> str:
   if "message_dtype" in exchange:
     codec = exchange.get("compression", "none")
     details = [f"{k}={exchange[k]:g}" if isinstance(exchange[k], float) else f"{k}={exchange[k]}"
-               for k in ("topk_density", "topk_bits", "slow_codec", "compression_chunk", "feedback_decay") if k in exchange]
+               for k in ("topk_density", "topk_bits", "slow_codec", "compression_chunk", "feedback_decay", "coset_mode",
+                         "coset_order", "coset_density", "coset_bits", "coset_block") if k in exchange]
     text = f"messages {exchange['message_dtype']}"
     if codec != "none":
       text += f", {codec}" + (f" ({', '.join(details)})" if details else "")
