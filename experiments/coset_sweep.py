@@ -30,6 +30,9 @@ SETTINGS = {
     # Fragments, 2-bit: the shared cyclic schedule, or the sender's blocks of largest Adam ν.
     "cyclic_60": dict(compression="coset", coset_bits=2, coset_density=0.6),
     "cyclic_30": dict(compression="coset", coset_bits=2, coset_density=0.3),
+    "fixed_60": dict(compression="coset", coset_bits=2, coset_density=0.6, coset_order="fixed"),
+    "fixed_30": dict(compression="coset", coset_bits=2, coset_density=0.3, coset_order="fixed"),
+    "fixed_15": dict(compression="coset", coset_bits=2, coset_density=0.15, coset_order="fixed"),
     "fisher_30": dict(FISHER, coset_density=0.3),
     "fisher_15": dict(FISHER, coset_density=0.15),
     "mixed_30": dict(FISHER, coset_density=0.3, coset_order="mixed"),

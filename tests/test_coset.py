@@ -106,6 +106,19 @@ def test_cyclic_fragments_cover_every_block_once_per_cycle():
   np.testing.assert_array_equal(np.sort(again), np.arange(num))
 
 
+def test_fixed_fragments_are_the_same_every_round_and_a_uniform_subset_per_leaf():
+  key, num, m = jax.random.PRNGKey(1), 40, 8
+  first = np.asarray(coset.fragment_index(key, 3, 0, num, m, "fixed"))
+  for r in (1, 7, 100):
+    np.testing.assert_array_equal(np.asarray(coset.fragment_index(key, 3, r, num, m, "fixed")), first)
+  assert len(set(first)) == m
+  # Over leaves (independent keys), each block is chosen with probability m/num (chi-square, 2,000 leaves).
+  picks = np.asarray(jax.jit(jax.vmap(lambda leaf: coset.fragment_index(key, leaf, 0, num, m, "fixed")))(jnp.arange(2000)))
+  counts = np.bincount(picks.ravel(), minlength=num)
+  expected = 2000 * m / num
+  assert ((counts - expected) ** 2 / expected).sum() < 73.4  # 39 degrees of freedom, p = 0.001
+
+
 def test_random_fragments_are_uniform_subsets():
   """Each block is in round r's subset with probability m/num (a chi-square over 2,000 rounds), no repeats."""
   key, num, m, rounds = jax.random.PRNGKey(2), 12, 3, 2000

@@ -45,7 +45,7 @@ GROUPED_KINDS: list[str] = [*GROUP_KINDS, "epidemic_adam"]
 # Compressed messages (noloco_jax/outer/compression.py, docs/compression.md).
 COMPRESSIONS = ("none", "int8", "int4", "topk", "coset")
 COSET_BITS = (2, 3, 4, 5, 6, 7, 8, 16, 32)  # coset codes of 2..8 bits; 16 / 32: the fragment's values as they are
-COSET_ORDERS = ("cyclic", "random", "fisher", "mixed", "damage")  # how a coset message's fragment is chosen each round (outer/coset.py)
+COSET_ORDERS = ("cyclic", "random", "fixed", "fisher", "mixed", "damage")  # how a coset message's fragment is chosen each round (outer/coset.py)
 COSET_MODES = ("fragment", "sum", "global")  # which values a coset message codes (outer/coset.py)
 TOPK_BITS = (2, 3, 4, 5, 6, 7, 8)  # bits per kept top-k value (packed); int8 / int4 imply 8 / 4
 SLOW_CODECS = ("float32", "bfloat16", "int8", "int4")  # how the γ·φ part of a top-k message travels
@@ -155,7 +155,8 @@ class OuterConfig(Section):
   coset_density: float = 0.25  # fraction of each leaf's blocks sent per round, in (0, 1]
   coset_bits: int = 2  # bits per value: 2..8 (coset codes), 16 / 32 (bfloat16 / float32 values)
   coset_block: int = 256  # values per block of the fragment
-  # cyclic (every block once per ceil(1/density) rounds) | random (a new subset per round) | fisher (the sender's
+  # cyclic (every block once per ceil(1/density) rounds) | random (a new subset per round) | fixed (the same random
+  # blocks every round) | fisher (the sender's
   # blocks of largest Adam second moment; indices sent) | mixed (half fisher, half cyclic) | damage (largest
   # second moment × (rounds since the block was last averaged + 1))
   coset_order: str = "cyclic"
@@ -164,6 +165,8 @@ class OuterConfig(Section):
   # values as one signed sum (1/coset_density a power of two) | global: one fragment of coset_density of the
   # whole message's blocks, those of largest expected damage (the sender's Adam second moment × its spread estimate)
   coset_mode: str = "fragment"
+  # leaf: one lattice step per leaf | block: one per block (coset_mode='fragment'), from a running estimate per block
+  coset_scale: str = "leaf"
   fanout: int | None = None  # epidemic: s, the random peers each replica sends its model to per round (< num_replicas; 1)
   # epidemic: the round's random directed graph (de Vos et al. 2023; outer/epidemic.py):
   #   oracle = EL-Oracle: uniform over the s-regular graphs, every replica sends to s and receives from
@@ -293,6 +296,9 @@ class OuterConfig(Section):
     at_least("outer.coset_block", self.coset_block, 8)
     one_of("outer.coset_order", self.coset_order, COSET_ORDERS)
     one_of("outer.coset_mode", self.coset_mode, COSET_MODES)
+    one_of("outer.coset_scale", self.coset_scale, ("leaf", "block"))
+    if self.coset_scale == "block" and self.coset_mode != "fragment":
+      fail("outer.coset_scale", self.coset_scale, "'leaf' with coset_mode=" + repr(self.coset_mode) + " ('block' is fragment mode's)")
     g = round(1 / self.coset_density)
     if self.coset_mode == "sum" and (g & (g - 1) or abs(g * self.coset_density - 1) > 1e-9):
       fail("outer.coset_density", self.coset_density, "1/g with g a power of two (1, 0.5, 0.25, ...) with coset_mode='sum'")

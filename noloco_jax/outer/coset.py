@@ -23,8 +23,8 @@ own progress β·(θ − φ)). Neither side knows D, and partners are new every 
    its own (its best guess), and the round is a local outer step there, δ ← α·δ + β·(θ − φ).
    - `fragment`: each leaf is cut into blocks of `block` values and m = ceil(density · blocks) of them are
      sent (`order`): `cyclic` walks a per-run random permutation of the blocks, m at a time (every block
-     once per ceil(blocks / m) rounds), `random` draws a new m-subset per round — both from the shared
-     key, so no indices travel; `fisher` sends the sender's m blocks of largest mean Adam second moment ν
+     once per ceil(blocks / m) rounds), `random` draws a new m-subset per round, `fixed` sends the same
+     random m blocks every round — all from the shared key, so no indices travel; `fisher` sends the sender's m blocks of largest mean Adam second moment ν
      (the diagonal Fisher: a difference D costs a replica's loss about ½·Σ ν·D²), with their indices;
      `mixed` half of them so and half cyclic; `damage` the largest ν × (rounds since the block was last
      averaged + 1).
@@ -60,7 +60,7 @@ import numpy as np
 
 from noloco_jax.outer import compression
 
-ORDERS = ("cyclic", "random", "fisher", "mixed", "damage")
+ORDERS = ("cyclic", "random", "fixed", "fisher", "mixed", "damage")
 SENDER_CHOSEN = ("fisher", "mixed", "damage")  # orders whose blocks the sender picks (their indices travel)
 RAW_BITS = {32: jnp.float32, 16: jnp.bfloat16}  # bits that send the fragment's values as they are
 # κ = ε / rms(D) by bits. b = 2, 3, 4: chosen offline on the default job's messages (the capture
@@ -86,6 +86,8 @@ def fragment_index(key, leaf: int, round_, num_blocks: int, count: int, order: s
   leaf_key = jax.random.fold_in(jax.random.fold_in(key, _FRAGMENT), leaf)
   if order == "random":
     return jax.random.permutation(jax.random.fold_in(leaf_key, round_), num_blocks)[:count].astype(jnp.int32)
+  if order == "fixed":  # the same random blocks every round (a control for `fisher`'s fixed choice)
+    round_ = 0
   perm = jax.random.permutation(leaf_key, num_blocks).astype(jnp.int32)
   start = (round_ * count) % num_blocks
   return perm[(start + jnp.arange(count, dtype=jnp.int32)) % num_blocks]
@@ -172,6 +174,7 @@ class CosetCodec:
   memory: float = 0.5  # h ← memory·h + (1 − memory)·(ms of the decoded difference)
   beta: float = 0.7
   mode: str = "fragment"
+  scale: str = "leaf"  # leaf: one ε per leaf | block: one ε per block, from a running estimate per block
   feedback = False  # no error-feedback residual: what is not sent stays in the replica's own weights
   side_info = True
 
@@ -202,6 +205,9 @@ class CosetCodec:
     leaves = jax.tree.leaves(params)
     zeros = [jnp.zeros((), jnp.float32) for _ in leaves]
     state = {"h": zeros, "eps": list(zeros)}
+    if self.scale == "block":  # per block: the ms(D) estimate and the last ε this replica used
+      state["hb"] = [jnp.zeros((self._layout(x.size)[0],), jnp.float32) for x in leaves]
+      state["eb"] = [jnp.zeros((self._layout(x.size)[0],), jnp.float32) for x in leaves]
     if self.order == "damage":  # rounds since this replica last averaged each block
       state["age"] = [jnp.zeros((self._layout(x.size)[0],), jnp.float32) for x in leaves]
     return state
@@ -280,6 +286,7 @@ class CosetCodec:
              for t, p in zip(jax.tree.leaves(theta), jax.tree.leaves(phi))]
     weights = jax.tree.leaves(importance) if importance is not None else [None] * len(c_leaves)
     ages = state.get("age", [None] * len(c_leaves))
+    eb_out = []
     for leaf, (c, d, h, w, age) in enumerate(zip(c_leaves, fresh, state["h"], weights, ages)):
       chosen = self.mode == "fragment" and self.order in SENDER_CHOSEN
       idx = self.choose(c, leaf, round_, w, age) if chosen else None
@@ -290,13 +297,26 @@ class CosetCodec:
         leaves.append({"values": x.astype(RAW_BITS[self.bits]), **extra})
         eps_out.append(jnp.zeros((), jnp.float32))
         continue
-      exponent = lattice_exponent(jnp.maximum(h, self._fallback_ms(d)), x, self._kappa())
-      eps = step_of(exponent)
+      if self.scale == "block":  # ε per block of the fragment, from this block's own estimate
+        num, width, m = self._layout(c.size)
+        if idx is None:
+          idx = fragment_index(self.key, leaf, round_, num, m, self.order)
+        fallback = 2.0 * jnp.mean(jnp.square(compression.to_chunks(d, width)), axis=-1)[idx]
+        exponent = jax.vmap(lambda v, row: lattice_exponent(v, row, self._kappa()))(
+            jnp.maximum(state["hb"][leaf][idx], fallback), x)
+        eps = step_of(exponent)[:, None]
+        eb_out.append(state["eb"][leaf].at[idx].set(eps[:, 0]))
+      else:
+        exponent = lattice_exponent(jnp.maximum(h, self._fallback_ms(d)), x, self._kappa())
+        eps = step_of(exponent)
       u = dither(self.key, leaf, round_, x.shape)
       leaves.append({"codes": compression.pack_bits(coset_encode(x, eps, u, self.bits), self.bits), "exp": exponent,
                      **extra})
-      eps_out.append(eps)
-    return {"round": round_, "leaves": leaves}, {**state, "eps": eps_out}
+      eps_out.append(jnp.sqrt(jnp.mean(jnp.square(eps))))
+    new_state = {**state, "eps": eps_out}
+    if self.scale == "block":
+      new_state["eb"] = eb_out
+    return {"round": round_, "leaves": leaves}, new_state
 
   def decode(self, payload, own):
     """The partner's message as this replica reconstructs it (`lift` of the decoded values)."""
@@ -313,7 +333,8 @@ class CosetCodec:
       else:
         u = dither(self.key, leaf, round_, side.shape)
         codes = compression.unpack_bits(p["codes"], self.bits, side.shape)
-        values = coset_decode(codes, side, step_of(p["exp"]), u, self.bits)
+        eps = step_of(p["exp"])
+        values = coset_decode(codes, side, eps[:, None] if eps.ndim else eps, u, self.bits)
       out.append(self.lift(c, side, values, leaf, round_, idx))
     return treedef.unflatten(out)
 
@@ -335,6 +356,15 @@ class CosetCodec:
       # The first observation (h = 0: nothing decoded yet) is taken as it is.
       h_out.append(jnp.where(h > 0, self.memory * h + (1.0 - self.memory) * ms, ms))
     out = {**state, "h": h_out}
+    if "hb" in state:  # per block: the blocks that moved update their estimate
+      hb_out = []
+      for c, g, hb, eb in zip(jax.tree.leaves(own), jax.tree.leaves(mean), state["hb"], state["eb"]):
+        width = self._layout(c.size)[1]
+        sq = jnp.square(compression.to_chunks(2.0 * (g - c), width))
+        moved = jnp.sum(sq, axis=-1) > 0
+        ms = jnp.maximum(jnp.mean(sq, axis=-1) - jnp.square(eb) / 12.0, 0.0)
+        hb_out.append(jnp.where(moved, jnp.where(hb > 0, self.memory * hb + (1.0 - self.memory) * ms, ms), hb))
+      out["hb"] = hb_out
     if "age" in state:  # a block the partner sent moved (its decoded difference is not all zero): age 0
       ages = []
       for c, g, age in zip(jax.tree.leaves(own), jax.tree.leaves(mean), state["age"]):

@@ -335,7 +335,7 @@ def make_codec(o: OuterConfig, seed: int = 0):
   `seed`: the run's (config.seed), for codecs that draw shared randomness (coset)."""
   if o.compression == "coset":
     return coset.CosetCodec(density=o.coset_density, bits=o.coset_bits, block=o.coset_block, order=o.coset_order,
-                            kappa=o.coset_kappa, inner_steps=o.inner_steps, seed=seed, mode=o.coset_mode,
+                            kappa=o.coset_kappa, inner_steps=o.inner_steps, seed=seed, mode=o.coset_mode, scale=o.coset_scale,
                             beta=1.0 if o.kind == "gossip" else o.outer_lr)
   if o.compression == "none":
     return exchange.PlainCodec(MESSAGE_DTYPES[o.message_dtype])
