@@ -1,4 +1,4 @@
-"""Installs noloco_jax. CPU jax by default; see README.md for the CUDA and TPU installs.
+"""Installs noloco_jax. CPU jax by default; see docs/install.md for the CUDA and TPU installs.
 
 The core install has no TensorFlow: TensorBoard event files are written by the `tensorboard`
 package's own writer, the embedded corpus is built and read as a TFDS array_record dataset without
@@ -15,7 +15,7 @@ setuptools.setup(
     # are packages of the checkout too, so that scripts, notebooks and tests import them by name.
     packages=setuptools.find_packages(include=["noloco_jax", "noloco_jax.*", "configs", "experiments",
                                                "experiments.*"]),
-    python_requires=">=3.11",  # Tested: 3.11 with jax 0.10 and 3.13 with jax 0.12 (CI); README "Installing".
+    python_requires=">=3.11",  # Tested: 3.11 with jax 0.10 and 3.13 with jax 0.12 (CI); docs/install.md.
     install_requires=[
         "jax>=0.10,<0.13",
         "flax>=0.12,<0.13",
@@ -23,6 +23,9 @@ setuptools.setup(
         "orbax-checkpoint>=0.12,<0.13",
         "ml-collections>=1.0,<2",
         "absl-py>=2",
+        # clu.parameter_overview only (io/metrics.py); 0.0.12's own imports are flax, jax, numpy, absl, etils
+        # and wrapt. Its metric writers, which import TensorFlow, are not used (io/writers.py).
+        "clu==0.0.12",
         "tensorboard>=2.16",  # Its event-file writer only; it needs no TensorFlow (io/metrics.py).
         "tensorflow-datasets>=4.9.7,<5",  # Without TensorFlow: array_record builds and data sources.
         "array-record>=0.8.1",
@@ -35,11 +38,15 @@ setuptools.setup(
         "plots": ["matplotlib>=3.8"],
         # safetensors (the reference reader of the export), tokenizers (the byte tokenizer's file) and wandb
         # (its writer's test, offline) are small; transformers and torch, which the export's strongest test
-        # loads, are not installed here (README "After a run": pip install transformers 'torch==2.13.0').
+        # loads, are not installed here (docs/after_a_run.md: pip install transformers 'torch==2.13.0').
         "test": ["pytest>=8", "pytest-xdist>=3.5", "nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29",
-                 "matplotlib>=3.8", "safetensors>=0.4", "tokenizers>=0.19", "wandb>=0.17"],
+                 "matplotlib>=3.8", "safetensors>=0.4", "tokenizers>=0.19", "wandb>=0.17", "etcd3gw>=2.7"],
         "hf": ["tokenizers>=0.19", "huggingface_hub>=0.23"],
         "export": ["tokenizers>=0.19"],  # python -m noloco_jax.export_hf: the tokenizer.json of the byte tokenizer
         "wandb": ["wandb>=0.17"],  # --config.wandb.project=...: the Weights & Biases writer (io/writers.py)
+        # --control=etcd://...: the asynchronous schedule's replicated control plane (asynchronous/etcd_kv.py).
+        # etcd3gw speaks etcd's v3 JSON gateway over HTTP (requests): no grpcio or protobuf of its own to meet
+        # JAX's; maintained by OpenStack; docs/async.md §5 says why it was chosen.
+        "etcd": ["etcd3gw>=2.7"],
     },
 )

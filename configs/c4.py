@@ -1,6 +1,6 @@
 """C4 English with the paper's small model (docs/method.md §10): NoLoCo on 8 replicas.
 
-Prepare the data once (README.md, "Real datasets"), then, with C4's JSON-lines files and a
+Prepare the data once (docs/data.md, "C4 (English)"), then, with C4's JSON-lines files and a
 SentencePiece model trained on them:
 
     python -m noloco_jax.main --config=configs/c4.py --workdir=runs/c4 \

@@ -14,9 +14,11 @@ Shrink to seconds for a smoke test with the argument string `smoke`:
 Every field can be overridden on the command line, e.g. `--config.outer.kind=diloco`, which trains at
 DiLoCo's paper values (α=0.3, β=0.7, H=100) unless those fields are set too: the per-kind outer fields
 are left unset here and take the chosen kind's values when the config is validated. The fields, their
-defaults and what they mean are in noloco_jax/config/ (one module per section). Renamed fields keep
-their old names with a warning: outer.momentum is outer.outer_momentum (α), outer.lr is outer.outer_lr
-(β), outer.gamma is outer.consensus_weight (γ).
+defaults and what they mean are in noloco_jax/config/ (one module per section; config.outer in the
+sections rule, codec, overlap and asynchronous). Renamed fields keep their old names with a warning: the
+flat outer fields (outer.compression is outer.codec.compression, outer.overlap_steps is
+outer.overlap.steps, ...) and outer.momentum / lr / gamma (outer.rule.outer_momentum / outer_lr /
+consensus_weight: α, β, γ).
 """
 
 import ml_collections
@@ -31,7 +33,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # nan_policy, nan_max_skipped_rounds),
   # model.py, data.py, inner.py, outer.py, checkpoint.py and pipeline.py. The defaults are this job:
   # 8 replicas of the tiny Llama, NoLoCo with α=0.5, β=γ=0.7, n=2, H=50 (its paper values, resolved from
-  # the unset per-kind fields: noloco_jax/config/outer.py), on the embedded corpus as bytes.
+  # the unset per-kind fields by its spec: noloco_jax/outer/methods/noloco.py), on the embedded corpus.
   config = schema.default_config_dict()
   if arg:
     _apply_arg(config, arg)

@@ -53,7 +53,7 @@ for medium and large, and for large φ and δ in pinned host memory between roun
 
 import ml_collections
 
-from noloco_jax.outer.paper import paper_outer
+from noloco_jax.outer import methods
 from noloco_jax.config import files as config_files
 
 # The rows of docs/method.md §11: (model, GPUs, DP, PP).
@@ -80,8 +80,9 @@ SIZES = {
     "medium": dict(lr=2e-4, batch_tokens=2 ** 20, remat=True, device_seqs=8, offload=False),
     "large": dict(lr=1.2e-4, batch_tokens=2 ** 21, remat=True, device_seqs=4, offload=True),
 }
-# The outer step of each method: the paper's, from noloco_jax/outer/paper.py (heavy-ball momentum for both).
-OUTER = {method: paper_outer(method) for method in METHODS}
+# The outer step of each method: the paper's, as each method's spec declares it (noloco_jax/outer/methods/;
+# heavy-ball momentum for both).
+OUTER = {method: methods.defaults(method) for method in METHODS}
 # Vocabularies: the reference model's 128,002 ids for Reddit (Llama-3 ids up to <|end_of_text|>); the
 # Llama-3 tokenizer with its 256 added special tokens (128,256) for C4, which is what it reports.
 VOCAB = {"c4": 128_256, "reddit": 128_002}
@@ -171,8 +172,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.inner.weight_decay = 0.0
   config.inner.grad_clip = 1.0
 
-  for key, value in OUTER[o["method"]].items():
-    config.outer[key] = value
+  config.outer.update(OUTER[o["method"]])
   config.outer.offload = size["offload"] and o["method"] != "ddp"  # ddp keeps no outer state
 
   if o["smoke"]:

@@ -2,8 +2,9 @@
 
 Each process holds one "replica": a vector θ trained by SGD with momentum (optax) on its own
 quadratic loss ½‖θ − target_p‖² (a different target per process, so only the exchanges pull the
-replicas together), H inner steps per round, then a staleness-weighted NoLoCo round
-(outer/async_rules.py) with whatever group the matchmaker finds. It is what the multi-process tests
+replicas together), H inner steps per round, then NoLoCo's round (its message and merge,
+noloco_jax/outer/methods/noloco.py) with the staleness-weighted mean (outer/async_rules.py) of whatever
+group the matchmaker finds. It is what the multi-process tests
 launch, and a way to watch the schedule work:
 
     python -m noloco_jax.runtime.launch_local --num_processes=4 --devices_per_process=1 \\
@@ -17,7 +18,6 @@ service unless `--standalone_service`, waits (up to --linger_s) for the others t
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -30,8 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from noloco_jax.asynchronous import churn, control, session as session_lib
-from noloco_jax.outer import async_rules, rules
+from configs import default
+from experiments.lib import harness
+from noloco_jax.asynchronous import control, session as session_lib
+from noloco_jax.inner.state import TrainState
+from noloco_jax.io.checkpoint.logs import JsonlLog
+from noloco_jax.outer import async_rules, methods
 from noloco_jax.runtime import faults
 
 
@@ -39,28 +43,28 @@ def _digest(tree) -> str:
   return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(tree))).hexdigest()[:16]
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--rounds", type=int, default=20, help="rounds to run (at least)")
-  parser.add_argument("--run_s", type=float, default=0.0, help="keep starting rounds until this many seconds")
-  parser.add_argument("--until_file", default=None,
-                      help="with --run_s: stop starting rounds sooner, once this file exists (a test's signal that "
+def main(argv=None) -> None:
+  bench = harness.Bench(__doc__)
+  bench.add_argument("--rounds", type=int, default=20, help="rounds to run (at least)")
+  bench.add_argument("--run_s", type=float, default=0.0, help="keep starting rounds until this many seconds")
+  bench.add_argument("--until_file", default=None,
+                     help="with --run_s: stop starting rounds sooner, once this file exists (a test's signal that "
                            "what it waits for has happened, so a quiet machine does not sit out a loaded one's time)")
-  parser.add_argument("--inner_steps", type=int, default=5)
-  parser.add_argument("--step_s", type=float, default=0.02, help="seconds of simulated compute per inner step")
-  parser.add_argument("--dim", type=int, default=1024, help="floats per message")
-  parser.add_argument("--log_dir", required=True)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--window_s", type=float, default=0.05)
-  parser.add_argument("--max_wait_s", type=float, default=3.0)
-  parser.add_argument("--exchange_timeout_s", type=float, default=20.0)
-  parser.add_argument("--lease_s", type=float, default=6.0)
-  parser.add_argument("--decay", type=float, default=float(np.log(2.0)), help="staleness decay per round of lag")
-  parser.add_argument("--odd", default="triple")
-  parser.add_argument("--join", action="store_true", help="take the state from a live peer first")
-  parser.add_argument("--standalone_service", action="store_true")
-  parser.add_argument("--linger_s", type=float, default=120.0)
-  opts = parser.parse_args(argv)
+  bench.add_argument("--inner_steps", type=int, default=5)
+  bench.add_argument("--step_s", type=float, default=0.02, help="seconds of simulated compute per inner step")
+  bench.add_argument("--dim", type=int, default=1024, help="floats per message")
+  bench.add_argument("--log_dir", required=True)
+  bench.add_argument("--seed", type=int, default=0)
+  bench.add_argument("--window_s", type=float, default=0.05)
+  bench.add_argument("--max_wait_s", type=float, default=3.0)
+  bench.add_argument("--exchange_timeout_s", type=float, default=20.0)
+  bench.add_argument("--lease_s", type=float, default=6.0)
+  bench.add_argument("--decay", type=float, default=float(np.log(2.0)), help="staleness decay per round of lag")
+  bench.add_argument("--odd", default="triple")
+  bench.add_argument("--join", action="store_true", help="take the state from a live peer first")
+  bench.add_argument("--standalone_service", action="store_true")
+  bench.add_argument("--linger_s", type=float, default=120.0)
+  opts = bench.parse(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
   slot = int(os.environ["NOLOCO_PROCESS_ID"])
@@ -70,28 +74,40 @@ def main(argv=None) -> int:
   options = session_lib.Options(seed=opts.seed, window_s=opts.window_s, max_wait_s=opts.max_wait_s,
                                 exchange_timeout_s=opts.exchange_timeout_s, lease_s=opts.lease_s,
                                 beat_s=min(0.5, opts.lease_s / 4), odd=opts.odd, join_timeout_s=30.0)
-  session = session_lib.Session(connection.kv, slot, connection.incarnation, options, log_dir=opts.log_dir)
+  os.makedirs(opts.log_dir, exist_ok=True)
+  logs = [JsonlLog(os.path.join(opts.log_dir, f"{name}_{slot}.jsonl")) for name in ("pairings", "membership")]
+  session = session_lib.Session(connection.kv, slot, connection.incarnation, options, pairings=logs[0], events=logs[1])
   injector = faults.from_env(slot)
-  alpha, beta, gamma, lr = 0.5, 0.7, 0.9, 0.1
+  lr = 0.1
+  outer = default.get_config().outer  # NoLoCo, the rule the trainer runs (its α, β, γ set here)
+  outer.rule.update(outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.9)
+  parts = methods.make(outer).parts
+  message, merge = jax.jit(parts.message), jax.jit(lambda state, mean: parts.merge(state, mean, None))
+  mean_of = jax.jit(lambda own, received, weights: parts.mean(own, received, weights))
 
-  target = jnp.asarray(np.random.default_rng(1000 + slot).normal(size=opts.dim), jnp.float32)
+  target = jnp.asarray(np.random.default_rng(1000 + slot).normal(size=(1, opts.dim)), jnp.float32)
   tx = optax.sgd(lr, momentum=0.5)
-  theta = jnp.zeros(opts.dim, jnp.float32)
-  phi, delta, inner = theta, jnp.zeros_like(theta), tx.init(theta)
+  theta = jnp.zeros((1, opts.dim), jnp.float32)  # one replica: a stack of one, as the trainer's
+  state = TrainState(step=jnp.zeros((1,), jnp.int32), params=theta, opt_state=tx.init(theta),
+                     outer=jax.vmap(methods.make(outer).init)(theta))
   step = 0
   result = {"slot": slot, "incarnation": str(session.incarnation)}
   if opts.join:
-    (peer_phi, peer_inner), donor, progress = session.join((phi, inner))
-    theta, phi, delta, inner = churn.grow_from_peer(peer_phi, peer_inner, delta)
+    (peer_phi, peer_inner), donor, progress = session.join((state.outer["slow"], state.opt_state))
+    one = jax.tree.map(lambda x: np.asarray(x)[0], (state.params, {**state.outer, "slow": peer_phi}))
+    params, new_outer = methods.make(outer).new_replica(*one)  # checkpoint.elastic=grow's rule: θ = φ_peer, δ = 0
+    state = state.replace(params=jnp.asarray(params)[None], outer=jax.tree.map(lambda x: jnp.asarray(x)[None], new_outer),
+                          opt_state=peer_inner)
     step = progress
-    result.update(joined_from=donor, joined_progress=progress, joined_phi=_digest(phi), joined_inner=_digest(inner),
-                  joined_delta_zero=bool(jnp.all(delta == 0)))
+    result.update(joined_from=donor, joined_progress=progress, joined_phi=_digest(state.outer["slow"]),
+                  joined_inner=_digest(state.opt_state),
+                  joined_delta_zero=bool(jnp.all(state.outer["momentum"] == 0)))
 
   @jax.jit
-  def inner_step(theta, inner):
-    grads = theta - target  # ∇ ½‖θ − target‖²
-    updates, inner = tx.update(grads, inner, theta)
-    return optax.apply_updates(theta, updates), inner
+  def inner_step(state):
+    grads = state.params - target  # ∇ ½‖θ − target‖²
+    updates, inner = tx.update(grads, state.opt_state, state.params)
+    return state.replace(params=optax.apply_updates(state.params, updates), opt_state=inner)
 
   served = []
   start = time.monotonic()
@@ -99,18 +115,21 @@ def main(argv=None) -> int:
   signalled = lambda: opts.until_file is not None and os.path.exists(opts.until_file)
   while rounds < opts.rounds or (time.monotonic() - start < opts.run_s and not signalled()):
     for _ in range(opts.inner_steps):
-      theta, inner = inner_step(theta, inner)
+      state = inner_step(state)
       step += 1
+      session.step = step
       time.sleep(opts.step_s)
       if injector is not None:  # None without NOLOCO_FAULTS (a restarted process runs without it)
-        injector.after_step(step, theta)
-    message = rules.noloco_message(theta, phi, beta=beta, gamma=gamma)
-    outcome = session.round(message, progress=step)
-    if outcome.exchanged:
-      theta, phi, delta = async_rules.async_noloco_update(phi, delta, outcome.messages, outcome.progress, alpha=alpha,
-                                                          gamma=gamma, inner_steps=opts.inner_steps, decay=opts.decay)
-    if session.serve_joins(lambda: (phi, inner), progress=step):
-      served.append({"phi": _digest(phi), "inner": _digest(inner), "progress": step})
+        injector.after_step(step, state.params)
+    state, own, payload, _ = message(state)
+    outcome = session.round(payload, progress=step)
+    if outcome.exchanged:  # the group's messages, own first: the weighted mean, then NoLoCo's merge
+      weights = async_rules.staleness_weights(outcome.progress, inner_steps=opts.inner_steps, decay=opts.decay)
+      weights = None if async_rules.equal(weights) else weights  # equal: the lock-step mean's arithmetic
+      state = merge(state, mean_of(own, tuple(outcome.messages[1:]), weights))
+    phi = state.outer["slow"]
+    if session.serve_joins(lambda: (state.outer["slow"], state.opt_state), progress=step):
+      served.append({"phi": _digest(phi), "inner": _digest(state.opt_state), "progress": step})
     rounds += 1
 
   spread = float(jnp.linalg.norm(phi - target))
@@ -120,6 +139,9 @@ def main(argv=None) -> int:
   logging.info("Slot %d done: %d rounds, %s.", slot, rounds, session.matchmaker.stats.as_dict())
   linger = opts.linger_s if (slot == 0 and not opts.standalone_service) else 0.0
   session.close(linger_s=linger)
+  for log in logs:
+    log.close()
+  bench.finish(result)  # also as the last line of this process's output (its log under launch_local)
   for stream in (sys.stdout, sys.stderr):
     stream.flush()
   # A normal exit runs JAX's shutdown, which waited 8–10 s for the other processes (docs/async.md §8);
@@ -128,4 +150,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  harness.run(main)

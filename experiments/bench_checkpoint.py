@@ -12,7 +12,9 @@ once with asynchronous and once with synchronous saves, then restores the latest
   save_blocking_s    async: how long the training loop is held per save (median);
   save_async_total_s async: save start until the step is complete on disk (median);
   save_sync_s        synchronous save (median);
-  restore_s          reading the latest step back onto the mesh (meta, state, data).
+  restore_s          reading the latest step back onto the mesh (meta, state, data);
+  checksum_s         the per-replica state checksum every save stores and every restore verifies
+                     (io/checkpoint/checksum.py; median of --saves calls after one that compiles).
 """
 
 import os
@@ -51,6 +53,7 @@ def main(argv=None) -> dict:
   harness.use_cpu_devices(config.num_replicas)  # one CPU device per replica, as main.py (CPU backend only)
   import jax  # pylint: disable=g-import-not-at-top
   from noloco_jax.io import checkpoint  # pylint: disable=g-import-not-at-top
+  from noloco_jax.io.checkpoint import checksum  # pylint: disable=g-import-not-at-top
   from noloco_jax.io import data  # pylint: disable=g-import-not-at-top
   from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
@@ -64,6 +67,14 @@ def main(argv=None) -> dict:
   out = {"replicas": config.num_replicas, "devices": int(setup.mesh.devices.size), "backend": jax.default_backend(),
          "model": config.model.preset, "params_per_replica": setup.model.num_params(),
          "state_bytes": sum(x.nbytes for x in jax.tree.leaves(state))}
+
+  checksum.state_checksums(state, setup.mesh)  # compiles
+  times = []
+  for _ in range(args.saves):
+    start = time.perf_counter()
+    checksum.state_checksums(state, setup.mesh)
+    times.append(time.perf_counter() - start)
+  out["checksum_s"] = statistics.median(times)
 
   for mode in ("async", "sync"):
     config.checkpoint.async_save = mode == "async"

@@ -12,7 +12,7 @@ of the job: an aggregate limit, not one per link.
 NoLoCo's groupings come from `outer.pairing=round_robin` by default (--pairing): one compiled
 program for the whole run, chosen among the N − 1 matchings by a seeded index, every pair meeting
 with probability 1/(N − 1) as under `fresh`. With `fresh` (the default of a training run) every
-round is its own program, compiled one round ahead in the background (outer/ahead.py). Here P
+round is its own program, compiled one round ahead in the background (outer/programs.py). Here P
 processes share the machine's cores, so P compiles of ≈0.4 s CPU each (uncontended) land in every
 0.3 s round: at P = 8 on 2 cores the rounds waited 2.4–7 s for their programs and NoLoCo measured
 5.3 s / round against DiLoCo's 0.93 (experiments/RESULTS.md). JAX's persistent cache does not help:
@@ -89,8 +89,8 @@ def _async_flags(workdir: str, processes: int, steps: int, inner_steps: int, see
   """NoLoCo on the asynchronous schedule; each process evaluates its replica every round (no barrier)."""
   flags = _flags(workdir, "noloco", processes, steps, inner_steps, "fresh", seed)
   return [f for f in flags if not f.startswith("--config.eval_every")] + [
-      "--config.outer.schedule=async", f"--config.eval_every={inner_steps}", f"--config.outer.max_wait_s={max_wait_s}",
-      f"--config.outer.match_window_s={window_s}", f"--config.outer.overlap_steps={overlap_steps}"]
+      "--config.outer.schedule=async", f"--config.eval_every={inner_steps}", f"--config.outer.asynchronous.max_wait_s={max_wait_s}",
+      f"--config.outer.asynchronous.match_window_s={window_s}", f"--config.outer.overlap.steps={overlap_steps}"]
 
 
 def run_one(method: str, processes: int, steps: int, inner_steps: int, faults: str, root: str,
@@ -389,9 +389,9 @@ def main(argv=None) -> dict:
   bench.add_argument("--pairing", default="round_robin", choices=["round_robin", "fresh"],
                      help="NoLoCo's outer.pairing (module docstring: fresh compiles a program per round)")
   bench.add_argument("--seeds", type=int, nargs="+", default=[0], help="config.seed of every job (each seed: every job)")
-  bench.add_argument("--max_wait_s", type=float, default=2.0, help="async: outer.max_wait_s")
-  bench.add_argument("--match_window_s", type=float, default=0.02, help="async: outer.match_window_s")
-  bench.add_argument("--async_overlap_steps", type=int, default=0, help="async: outer.overlap_steps (τ inner "
+  bench.add_argument("--max_wait_s", type=float, default=2.0, help="async: outer.asynchronous.max_wait_s")
+  bench.add_argument("--match_window_s", type=float, default=0.02, help="async: outer.asynchronous.match_window_s")
+  bench.add_argument("--async_overlap_steps", type=int, default=0, help="async: outer.overlap.steps (τ inner "
                      "steps run while the round finds its partner; docs/async.md §3)")
   bench.add_argument("--kill", action="store_true", help="async: also a job whose last process is killed at "
                      "step steps/2, beside the unkilled one (the survivors' validation loss against it)")

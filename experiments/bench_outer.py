@@ -54,9 +54,11 @@ def _worker(args, cfg) -> None:
   from noloco_jax.tools import hlo as hlo_lib
   from noloco_jax.parallel import mesh as mesh_lib
   from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import base as outer_base  # pylint: disable=g-import-not-at-top
   from noloco_jax.outer import methods as outer_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.parallel.mesh import REPLICA  # pylint: disable=g-import-not-at-top
   from noloco_jax.outer import exchange  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import programs as programs_lib  # pylint: disable=g-import-not-at-top
 
   def timed(fn, carry, *rest):
     """Median over repeats of the slowest process's time for `carry = fn(carry, *rest)`."""
@@ -81,27 +83,28 @@ def _worker(args, cfg) -> None:
     setup = build_lib.build(cfg, vocab_size=257)
     state = setup.init_state()
     compiled = setup.rounds.compile(state, 0)  # the round's programs as the training loop runs them
-    index = jnp.int32(compiled.route)
+    index = jnp.int32(setup.rounds.plan(0)[1])
     one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
     # The round returns (state, metrics); time state -> state, the way the training loop chains rounds.
-    state, timing = timed(lambda s, i: compiled.fn(s, i)[0], state, index)
-    results[f"{kind}_round"] = {**timing, "collective_bytes": hlo_lib.all_collective_bytes(compiled.hlo_text()),
-                                "counted_bytes": setup.method.bytes_per_round(one_replica)}
+    state, timing = timed(lambda s, i: programs_lib.lockstep_round(compiled)(s, i)[0], state, index)
+    text = "\n".join(c.as_text() for c in compiled.values())
+    results[f"{kind}_round"] = {**timing, "collective_bytes": hlo_lib.all_collective_bytes(text),
+                                "counted_bytes": setup.method.traffic(one_replica, setup.config.num_replicas)[0].operand}
     del state
 
   mesh, num_devices = setup.mesh, setup.mesh.shape[REPLICA]
   num_params = setup.model.num_params()
   params = jax.jit(lambda: jax.tree.map(lambda x: jnp.ones(x.shape, jnp.float32), setup.init_state().params),
                    out_shardings=mesh_lib.replica_sharding(mesh))()
-  groups = outer_lib.make_schedule(cfg.outer, seed=cfg.seed, num_replicas=cfg.num_replicas).groups(0)
-  dtype = outer_lib.MESSAGE_DTYPES[cfg.outer.message_dtype]
+  groups = outer_lib.schedule(cfg.outer, seed=cfg.seed, num_replicas=cfg.num_replicas).groups(0)
+  dtype = outer_base.MESSAGE_DTYPES[cfg.outer.codec.message_dtype]
   ddp_cfg = ml_collections.ConfigDict(cfg.outer.to_dict())
   ddp_cfg.kind = "ddp"
   collectives = {
       # NoLoCo's only collective: the group mean of c (n−1 ppermutes of one model-sized message).
       "noloco_exchange": lambda t: exchange.plain_group_mean(t, (groups,), 0, num_devices, dtype),
       # DiLoCo's (and DDP's) only collective: the mean over all replicas, one all-reduce.
-      "allreduce": outer_lib.make_method(ddp_cfg).reduce_grads,
+      "allreduce": outer_lib.make(ddp_cfg).reduce_grads,
   }
   for name, fn in collectives.items():
     jitted = jax.jit(mesh_lib.replica_map(fn, mesh, in_specs=jax.P(REPLICA), out_specs=jax.P(REPLICA)))
@@ -150,8 +153,8 @@ def _memory(args, cfg, timed) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from noloco_jax.outer import methods  # pylint: disable=g-import-not-at-top
-  from noloco_jax.outer import rounds as rounds_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import base as outer_base  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import programs as programs_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.parallel.mesh import REPLICA  # pylint: disable=g-import-not-at-top
   from noloco_jax.tools import hlo as hlo_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
@@ -164,30 +167,25 @@ def _memory(args, cfg, timed) -> dict:
     setup = build_lib.build(variant, vocab_size=257)
     state = setup.init_state()
     devices = setup.mesh.devices.size
-    copy = methods.tree_bytes(state.params) // devices  # one model copy: the params of one device's replicas
+    copy = outer_base.tree_bytes(state.params) // devices  # one model copy: the params of one device's replicas
     if name == "noloco_overlapped":
-      programs = rounds_lib.SplitPrograms(setup.method, setup.mesh, setup.schedule, setup.state_shardings,
-                                          variant.outer.overlap_mix)
-      sent = programs.message_structs(rounds_lib.abstract(state))
-      key, route = programs.plan(0)
-      compiled = {"message": programs.message.lower(rounds_lib.abstract(state)).compile(),
-                  "exchange": programs.build_exchange(key).lower(*sent, rounds_lib.route_struct(
-                      setup.schedule, key, setup.mesh)).compile(),
-                  "merge": programs.merge.lower(rounds_lib.abstract(state)).compile()}
+      programs = programs_lib.RoundPrograms(setup.method, setup.mesh, setup.schedule, setup.state_shardings,
+                                            where="exchange", mix=variant.outer.overlap.mix)
+      _, route = programs.plan(0)
+      compiled = programs.compile(state, 0)
 
       def run(s, r, c=compiled):
         s, sent, _ = c["message"](s)
         mean = c["exchange"](*sent, r)
-        return c["merge"](s.replace(outer={**s.outer, methods.INFLIGHT: mean}))
+        return c["merge"](s.replace(outer={**s.outer, outer_base.INFLIGHT: mean}))
     elif name == "noloco_whole":
       key, route = setup.rounds.plan(0)
-      compiled = {"round": rounds_lib.make_round_fn(setup.method, setup.mesh, key, setup.state_shardings).lower(
-          rounds_lib.abstract(state), rounds_lib.route_struct(setup.schedule, key, setup.mesh)).compile()}
+      compiled = {"round": programs_lib.make_round_fn(setup.method, setup.mesh, key, setup.state_shardings).lower(
+          programs_lib.abstract(state), setup.rounds.route_struct(key)).compile()}
       run = lambda s, r, c=compiled: c["round"](s, r)[0]
     else:
-      round_ = setup.rounds.compile(state, 0)
-      compiled, route = round_.programs, round_.route
-      run = lambda s, r, fn=round_.fn: fn(s, r)[0]
+      compiled, (_, route) = setup.rounds.compile(state, 0), setup.rounds.plan(0)
+      run = lambda s, r, fn=programs_lib.lockstep_round(compiled): fn(s, r)[0]
     per_program = {k: hlo_lib.bytes_accessed(c) / copy for k, c in compiled.items()}
     total = sum(per_program.values())
     # Parameters a program copies (buffers XLA could not update in place): each counts twice in `total`.

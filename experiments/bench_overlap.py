@@ -9,7 +9,7 @@ process's traffic shares that one queue). No traffic leaves 127.0.0.1 of that na
    dispatched in order on one thread, as one program with no data dependency between its two halves,
    and with the send called from a second host thread. Concurrent execution shows as a time near the
    larger of the two, serial execution as their sum.
-2. Training (default): the smoke model trained by P processes with outer.overlap_steps = 0 and = τ, the
+2. Training (default): the smoke model trained by P processes with outer.overlap.steps = 0 and = τ, the
    same bandwidth, steps timed by NOLOCO_TRACE (runtime/faults.py). A step's compute is simulated by a
    sleep of --step_s after it (NOLOCO_FAULTS delay; the smoke model's real step takes milliseconds), so
    the figures do not depend on how loaded this machine is. Per process: round time = (inner steps +
@@ -135,8 +135,8 @@ def probe(args) -> dict:
 def _flags(workdir: str, method: str, processes: int, steps: int, inner_steps: int, tau: int, mix: float) -> list[str]:
   return ["--config=configs/default.py:smoke", f"--workdir={workdir}", f"--config.outer.kind={method}",
           f"--config.num_replicas={processes}", f"--config.num_steps={steps}",
-          f"--config.outer.inner_steps={inner_steps}", f"--config.outer.overlap_steps={tau}",
-          f"--config.outer.overlap_mix={mix}", f"--config.log_every={inner_steps}", "--config.eval_every=0"]
+          f"--config.outer.inner_steps={inner_steps}", f"--config.outer.overlap.steps={tau}",
+          f"--config.outer.overlap.mix={mix}", f"--config.log_every={inner_steps}", "--config.eval_every=0"]
 
 
 def run_one(method: str, tau: int, args, root: str) -> dict:
@@ -187,7 +187,7 @@ def main(argv=None) -> dict:
   bench.add_argument("--processes", type=int, default=2)
   bench.add_argument("--methods", nargs="+", default=["noloco", "gossip"])
   bench.add_argument("--taus", type=int, nargs="+", default=[0, 5])
-  bench.add_argument("--mix", type=float, default=0.5, help="outer.overlap_mix")
+  bench.add_argument("--mix", type=float, default=0.5, help="outer.overlap.mix")
   bench.add_argument("--steps", type=int, default=100)
   bench.add_argument("--inner_steps", type=int, default=10)
   bench.add_argument("--step_s", type=float, default=0.1, help="simulated compute per step (a sleep)")

@@ -1,9 +1,9 @@
 """What a fresh pairing costs: the compile per round, the stall at round boundaries, the inner steps slowed.
 
 With outer.pairing=fresh on a mesh every round's grouping needs its own program (ppermute's routing is
-static). For NoLoCo and gossip that program holds only the grouping's routes (outer/rounds.py: the
+static). For NoLoCo and gossip that program holds only the grouping's routes (outer/programs.py: the
 message and the merge are compiled once), compiled on a background thread while the previous round's
-inner steps run (noloco_jax/outer/ahead.py). This runs the loop's round structure (H inner steps on
+inner steps run (noloco_jax/outer/programs.py). This runs the loop's round structure (H inner steps on
 synthetic tokens, then the round) on N fake CPU devices, one replica each, and measures per round:
 
   round_s   wall time of the round: H inner steps plus the outer step, device work included;
@@ -74,8 +74,9 @@ def run_mode(mode: str, args, bench) -> dict:
 
   setup, state, batches = _setup(args, bench, "round_robin" if mode == "round_robin" else "fresh")
   H = setup.config.outer.inner_steps  # validated: H resolved for the kind
-  programs = setup.rounds.ahead(state, compile_ahead=mode != "fresh_inline")
-  programs.prefetch(0)
+  from noloco_jax.outer import programs as programs_lib  # pylint: disable=g-import-not-at-top
+  programs = setup.rounds
+  programs.start(state, compile_ahead=mode != "fresh_inline")
   rounds, inner, stalls, boundaries = [], [], [], []
   try:
     for round_ in range(args.rounds):
@@ -86,17 +87,18 @@ def run_mode(mode: str, args, bench) -> dict:
       # waits beyond the inner steps, not beyond their dispatch.
       jax.block_until_ready(metrics)
       inner.append(time.perf_counter() - start)
-      waits_before = len(programs.compiler.stats.waits_s)
+      waits_before = len(programs.stats.waits_s)
       t0 = time.perf_counter()
-      round_fn, route = programs.program(round_)
+      compiled, route = programs.program(round_)
+      round_fn = programs_lib.lockstep_round(compiled)
       boundaries.append(time.perf_counter() - t0)
-      stalls.append(programs.compiler.stats.waits_s[waits_before])
+      stalls.append(programs.stats.waits_s[waits_before])
       state, round_metrics = round_fn(state, route)
       jax.block_until_ready((state, round_metrics))
       rounds.append(time.perf_counter() - start)
   finally:
     programs.close()
-  stats = programs.compiler.stats
+  stats = programs.stats
   steady = slice(1, None)
   grouping = [s for s, key in zip(stats.compile_s, stats.keys) if not isinstance(key, str)]
   fixed = {key: round(s, 4) for s, key in zip(stats.compile_s, stats.keys) if isinstance(key, str)}
@@ -133,19 +135,22 @@ def compile_cost(args, bench) -> dict:
   either compiles without pause in the background, against none."""
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  from noloco_jax.outer import rounds as rounds_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import programs as programs_lib  # pylint: disable=g-import-not-at-top
   setup, state, batches = _setup(args, bench, "fresh")
-  rounds, mesh, schedule = setup.rounds, setup.mesh, setup.schedule
-  struct = rounds_lib.abstract(state)
+  rounds, mesh = setup.rounds, setup.mesh
+  struct = programs_lib.abstract(state)
 
   def whole(r):  # the whole round of round r's grouping in one program: what a fresh round compiled before
     key, _ = rounds.plan(r)
-    return rounds_lib.make_round_fn(setup.method, mesh, key, setup.state_shardings).lower(
-        struct, rounds_lib.route_struct(schedule, key, mesh)).compile()
+    return programs_lib.make_round_fn(setup.method, mesh, key, setup.state_shardings).lower(
+        struct, rounds.route_struct(key)).compile()
+
+  if rounds.split:
+    rounds.jitted("message", struct)  # the layout the routes are built for
 
   def routes(r):  # what a fresh round compiles now: its grouping's routes only (NoLoCo, gossip)
     key, _ = rounds.plan(r)
-    return rounds.build(key, struct).lower(*_routes_args(rounds, struct, key)).compile()
+    return rounds._lower(key).compile()  # pylint: disable=protected-access
 
   def timed(fn, r):
     start = time.perf_counter()
@@ -184,11 +189,6 @@ def compile_cost(args, bench) -> dict:
   return result
 
 
-def _routes_args(rounds, struct, key):
-  from noloco_jax.outer import rounds as rounds_lib  # pylint: disable=g-import-not-at-top
-  return rounds.programs(struct).payload, rounds_lib.route_struct(rounds.schedule, key, rounds.mesh)
-
-
 def main(argv=None) -> dict:
   bench = harness.Bench(__doc__, config=True, cpu_devices=8, cpu_only=True)
   bench.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
@@ -204,7 +204,7 @@ def main(argv=None) -> dict:
       harness.usage_error(f"--modes: {mode!r} is not one of {MODES}")
   from noloco_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   base = config_lib.validate(bench.override(bench.config()))  # n and H resolved for the kind
-  result = {"replicas": base.num_replicas, "group_size": base.outer.group_size,
+  result = {"replicas": base.num_replicas, "group_size": base.outer.rule.group_size,
             "inner_steps": base.outer.inner_steps, "preset": args.preset, "overrides": bench.overrides(),
             "rounds": args.rounds, "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0], "modes": {}}
   for mode in modes:

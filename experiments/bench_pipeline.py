@@ -68,7 +68,7 @@ def throughput(args, bench):
   base = statistics.median(times[stage_counts[0]])
   rows = []
   for S in stage_counts:
-    M = pipeline.num_microbatches(setups[S].config)
+    M = pipeline.num_microbatches(setups[S].config.pipeline, setups[S].config.data.batch_size)
     step_s = statistics.median(times[S])
     rows.append({"stages": S, "devices": int(setups[S].mesh.devices.size), "microbatches": M,
                  "step_s": step_s, "tokens_per_s": tokens / step_s, "ratio_to_first": base / step_s,

@@ -77,7 +77,7 @@ def add_flags(p: harness.Bench) -> None:
   p.add_argument("--refresh-committed-plots", action="store_true",
                  help="write the PNGs to experiments/plots/, replacing the committed figures")
   p.add_argument("--allreduce-algorithm", default="ring", choices=("ring", "tree"),
-                 help="how DiLoCo's and DDP's all-reduces are priced on the wire (outer.allreduce_algorithm)")
+                 help="how DiLoCo's and DDP's all-reduces are priced on the wire (outer.rule.allreduce_algorithm)")
   p.add_argument("--smoke", action="store_true", help="configs/default.py:smoke sizes: seconds per run")
 
 
@@ -90,19 +90,17 @@ def message_bytes(config, num_params: int) -> int:
   """Bytes of a method's one message (what OuterMethod.message_bytes gives for these parameters)."""
   from experiments.lib import latency
 
-  dtype = config.outer.message_dtype if config.outer.kind in ("noloco", "gossip") else "float32"
+  dtype = config.outer.codec.message_dtype if config.outer.kind in ("noloco", "gossip") else "float32"
   return latency.model_bytes(num_params, dtype)  # DiLoCo's pseudo-gradient, DDP's gradients: float32
 
 
 def comm_model(config, num_params: int, alpha: float, beta: float) -> dict:
   """Communication per round and per step (seconds) and bytes one replica sends, for one method
   (noloco_jax/outer/wire.py: the definitions the runs' comm/* metrics use)."""
-  from noloco_jax.outer import wire
+  from noloco_jax.config.outer import OuterConfig
 
-  kind, n, m = config.outer.kind, config.num_replicas, message_bytes(config, num_params)
-  per_round = wire.round_traffic(kind, m, n, group_size=config.outer.group_size, fanout=config.outer.fanout,
-                                 algorithm=config.outer.allreduce_algorithm)
-  per_step = wire.step_traffic(kind, m, n, config.outer.allreduce_algorithm)
+  outer, n, m = OuterConfig.parse(config.outer), config.num_replicas, message_bytes(config, num_params)
+  per_round, per_step = outer.spec.wire(m, n, outer)  # the method's own accounting (noloco_jax/outer/methods/)
   return {"round_s": per_round.seconds(alpha, beta), "step_s": per_step.seconds(alpha, beta),
           "round_latency_s": per_round.messages * alpha, "step_latency_s": per_step.messages * alpha,
           "sent_bytes_per_round": per_round.sent, "sent_bytes_per_step": per_step.sent}
@@ -240,7 +238,7 @@ def main(argv=None) -> dict:
 
   experiment.enable_compile_cache()
   base = experiment.base_config(smoke=args.smoke, num_replicas=args.replicas, num_steps=args.steps)
-  base.outer.allreduce_algorithm = args.allreduce_algorithm
+  base.outer.rule.allreduce_algorithm = args.allreduce_algorithm
   h = {"noloco": args.h_noloco, "gossip": args.h_noloco, "diloco": args.h_diloco}
   if args.smoke:
     h = {k: v or (3 if k != "diloco" else 6) for k, v in h.items()}

@@ -1,10 +1,20 @@
 """Export a checkpoint to the Hugging Face format, for `transformers.LlamaForCausalLM`.
 
-    python -m noloco_jax.export_hf WORKDIR --out DIR [--replica I | --consensus [--source theta]] [--step S]
+    python -m noloco_jax.export_hf WORKDIR --out DIR [--replica I | --consensus [--source theta]] [--step S] [--force]
 
 writes DIR/config.json, DIR/model.safetensors and, where the run used a tokenizer, its files
-(README "After a run" says which for each tokenizer). The checkpoint is read on the host
-(io/checkpoint/read.py): no mesh, no training set-up, no accelerator.
+(docs/after_a_run.md says which for each tokenizer). The checkpoint is read on the host and verified as a
+resume verifies it (io/checkpoint/read.py): no mesh, no training set-up, no accelerator; a latest step
+that fails verification is skipped with a warning naming it. WORKDIR may be an asynchronous job's: its
+processes' checkpoints are read together (asynchronous/result.py; `--consensus` is then their
+progress-weighted average, `--replica I` process I's replica).
+
+Nothing is destroyed (`check_out`): DIR must be new, empty, or a previous export of ours (which is
+replaced); any other non-empty DIR is refused in one line unless `--force` (then only the files of an
+export are replaced); a run's own workdir is refused even with --force (its config.json is the run's).
+The files are written into a temporary folder beside DIR and moved in at the end, so a failed export
+leaves DIR as it was. config.json's `noloco_jax` entry says where the weights come from (step, replica or
+consensus, the run's config, the code's commit) without this machine's paths (`provenance`).
 
 Why the weights map one to one: our Llama (models/llama.py) is the Hugging Face Llama: pre-norm
 RMSNorm blocks, rotary embeddings that rotate the pairs (i, i + K/2) of each head with frequencies
@@ -32,12 +42,17 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 import numpy as np
 
+import noloco_jax
+from noloco_jax.asynchronous import logs as async_logs
+from noloco_jax.asynchronous import result as async_result
 from noloco_jax.io.checkpoint import read as read_lib
 from noloco_jax.io.data import tokenizer as tokenizer_lib
 from noloco_jax.models.base import DTYPES
@@ -55,6 +70,10 @@ MAPPED_FIELDS = {
     "loss_chunk": "training only (the loss, not the logits)",
 }
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+# Every file an export may write: a folder holding only these and our config.json is a previous export.
+EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+# What marks a run's workdir (or an asynchronous job's): never written into (its config.json is the run's).
+RUN_MARKERS = ("checkpoints", "metrics.jsonl", "run.lock", "summary.json", "checkpoints_corrupt")
 
 
 class ExportError(ValueError):
@@ -239,35 +258,127 @@ def write_tokenizer(config, out: str) -> tuple[list[str], int | None, str]:
   return files + ["tokenizer_config.json"], eos, note
 
 
+# ---- where it goes, and where it comes from ----
+
+
+def _is_previous_export(out: str, names: list[str]) -> bool:
+  if not set(names) <= set(EXPORT_FILES) or "config.json" not in names:
+    return False
+  try:
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+      return "noloco_jax" in json.load(f)
+  except (OSError, ValueError, TypeError):
+    return False
+
+
+def check_out(workdir: str, out: str, force: bool = False) -> bool:
+  """Raises ExportError (one line) unless `out` may receive an export; returns whether it holds a previous
+  export of ours, to be replaced. Never a run's workdir; a non-empty folder of anything else only with `force`."""
+  target, run = os.path.realpath(os.path.expanduser(out)), os.path.realpath(os.path.expanduser(workdir))
+  if os.path.exists(target) and not os.path.isdir(target):
+    raise ExportError(f"--out={out!r} is a file, not a folder: give a new or empty folder.")
+  names = sorted(os.listdir(target)) if os.path.isdir(target) else []
+  markers = [n for n in names if n in RUN_MARKERS or async_logs.PROCESS_DIR.fullmatch(n)]
+  if target == run or markers:
+    raise ExportError(f"--out={out!r} is the workdir of a run (it holds {', '.join(markers) or 'its checkpoints'}): "
+                      "an export there would replace the run's own config.json; give a folder of its own, e.g. "
+                      f"--out={os.path.join(out, 'hf')!r} (refused even with --force).")
+  if not names:
+    return False
+  if _is_previous_export(target, names):
+    return True
+  if not force:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise ExportError(f"--out={out!r} is not empty and is not an export of noloco_jax (it holds {shown}): nothing "
+                      "was written; give a new or empty folder, or --force to replace its files of an export's "
+                      f"names ({', '.join(EXPORT_FILES)}).")
+  return False
+
+
+def _commit() -> str | None:
+  """The git commit of this code, where it runs from a git checkout (None elsewhere, e.g. an installed wheel)."""
+  try:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(noloco_jax.__file__)),
+                          capture_output=True, text=True, timeout=10, check=False)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return done.stdout.strip() if done.returncode == 0 else None
+
+
+def without_paths(value):
+  """A config (any JSON value) with every filesystem path cut to its last part: `/data/c4_spm.model` ->
+  `c4_spm.model`, `/data/books/*.txt` -> `*.txt`. Names that are not paths (a hub name such as
+  `meta-llama/Meta-Llama-3-8B`) stay: a path starts with /, ~, ./ or ../ (each of a comma-separated list)."""
+  if isinstance(value, dict):
+    return {k: without_paths(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [without_paths(v) for v in value]
+  if isinstance(value, str) and value.startswith(("/", "~", "./", "../")):
+    return ",".join(os.path.basename(part.rstrip("/")) for part in value.split(","))
+  return value
+
+
+def provenance(snap, which: str, source: str) -> dict[str, Any]:
+  """Where the exported weights come from, for config.json: no path of this machine (`without_paths`)."""
+  out = {"step": snap.step, "weights": which, "source": source, "num_replicas": snap.num_replicas,
+         "outer_kind": snap.config.outer.kind, "config": without_paths(snap.config.to_dict()),
+         "code": {"noloco_jax": noloco_jax.__version__, "commit": _commit()}}
+  if isinstance(snap, async_result.JobSnapshot):
+    out["asynchronous_job"] = {"checkpoint_steps": {str(k): v for k, v in snap.steps.items()},
+                               "consensus_weights": [float(q) for q in snap.consensus_weights()]}
+  return out
+
+
+def _move_in(tmp: str, out: str, written: list[str], replace_previous: bool) -> None:
+  """The files of `tmp` into `out` (created if missing); a previous export's files that this one does not
+  write are removed (a stale tokenizer.model beside a new tokenizer.json would mislead a loader)."""
+  os.makedirs(out, exist_ok=True)
+  if replace_previous:
+    for name in set(EXPORT_FILES) - set(written):
+      path = os.path.join(out, name)
+      if os.path.exists(path):
+        os.remove(path)
+  for name in written:
+    os.replace(os.path.join(tmp, name), os.path.join(out, name))
+
+
 # ---- the export ----
 
 
 def export(workdir: str, out: str, *, replica: int | None = None, consensus: bool = False, source: str = "slow",
-           step: int | None = None, dtype: str | None = None, tokenizer: bool = True) -> dict[str, Any]:
-  """Writes the export of one replica (default 0) or the consensus model; returns what was written."""
+           step: int | None = None, dtype: str | None = None, tokenizer: bool = True, force: bool = False,
+           warn=None) -> dict[str, Any]:
+  """Writes the export of one replica (default 0) or the consensus model; returns what was written.
+
+  `warn(line)` receives the warnings (newer checkpoints that failed verification; default: ignored)."""
   start = time.perf_counter()
-  snap = read_lib.read(workdir, step, slow=consensus)
+  replace_previous = check_out(workdir, out, force)
+  snap = async_result.read(workdir, step, slow=consensus)
+  for line in async_result.warnings(snap):
+    (warn or (lambda _: None))(line)
   check_exportable(snap.config)
   params = snap.weights(replica, consensus=consensus, source=source)
   cfg = llama_config(snap.config, params)
   dtype = dtype or snap.config.model.param_dtype
   if dtype not in SAFETENSORS_DTYPES or dtype not in DTYPES:
     raise ExportError(f"--dtype={dtype!r}; valid: {', '.join(d for d in SAFETENSORS_DTYPES if d in DTYPES)}.")
-  os.makedirs(out, exist_ok=True)
-  files, eos, note = write_tokenizer(snap.config, out) if tokenizer else ([], None, "no tokenizer files (--no-tokenizer)")
-  if eos is None and snap.config.data.tokenizer == "bytes":
-    eos = tokenizer_lib.ByteTokenizer.eos_id
-  which = "consensus" if consensus else f"replica {0 if replica is None else replica}"
-  provenance = {"workdir": snap.workdir, "step": snap.step, "weights": which,
-                "source": source if consensus else "theta", "num_replicas": snap.num_replicas,
-                "outer_kind": snap.config.outer.kind}
-  with open(os.path.join(out, "config.json"), "w") as f:
-    json.dump(hf_config(cfg, dtype=dtype, eos_id=eos, provenance=provenance), f, indent=2)
-  tensors = {k: v.astype(DTYPES[dtype]) for k, v in hf_state_dict(params).items()}
-  size = write_safetensors(os.path.join(out, "model.safetensors"), tensors, {"format": "pt"})
+  parent = os.path.dirname(os.path.abspath(os.path.expanduser(out)))
+  os.makedirs(parent, exist_ok=True)
+  with tempfile.TemporaryDirectory(prefix=".export_hf-", dir=parent) as tmp:
+    files, eos, note = write_tokenizer(snap.config, tmp) if tokenizer else ([], None, "no tokenizer files (--no-tokenizer)")
+    if eos is None and snap.config.data.tokenizer == "bytes":
+      eos = tokenizer_lib.ByteTokenizer.eos_id
+    which = "consensus" if consensus else f"replica {0 if replica is None else replica}"
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(hf_config(cfg, dtype=dtype, eos_id=eos, provenance=provenance(snap, which, source if consensus else "theta")),
+                f, indent=2)
+    tensors = {k: v.astype(DTYPES[dtype]) for k, v in hf_state_dict(params).items()}
+    size = write_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"})
+    written = ["config.json", "model.safetensors"] + files
+    _move_in(tmp, out, written, replace_previous)
   return {"out": os.path.abspath(out), "step": snap.step, "weights": which, "dtype": dtype,
-          "files": ["config.json", "model.safetensors"] + files, "tokenizer": note,
-          "bytes": size, "seconds": time.perf_counter() - start}
+          "files": written, "tokenizer": note, "bytes": size, "seconds": time.perf_counter() - start,
+          "replaced": replace_previous}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -282,19 +393,23 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--step", type=int, default=None, help="a checkpoint step (default: the latest)")
   p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the run's model.param_dtype)")
   p.add_argument("--no-tokenizer", dest="tokenizer", action="store_false", help="write the model files only")
+  p.add_argument("--force", action="store_true", help="write into a non-empty --out that is not an export of ours, "
+                 "replacing its files of an export's names (never a run's workdir)")
   return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  warn = lambda line: print(f"noloco_jax.export_hf: warning: {line}", file=sys.stderr)
   try:
     done = export(args.workdir, args.out, replica=args.replica, consensus=args.consensus, source=args.source,
-                  step=args.step, dtype=args.dtype, tokenizer=args.tokenizer)
+                  step=args.step, dtype=args.dtype, tokenizer=args.tokenizer, force=args.force, warn=warn)
   except (ExportError, read_lib.CheckpointReadError) as e:
     print(f"noloco_jax.export_hf: error: {e}", file=sys.stderr)
     return 2
   print(f"Exported {done['weights']} of step {done['step']} ({done['dtype']}, {done['bytes'] / 2**20:.1f} MiB) to "
-        f"{done['out']} in {done['seconds']:.1f} s: {', '.join(done['files'])}. {done['tokenizer']}.")
+        f"{done['out']}{' (replacing the previous export there)' if done['replaced'] else ''} in "
+        f"{done['seconds']:.1f} s: {', '.join(done['files'])}. {done['tokenizer']}.")
   print(f"Load it with: transformers.AutoModelForCausalLM.from_pretrained({done['out']!r})")
   return 0
 

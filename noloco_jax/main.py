@@ -17,7 +17,6 @@ from ml_collections import config_flags
 from noloco_jax.runtime import failures
 from noloco_jax import config as config_lib
 from noloco_jax.config import cli
-from noloco_jax.outer import stability
 from noloco_jax.runtime import options as options_lib
 
 FLAGS = flags.FLAGS
@@ -52,9 +51,10 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   try:  # an invalid config is one line and exit status 2, before anything starts
-    # Parsed and checked once: the schema, then NoLoCo's stability (α, γ, n, N) unless outer.allow_unstable.
-    # Everything below receives this typed config (or its sections), never the ConfigDict.
-    config = stability.load_config(FLAGS.config)
+    # Parsed and checked once: the schema, the outer method's own checks and its stability analysis (refused
+    # unless outer.allow_unstable; noloco_jax/outer/methods/). Everything below receives this typed config
+    # (or its sections), never the ConfigDict.
+    config = config_lib.load(FLAGS.config)
   except config_lib.ConfigError as e:
     cli.exit_usage(str(e))
   if not FLAGS.workdir and not FLAGS.dry_run:
@@ -79,6 +79,10 @@ def main(argv):
   # Before anything starts JAX's backends: jax.distributed must come first.
   if config.outer.schedule == "async":
     return _run_async_process(config, options)
+  if options.control != options_lib.Options.control:
+    cli.exit_usage(f"--control={options.control!r} is not valid with config.outer.schedule="
+                   f"{config.outer.schedule!r}: a lock-step job runs on JAX's coordination service ('jax'); an etcd "
+                   "control plane is for outer.schedule='async'.")
   multi_process = distributed.initialize(options)
   # One fake CPU device per device of the mesh: replicas × stages × fsdp.
   _fake_cpu_devices(config.num_replicas * config.num_stages * config.fsdp, multi_process)
@@ -107,18 +111,24 @@ def _run_async_process(config, options) -> None:
   # pylint: disable=g-import-not-at-top  (see the imports at the top)
   from noloco_jax import training
   from noloco_jax.asynchronous import job as async_job
+  from noloco_jax.asynchronous import result as async_result
   from noloco_jax.runtime import distributed, preemption
-  address, count, pid = distributed.process_coordinates(options)
+  if options.control == async_job.JAX:  # fixed slots: every process needs its id (flags, environment, cluster)
+    address, count, pid = distributed.process_coordinates(options)
+  else:  # etcd: no fixed slots; a process started without --process_id takes a free one
+    address, count, pid = None, options.num_processes, options.process_id
   try:
     process = async_job.start(config, address, count, pid, heartbeat_timeout_s=options.heartbeat_timeout_s,
                               initialization_timeout_s=options.initialization_timeout_s,
-                              standalone_service=bool(options.standalone_service))
+                              standalone_service=bool(options.standalone_service), control_plane=options.control)
   except config_lib.ConfigError as e:
     cli.exit_usage(str(e))
   preemption.install_preemption_handler()  # SIGTERM: this process saves and stops; the others train on
   with failures.exit_on_failure(FLAGS.workdir):
     training.train_and_evaluate(async_job.process_config(config), process.workdir(FLAGS.workdir), process)
-  process.finish(lease_s=config.outer.lease_s)
+  process.finish(lease_s=config.outer.asynchronous.lease_s)
+  if process.connection.hosts_service:  # it waited for every other process: the job's own result (spread, consensus)
+    async_result.at_job_end(FLAGS.workdir)
   # Leave without the interpreter's finalisers: the control-plane client's destructor would say goodbye to
   # a service that may be gone by now (it then aborts the process); the run is saved and its logs closed.
   logging.flush()

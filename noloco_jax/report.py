@@ -8,9 +8,15 @@ summary says which step the run has reached.
 
 The PNG has six panels: validation (and training) loss against inner steps, against training tokens
 (steps × replicas × batch × sequence length, all replicas together) and against modelled wall time;
-the cross-replica weight std; the bytes on the wire per replica (cumulative; `Run.wire_series` for logs
-from before they were counted); and the rounds skipped
-(nan_policy="skip_round"). The consensus model's loss is drawn beside eval/loss where the run logged it.
+the cross-replica weight std (a symmetric-log axis, so a spread of 0 is drawn at 0: a DiLoCo run logs 0 at
+every step); the bytes on the wire per replica (cumulative; `Run.wire_series` for logs from before they
+were counted); and the rounds skipped (nan_policy="skip_round"). The consensus model's loss is drawn
+over eval/loss, dashed, in a darker shade of the run's colour, where the run logged it. A series that
+cannot be drawn is named in its panel with the reason.
+
+The workdir of an asynchronous job (its processes' runs in process_<i>/) is reported as one run: its
+processes' logs merged (asynchronous/logs.py: means over the processes at each step) and, once computed,
+the job's spread and consensus loss at its last checkpoints (asynchronous/result.py, WORKDIR/summary.json).
 
 Modelled wall time: the run's own measured compute time (the sum over log intervals of steps ÷
 perf/steps_per_s, evaluations excluded, the first interval's compilation replaced by the median rate) plus the time its logged bytes would take on a link of
@@ -35,16 +41,17 @@ from typing import Any
 
 import numpy as np
 
-from noloco_jax.outer import wire  # pure Python: the report stays free of JAX
+from noloco_jax.asynchronous import logs as async_logs  # pure Python too
+from noloco_jax.config import outer as outer_schema  # the methods' specs (registered by the package), no JAX
+from noloco_jax.config.outer import OuterConfig
 
 BYTES_SENT = ("comm/bytes_sent_per_replica",)
 BYTES_RECEIVED = ("comm/bytes_received_per_replica",)
 # Logs written before the wire was counted have only this name, and it held the collectives' operands
 # (outer/wire.py): for a method whose collectives are point-to-point messages that is what a replica
-# sends and receives, but an all-reduce (diloco's round, ddp's step) moves 2(N−1)/N of its operand
-# per replica on a ring. `Run.wire_series` converts it, and says so.
+# sends and receives, but an all-reduce moves 2(N−1)/N of its operand per replica on a ring. `Run.wire_series`
+# converts it by the method's own accounting (its spec's `wire`), and says so.
 OLD_OPERANDS = "comm/bytes_per_replica"
-ALLREDUCE_KINDS = ("diloco", "ddp")
 PLOTS_HINT = "the PNG needs matplotlib: pip install '.[plots]' (the text summary above needs nothing)"
 
 
@@ -85,13 +92,35 @@ class Run:
 
   def __init__(self, workdir: str):
     self.workdir = os.path.abspath(workdir)
+    self.name = os.path.basename(self.workdir.rstrip("/"))
+    self.summary = _read_json(os.path.join(self.workdir, "summary.json"))
+    self.processes: list[int] = []  # an asynchronous job's processes (empty for a run)
     path = os.path.join(self.workdir, "metrics.jsonl")
+    if not os.path.isfile(path) and async_logs.is_job(self.workdir):
+      self._read_job()
+      return
     if not os.path.isfile(path):
-      raise ReportError(f"WORKDIR={workdir!r} holds no metrics.jsonl: give the --workdir of a run.")
+      raise ReportError(f"WORKDIR={workdir!r} holds no metrics.jsonl: give the --workdir of a run (or of an "
+                        "asynchronous job, which holds process_<i>/).")
     self.rows, self.skipped_lines = read_rows(path)
     self.config = _read_json(os.path.join(self.workdir, "config.json")) or {}
-    self.summary = _read_json(os.path.join(self.workdir, "summary.json"))
-    self.name = os.path.basename(self.workdir.rstrip("/"))
+
+  def _read_job(self) -> None:
+    """An asynchronous job's workdir: its processes' logs merged into the job's series (asynchronous/logs.py),
+    and, where the job's result was computed (asynchronous/result.py, WORKDIR/summary.json), its spread
+    across processes and its consensus model's loss at the last checkpoints' step."""
+    merged = async_logs.merge(self.workdir)
+    self.processes = merged["processes"]
+    self.rows = [{k: _number(v) for k, v in r.items()} for r in async_logs.job_rows(merged)]
+    self.skipped_lines = 0
+    self.config = async_logs.job_config(merged)
+    if self.summary is not None and self.summary.get("job") == "asynchronous":
+      step = max((p.get("checkpoint_step") or 0 for p in self.summary.get("per_process", {}).values()), default=0)
+      final = {k: self.summary[k] for k in ("replicas/weight_std", "eval/consensus_loss") if k in self.summary}
+      if final:
+        self.rows.append({"step": step, **final})
+    else:
+      self.summary = None  # not the job's result: the job's spread and consensus are not known yet
 
   def series(self, *keys: str) -> tuple[np.ndarray, np.ndarray, str | None]:
     """(steps, values, key) of the first of `keys` present in any row, rows in step order, one value per
@@ -120,9 +149,10 @@ class Run:
     if key is None:
       return steps, values, None
     n = int(self._get("", "num_replicas", 1))
-    if self.kind in ALLREDUCE_KINDS:
-      factor = wire.allreduce(1.0, n, "ring").sent
-      how = f"× {factor:g} for a ring all-reduce over N = {n}"
+    per_round, per_step = self.traffic(n)
+    factor = (per_round + per_step).sent / max((per_round + per_step).operand, 1)
+    if factor != 1.0:
+      how = f"× {factor:g} for a ring all-reduce over N = {n}"  # the only exchange whose wire is not its operand
     else:
       factor, how = 1.0, "as sent: point-to-point messages"
     return steps, values * factor, f"from {OLD_OPERANDS}, the collectives' operands of a log from before the wire was counted, {how}"
@@ -134,6 +164,11 @@ class Run:
   @property
   def kind(self) -> str:
     return str(self._get("outer", "kind", "?"))
+
+  def traffic(self, num_replicas: int):
+    """(one round, one inner step) of a one-byte message of the run's method (its spec's accounting)."""
+    outer = OuterConfig(kind=self.kind) if self.kind in outer_schema.METHODS else OuterConfig()
+    return outer.spec.wire(1, num_replicas, outer)
 
   @property
   def num_steps(self) -> int | None:
@@ -173,7 +208,7 @@ class Run:
       return None
     bs, sent, _ = self.wire_series()
     wire = np.interp(steps, bs, sent) * 8 / (link_gbps * 1e9) if len(bs) else 0.0
-    if self.kind == "ddp":
+    if self.traffic(2)[1].messages:  # a method that communicates every inner step
       messages = steps.astype(float)
     else:
       rs, rounds, _ = self.series("outer/round")
@@ -203,6 +238,11 @@ def summarize(run: Run, link_gbps: float = 1.0, alpha_s: float = 1e-3) -> list[s
   head = f"{run.name}: {run.kind}, {run._get('', 'num_replicas', '?')} replicas, step {run.last_step}"
   head += f" of {total}" if total else ""
   lines = [head + f" ({state})" + (f"; {run.skipped_lines} unreadable line(s) skipped" if run.skipped_lines else "")]
+  if run.processes:
+    lines.append(f"  an asynchronous job of {len(run.processes)} processes: their logs merged (means over the "
+                 "processes at each step)" + ("" if run.summary is not None else
+                                              "; its spread and consensus model are not computed yet: python -m "
+                                              f"noloco_jax.asynchronous.result {run.workdir}"))
   es, ev, _ = run.series("eval/loss")
   if len(es):
     best = int(np.nanargmin(ev)) if np.isfinite(ev).any() else -1
@@ -242,8 +282,25 @@ def summarize(run: Run, link_gbps: float = 1.0, alpha_s: float = 1e-3) -> list[s
 # ---- the picture ----
 
 
+def _darker(colour) -> tuple:
+  """The same hue at half the brightness: a run's consensus line, told apart from its eval line."""
+  import matplotlib.colors  # pylint: disable=g-import-not-at-top  (the `plots` extra)
+  return tuple(0.5 * x for x in matplotlib.colors.to_rgb(colour))
+
+
 def plot(runs: list[Run], out: str, link_gbps: float = 1.0, alpha_s: float = 1e-3) -> str:
   """Six panels for one run or a comparison (one colour per run) into the PNG `out`."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top  (the `plots` extra)
+  fig = figure(runs, link_gbps, alpha_s)
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+  return out
+
+
+def figure(runs: list[Run], link_gbps: float = 1.0, alpha_s: float = 1e-3):
+  """The report's matplotlib figure (`plot` saves it). Every series a run logged is drawn; where one cannot
+  be, its panel says which run was left out and why."""
   import matplotlib  # pylint: disable=g-import-not-at-top  (the `plots` extra; see the module docstring)
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -251,23 +308,38 @@ def plot(runs: list[Run], out: str, link_gbps: float = 1.0, alpha_s: float = 1e-
   fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
   (ax_step, ax_tok, ax_time), (ax_std, ax_bytes, ax_skip) = axes
   colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  left_out: dict[Any, list[str]] = {}  # panel -> "run: why" of the series it could not draw
+  positive = [v[v > 0] for v in (r.series("replicas/weight_std")[1] for r in runs)]
+  spread_floor = min((float(p.min()) for p in positive if p.size), default=None)  # the spread axis' linear part
   for i, run in enumerate(runs):
     c = colours[i % len(colours)]
     label = f"{run.name} ({run.kind})" if len(runs) > 1 else run.kind
     es, ev, _ = run.series("eval/loss")
     ts, tv, _ = run.series("train/loss")
     cs, cv, _ = run.series("eval/consensus_loss")
-    for ax, x_of in ((ax_step, lambda s: s), (ax_tok, run.tokens),
-                     (ax_time, lambda s: run.modelled_seconds(s, link_gbps, alpha_s))):
-      for steps, values, style, what in ((ts, tv, dict(lw=1, alpha=0.45), "train"),
-                                         (es, ev, dict(lw=2, marker="o", ms=3), "eval"),
-                                         (cs, cv, dict(lw=1.5, ls="--", marker="x", ms=4), "consensus eval")):
-        x = x_of(steps) if len(steps) else None
-        if x is not None and len(steps):
-          ax.plot(x, values, color=c, label=f"{label}: {what}", **style)
+    for ax, x_of, axis in ((ax_step, lambda s: s, "steps"), (ax_tok, run.tokens, "tokens"),
+                           (ax_time, lambda s: run.modelled_seconds(s, link_gbps, alpha_s), "modelled time")):
+      # The consensus model's loss is often within a hair of eval/loss: its own (darker) colour, drawn on top.
+      for steps, values, style, what in ((ts, tv, dict(color=c, lw=1, alpha=0.45), "train"),
+                                         (es, ev, dict(color=c, lw=2, marker="o", ms=3), "eval"),
+                                         (cs, cv, dict(color=_darker(c), lw=1.5, ls="--", marker="x", ms=5, zorder=3),
+                                          "consensus eval")):
+        if not len(steps):
+          continue
+        x = x_of(steps)
+        if x is None:
+          left_out.setdefault(ax, []).append(f"{run.name}: no {axis} (its config or perf/steps_per_s is missing)")
+        else:
+          ax.plot(x, values, label=f"{label}: {what}", **style)
     ws, wv, _ = run.series("replicas/weight_std")
-    if (wv > 0).any():  # a log scale: identical replicas (std 0, e.g. step 0) are left out
-      ax_std.plot(ws[wv > 0], wv[wv > 0], color=c, marker=".", label=label)
+    if len(ws):
+      # A symmetric-log axis (below): a spread of 0 (identical replicas: step 0, or a method that averages
+      # every replica at its logged steps, as DiLoCo does) is drawn at 0, not dropped as a log axis would.
+      zero = " (0 at every logged step: replicas identical when logged)" if not (wv > 0).any() else ""
+      ax_std.plot(ws, wv, color=c, marker=".", label=label + zero)
+    elif run.processes:
+      left_out.setdefault(ax_std, []).append(f"{run.name}: an asynchronous job whose result is not computed "
+                                             "(python -m noloco_jax.asynchronous.result WORKDIR)")
     bs, bv, key = run.wire_series()
     if len(bs):
       ax_bytes.plot(bs, bv / 2**20, color=c, label=f"{label}: sent" + ("" if key in BYTES_SENT else f" ({OLD_OPERANDS} converted)"))
@@ -293,16 +365,18 @@ def plot(runs: list[Run], out: str, link_gbps: float = 1.0, alpha_s: float = 1e-
     else:
       ax.text(0.5, 0.5, "not logged by this run" if len(runs) == 1 else "not logged by these runs",
               ha="center", va="center", transform=ax.transAxes, color="grey")
+    if left_out.get(ax):
+      ax.text(0.01, 0.01, "left out: " + "; ".join(left_out[ax]), transform=ax.transAxes, fontsize=6,
+              color="grey", va="bottom", wrap=True)
   if ax_std.lines:
-    ax_std.set_yscale("log")
+    # Logarithmic above the smallest positive spread logged, linear below it, so 0 is on the axis.
+    ax_std.set_yscale("symlog", linthresh=spread_floor or 1e-6)
+    ax_std.set_ylim(bottom=0)
   names = ", ".join(r.name for r in runs)
   progress = [r for r in runs if r.summary is None]
   fig.suptitle(f"noloco_jax report: {names}" + (" (in progress)" if progress else ""), fontsize=12)
   fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  fig.savefig(out, dpi=110)
-  plt.close(fig)
-  return out
+  return fig
 
 
 def default_out(workdirs: list[str]) -> str:

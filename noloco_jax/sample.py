@@ -3,9 +3,12 @@
     python -m noloco_jax.sample WORKDIR [--replica I | --consensus] [--step S] --prompt "def " \
         [--length 200] [--temperature 0.8] [--top-k 0] [--top-p 1.0] [--seed 0] [--num-samples 1]
 
-The weights are read on the host (io/checkpoint/read.py): one replica's θ or the consensus model
-(outer/consensus.py); the prompt is encoded and the output decoded with the run's own tokenizer
-(config.data.tokenizer; a pre-tokenized run takes --prompt-ids and prints ids).
+The weights are read on the host and verified as a resume verifies them (io/checkpoint/read.py; a latest
+step that fails is skipped with a warning naming it): one replica's θ or the consensus model
+(outer/consensus.py); WORKDIR may be an asynchronous job's (asynchronous/result.py: `--replica I` is
+process I's replica, `--consensus` the processes' progress-weighted average). The prompt is encoded and
+the output decoded with the run's own tokenizer (config.data.tokenizer; a pre-tokenized run takes
+--prompt-ids and prints ids).
 
 No KV cache: our Llama has none, so every new token re-runs the model over the whole window. That
 costs O(window²) per sample, nothing for the tiny and small presets this is meant for. The window is
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from noloco_jax import models
+from noloco_jax.asynchronous import result as async_result
 from noloco_jax.io.checkpoint import read as read_lib
 from noloco_jax.io.data import tokenizer as tokenizer_lib
 
@@ -106,18 +110,30 @@ def _vocab_size(config, tokenizer) -> int:
   return int(config.model.vocab_size or tokenizer.vocab_size)
 
 
+def check_arguments(*, length: int, num_samples: int, temperature: float, top_k: int, top_p: float) -> None:
+  """SampleError naming the first argument out of its range (only that one), its value and what is valid."""
+  ranges = (("--length", length, length >= 1, "an integer >= 1"),
+            ("--num-samples", num_samples, num_samples >= 1, "an integer >= 1"),
+            ("--temperature", temperature, temperature >= 0, "a number >= 0 (0 = greedy)"),
+            ("--top-k", top_k, top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("--top-p", top_p, 0 < top_p <= 1, "a number in (0, 1] (1 = off)"))
+  for name, value, ok, valid in ranges:
+    if not ok:  # NaN fails every comparison: refused too
+      raise SampleError(f"{name}={value} is not valid: {valid}.")
+
+
 def sample(workdir: str, *, prompt: str | None = None, prompt_ids: list[int] | None = None, length: int = 200,
            temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1,
            replica: int | None = None, consensus: bool = False, source: str = "slow", step: int | None = None,
-           stop_at_eos: bool = True) -> dict:
-  """{"texts": decoded completions, "ids": their ids, "prompt_ids", "step", "weights", "seconds"}."""
-  if length < 1 or num_samples < 1:
-    raise SampleError(f"--length={length} and --num-samples={num_samples} must be >= 1.")
-  if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-    raise SampleError(f"--temperature={temperature} must be >= 0, --top-k={top_k} >= 0 (0 = off) and "
-                      f"--top-p={top_p} in (0, 1].")
+           stop_at_eos: bool = True, warn=None) -> dict:
+  """{"texts": decoded completions, "ids": their ids, "prompt_ids", "step", "weights", "seconds"}.
+
+  `warn(line)` receives the warnings (newer checkpoints that failed verification; default: ignored)."""
+  check_arguments(length=length, num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p)
   start = time.perf_counter()
-  snap = read_lib.read(workdir, step, slow=consensus)
+  snap = async_result.read(workdir, step, slow=consensus)
+  for line in async_result.warnings(snap):
+    (warn or (lambda _: None))(line)
   params = snap.weights(replica, consensus=consensus, source=source)
   tok = tokenizer_lib.make_tokenizer(snap.config.data)
   if prompt_ids is None:
@@ -178,7 +194,8 @@ def main(argv=None) -> int:
     done = sample(args.workdir, prompt=args.prompt, prompt_ids=ids, length=args.length, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, num_samples=args.num_samples,
                   replica=args.replica, consensus=args.consensus, source=args.source, step=args.step,
-                  stop_at_eos=args.stop_at_eos)
+                  stop_at_eos=args.stop_at_eos,
+                  warn=lambda line: print(f"noloco_jax.sample: warning: {line}", file=sys.stderr))
   except (SampleError, read_lib.CheckpointReadError) as e:
     print(f"noloco_jax.sample: error: {e}", file=sys.stderr)
     return 2

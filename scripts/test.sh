@@ -15,8 +15,8 @@ fi
 # same arithmetic, but some transcendental functions round differently in the last bit, so the golden
 # test (tests/test_golden.py) runs its smoke job at the default level, as a user's run compiles.
 export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_backend_optimization_level=${NOLOCO_TEST_XLA_OPT_LEVEL:-0}"
-# --all: the exhaustive tier too (tests/conftest.py EXHAUSTIVE: the benchmarks' quick modes, three
-# notebooks, bfloat16 and sibling cases); the default run is what CI runs.
+# --all: the exhaustive tier too (tests marked `@pytest.mark.exhaustive(reason=...)`: the benchmarks' quick
+# modes, three notebooks, bfloat16 and sibling cases; tests/conftest.py); the default run is what CI runs.
 if [ "${1:-}" = "--all" ]; then
   shift
   export NOLOCO_TESTS=all

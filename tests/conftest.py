@@ -8,52 +8,37 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402  (after the environment above, which must precede any JAX import)
 
-# The exhaustive tier: tests the default run (`bash scripts/test.sh`, what CI runs) leaves out and
-# `bash scripts/test.sh --all` (NOLOCO_TESTS=all) runs, so that the default run stays within CI's time
-# on a 2-core machine. A test is here only when what it proves is also proved in the default run by a
-# cheaper test: the benchmarks' quick modes (each script's parts have unit tests), three of the four
-# notebooks (notebook 02 and compare_methods stay in), the bfloat16 case of a kernel-equivalence test
-# whose float32 case stays in, and end-to-end variants whose sibling case stays in. Keys are test ids or
-# their prefixes (every parametrization of a test).
-EXHAUSTIVE = {
-    **{f"tests/test_notebooks.py::test_notebook_runs_in_smoke_mode[{name}]": "a notebook end to end (notebook "
-       "02 stays in: the same experiment library, sweeps, tables and figures)"
-       for name in ("01_group_size_and_H.ipynb", "03_pairing_dtype_momentum.ipynb", "04_compression.ipynb")},
-    "tests/test_notebooks.py::test_compare_methods_smoke_json": "compare_methods end to end: "
-    "tests/test_compare_methods.py runs it too",
-    **{f"tests/test_bench_network.py::test_quick_{name}": "bench_network's quick modes (its summaries, the "
-       "latency model's column and the async summaries: the file's unit tests; the async schedule itself: "
-       "tests/test_async_driver.py)"
-       for name in ("straggler", "lognormal", "bandwidth")},
-    **{f"tests/test_elastic.py::test_killed_job_resumed_by_the_survivor_trains_to_the_end[{mode}": f"{mode} "
-       "after a killed job, through the command line (grow stays, and drop and recreate from inside an "
-       "overlap window)" for mode in ("drop", "recreate")},
-    "tests/test_checkpoint.py::test_restore_onto_fewer_devices_continues_the_same_run": "training on after "
-    "a restore onto fewer devices (the restore: test_restore_onto_two_devices_is_bitwise; several replicas "
-    "per device: tests/test_train.py's simulator test)",
-    "tests/test_compression.py::test_coded_mesh_and_simulator_paths_agree_bitwise[topk": "top-k's mesh path "
-    "against the simulator (int4's stays, and top-k's round against NumPy)",
-    "tests/test_overlap.py::test_bench_overlap_quick_mode_reports_both_settings": "bench_overlap's quick mode "
-    "(overlap's behaviour: the rest of test_overlap.py)",
-    "tests/test_bench_mfu.py::test_bench_prints_the_fields_on_a_tiny_model": "bench_mfu end to end (its "
-    "FLOP count: the other tests of the file)",
-    "tests/test_attention.py::test_xla_equals_einsum_values_and_gradients[bfloat16": "bfloat16 case (float32 "
-    "stays in)",
-    "tests/test_attention.py::test_model_logits_do_not_depend_on_the_kernel[bfloat16": "bfloat16 case "
-    "(float32 stays in)",
-    "tests/test_losses.py::test_model_loss_and_all_parameter_gradients_match_with_chunks[bfloat16": "bfloat16 "
-    "case (float32 stays in)",
-}
-
-
-def _exhaustive_reason(nodeid: str) -> str | None:
-  return next((why for key, why in EXHAUSTIVE.items() if nodeid.startswith(key)), None)
+# The tiers. Default: every test but those marked `exhaustive` or `real` (`bash scripts/test.sh`, what CI
+# runs first; within CI's time on a 2-core machine). `@pytest.mark.exhaustive(reason=...)`: left out of
+# the default run because a cheaper test of it proves the same, which the reason names (the benchmarks'
+# quick modes, three of the four notebooks, bfloat16 cases whose float32 case stays, end-to-end variants
+# whose sibling stays); `bash scripts/test.sh --all` (NOLOCO_TESTS=all) runs them. `@pytest.mark.real`:
+# starts a real component (scripts/test_real.sh: NOLOCO_TESTS=real runs only these). The marker sits on
+# the test (or its `pytest.param`), so a rename carries it; a misspelt marker is an error, not a test
+# silently run in the default tier (tests/test_tiers.py).
+EXHAUSTIVE_HELP = ("exhaustive(reason): left out of the default run, because a cheaper test of the default run "
+                   "proves the same (the reason says which); `bash scripts/test.sh --all` runs it")
+REAL_HELP = ("real: runs a real component (SLURM, etcd, shaped links in network namespaces) that the test "
+             "starts and stops itself, as root; the tier of its own that `bash scripts/test_real.sh` runs (CI runs it)")
 
 
 def pytest_configure(config):
-  config.addinivalue_line(
-      "markers", "real: runs a real component (SLURM, etcd, shaped links in network namespaces) that the test "
-      "starts and stops itself, as root; the tier of its own that `bash scripts/test_real.sh` runs (CI runs it)")
+  config.addinivalue_line("markers", EXHAUSTIVE_HELP)
+  config.addinivalue_line("markers", REAL_HELP)
+  # An unregistered marker (a misspelt `exhaustive` or `real`) fails the collection instead of warning.
+  config.addinivalue_line("filterwarnings", "error::pytest.PytestUnknownMarkWarning")
+
+
+def exhaustive_reason(item) -> str | None:
+  """Why `item` is in the exhaustive tier (None: it is not); a mark without a reason is a usage error."""
+  mark = item.get_closest_marker("exhaustive")
+  if mark is None:
+    return None
+  reason = mark.kwargs.get("reason") or (mark.args[0] if mark.args else "")
+  if not isinstance(reason, str) or not reason.strip():
+    raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.exhaustive needs reason=\"...\" (the cheaper test "
+                            "of the default run that proves the same).")
+  return reason
 
 
 def _tier() -> str:
@@ -61,6 +46,7 @@ def _tier() -> str:
 
 
 def pytest_collection_modifyitems(config, items):
+  exhaustive = {item.nodeid for item in items if exhaustive_reason(item) is not None}  # every mark checked
   # The real-component tier runs on its own (scripts/test_real.sh: NOLOCO_TESTS=real), or with every test.
   if _tier() == "real":
     left = [item for item in items if item.get_closest_marker("real") is None]
@@ -78,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
   named = {os.path.abspath(arg.split("::")[0]) for arg in config.args if arg.split("::")[0].endswith(".py")}
   kept, left = [], []
   for item in items:
-    left_out = _exhaustive_reason(item.nodeid) and os.path.abspath(str(item.path)) not in named
+    left_out = item.nodeid in exhaustive and os.path.abspath(str(item.path)) not in named
     (left if left_out else kept).append(item)
   if left:
     config.hook.pytest_deselected(items=left)
@@ -90,7 +76,7 @@ def pytest_report_header(config):
     return "noloco_jax: the real-component tier only (tests marked `real`: SLURM, etcd, shaped links)"
   if _tier() == "all":
     return "noloco_jax: every test, the exhaustive tier included (NOLOCO_TESTS=all)"
-  return ("noloco_jax: the default run; the exhaustive tier (tests/conftest.py EXHAUSTIVE) is deselected: "
+  return ("noloco_jax: the default run; the exhaustive tier (tests marked `exhaustive`) is deselected: "
           "`bash scripts/test.sh --all` runs it; the real-component tier: `bash scripts/test_real.sh`")
 
 

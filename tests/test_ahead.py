@@ -1,91 +1,98 @@
-"""outer/ahead.py: programs compiled in the background, the same numbers as jit, a bounded cache."""
+"""outer/programs.py's compile-ahead: programs compiled in the background, the same numbers as jit, one
+wait per round, nothing announced past the last round, a bounded cache, errors on the caller's thread."""
 
 import time
 
 import jax
-import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
-from noloco_jax.outer import ahead
+from configs import default
+from noloco_jax.inner.state import TrainState
+from noloco_jax.outer import methods, pairing
+from noloco_jax.outer import programs as programs_lib
+from noloco_jax.parallel import mesh as mesh_lib
+
+N = 8
 
 
-def _build(key):
-  shift = key
-  return jax.jit(lambda x, i: jnp.roll(x, shift) + i)
-
-
-def _lower(x):
-  structs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((), jnp.int32))
-  return lambda key: _build(key).lower(*structs)
+def _programs(**kwargs):
+  outer = ml_collections.ConfigDict(default.get_config().outer)
+  method = methods.make(outer)
+  mesh = mesh_lib.make_mesh(N, N)
+  schedule = pairing.PairingSchedule(seed=0, num_replicas=N, group_size=2, mode="fresh")
+  rng = np.random.default_rng(0)
+  theta = {"w": rng.normal(size=(N, 4, 3)).astype(np.float32)}
+  state = jax.device_put(TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(),
+                                    outer=jax.vmap(method.init)(theta)), mesh_lib.replica_sharding(mesh))
+  return programs_lib.RoundPrograms(method, mesh, schedule, **kwargs), state
 
 
 def test_prefetched_programs_are_ready_and_compute_what_jit_computes():
-  x = jnp.arange(6.0)
-  compiler = ahead.AheadCompiler(_lower(x))
+  programs, state = _programs()
+  jitted, _ = _programs()
+  copy = jax.tree.map(lambda x: x.copy(), state)
+  programs.start(state, first_round=0)
   try:
-    compiler.prefetch(1)
-    deadline = time.time() + 60
-    while compiler.stats.compiles < 1 and time.time() < deadline:
+    deadline = time.time() + 120
+    while not (len(programs._futures) == 3 and all(f.done() for f in programs._futures.values())):
+      assert time.time() < deadline  # message, merge and round 0's routes, compiled in the background
       time.sleep(0.01)
-    program = compiler.get(1)
-    assert compiler.stats.hits == 1 and compiler.stats.waits_s == [0.0]  # compiled before it was needed
-    np.testing.assert_array_equal(program(x, jnp.int32(2)), _build(1)(x, jnp.int32(2)))
-    compiler.get(3)  # never announced: compiled on demand, and the wait is recorded
-    assert compiler.stats.compiles == 2 and len(compiler.stats.waits_s) == 2
+    compiled, route = programs.program(0)
+    assert programs.stats.hits == 1 and programs.stats.waits_s == [0.0]  # compiled before they were needed
+    got, _ = programs_lib.lockstep_round(compiled)(state, route)
+    fn, route_j = jitted(0)
+    want, _ = fn(copy, route_j)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   finally:
-    compiler.close()
-
-
-def test_the_cache_is_bounded_and_keeps_recent_programs():
-  x = jnp.zeros(4)
-  compiler = ahead.AheadCompiler(_lower(x), capacity=2)
-  try:
-    for key in range(5):
-      compiler.get(key)
-    assert len(compiler) <= 3  # capacity, plus the newest until the next compile evicts
-    compiler.get(4)
-    compiler.get(3)
-    assert compiler.stats.compiles == 5  # 3 and 4 were still cached
-    compiler.get(0)
-    assert compiler.stats.compiles == 6 and len(compiler) <= 3  # 0 had been evicted
-    with pytest.raises(ValueError, match="capacity"):
-      ahead.AheadCompiler(_lower(x), capacity=1)
-  finally:
-    compiler.close()
-
-
-def test_a_compile_error_surfaces_on_the_callers_thread():
-  def bad(key):
-    return jax.jit(lambda x: x @ x)  # [3] @ [3] is fine, [3, 2] @ [3, 2] is not
-  compiler = ahead.AheadCompiler(lambda key: bad(key).lower(jax.ShapeDtypeStruct((3, 2), jnp.float32)))
-  try:
-    with pytest.raises(TypeError):
-      compiler.get("k")
-  finally:
-    compiler.close()
+    programs.close()
 
 
 def test_a_round_waits_once_for_all_its_programs_and_nothing_is_announced_past_the_last_round():
-  x = jnp.arange(6.0)
-  plan = lambda round_: (round_ + 10, np.asarray(round_))  # a new program key every round
-  compose = lambda fixed, own: (fixed, own)
-  programs = ahead.RoundPrograms(plan, _lower(x), fixed=(1,), compose=compose, last_round=2)
+  programs, state = _programs()
+  programs.start(state, last_round=2, first_round=0)
   try:
-    programs.prefetch(0)
     for round_ in range(3):
-      (fixed, own), route = programs.program(round_)
-      np.testing.assert_array_equal(own(x, jnp.int32(0)), _build(round_ + 10)(x, jnp.int32(0)))
-      assert int(route) == round_
-    stats = programs.compiler.stats
-    assert len(stats.waits_s) == 3  # one wait per round, for the fixed program and its own together
-    assert sorted(stats.keys) == [1, 10, 11, 12]  # round 3 (key 13) was never announced
-    assert 13 not in programs.compiler._futures
+      compiled, _ = programs.program(round_)
+      assert set(compiled) == {"message", "merge", "routes"}
+    assert len(programs.stats.waits_s) == 3  # one wait per round, for the fixed programs and its routes together
+    keys = [programs.plan(r)[0] for r in range(4)]
+    assert keys[3] not in programs._futures or keys[3] in keys[:3]  # round 3 was never announced
+    assert sorted(map(str, programs.stats.keys)) == sorted(map(str, ["message", "merge", *dict.fromkeys(keys[:3])]))
   finally:
     programs.close()
-  inline = ahead.RoundPrograms(plan, _lower(x), compile_ahead=False)
+  inline, state = _programs()
+  inline.start(state, compile_ahead=False)
   try:
     inline.program(0)
-    assert 11 not in inline.compiler._futures  # nothing announced ahead: compiled when asked for
+    assert inline.plan(1)[0] not in inline._futures  # nothing announced ahead: compiled when asked for
   finally:
     inline.close()
+
+
+def test_the_cache_is_bounded_and_keeps_the_programs_every_round_runs():
+  programs, state = _programs(capacity=2)
+  programs.start(state)
+  try:
+    for round_ in range(6):
+      programs.program(round_)
+    assert len(programs._futures) <= 2 + 2 + 1  # capacity, the fixed programs, the newest until the next evicts
+    assert {"message", "merge"} <= set(programs._futures)  # never evicted
+  finally:
+    programs.close()
+
+
+def test_a_compile_error_surfaces_on_the_callers_thread(monkeypatch):
+  programs, state = _programs()
+
+  def broken(key):
+    raise TypeError(f"cannot lower {key!r}")
+  monkeypatch.setattr(programs, "_lower", broken)
+  programs.start(state)
+  try:
+    with pytest.raises(TypeError, match="cannot lower"):
+      programs.program(0)
+  finally:
+    programs.close()

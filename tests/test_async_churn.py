@@ -14,12 +14,12 @@ import subprocess
 import sys
 import time
 
-import jax.numpy as jnp
 import numpy as np
-import optax
 from scipy import stats
 
+from configs import default
 from noloco_jax.asynchronous import churn
+from noloco_jax.outer import methods
 from noloco_jax.runtime import launch_local
 
 DEMO = "experiments.async_demo"
@@ -53,15 +53,16 @@ def _logs(out):
   return "\n".join(f"--- {n}\n" + open(os.path.join(d, n)).read()[-3000:] for n in sorted(os.listdir(d)))
 
 
-def test_grow_from_peer_is_the_elastic_grow_rule():
-  peer_phi = {"w": jnp.arange(6.0).reshape(2, 3)}
-  tx = optax.adam(1e-3)
-  peer_inner = tx.update(peer_phi, tx.init(peer_phi), peer_phi)[1]  # one step taken: count 1, moments ≠ 0
-  theta, phi, delta, inner = churn.grow_from_peer(peer_phi, peer_inner, {"w": jnp.ones((2, 3))})
-  np.testing.assert_array_equal(np.asarray(theta["w"]), np.asarray(peer_phi["w"]))
-  np.testing.assert_array_equal(np.asarray(phi["w"]), np.asarray(peer_phi["w"]))
-  np.testing.assert_array_equal(np.asarray(delta["w"]), np.zeros((2, 3)))
-  assert inner is peer_inner and int(inner[0].count) == 1
+def test_a_joiner_starts_by_the_methods_elastic_grow_rule():
+  """What a (re)started process makes of the state it copied (the method's new_replica, as
+  checkpoint.elastic=grow): θ = φ = φ_peer, δ = 0; the driver keeps the peer's inner optimizer state."""
+  method = methods.make(default.get_config().outer)
+  peer_phi = {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}
+  params, outer = method.new_replica({"w": np.ones((2, 3), np.float32)},
+                                     {"slow": peer_phi, "momentum": {"w": np.ones((2, 3), np.float32)}})
+  np.testing.assert_array_equal(params["w"], peer_phi["w"])
+  np.testing.assert_array_equal(outer["slow"]["w"], peer_phi["w"])
+  np.testing.assert_array_equal(outer["momentum"]["w"], np.zeros((2, 3)))
 
 
 def test_the_first_donor_is_uniform_over_the_live_peers():

@@ -1,6 +1,6 @@
 """The control plane's store (asynchronous/control.py) and liveness leases (asynchronous/liveness.py).
 
-Unit tests run the in-process MemoryKV and the lease table on a fake clock; the multi-process tests run
+Unit tests run the in-process MemoryKV (tests/memory_kv.py) and the lease table on a fake clock; the multi-process tests run
 three processes over loopback on JAX's coordination service (each launch takes 10–40 s on a loaded
 2-core machine, most of it starting JAX; the timeouts allow several times that).
 """
@@ -11,14 +11,16 @@ import time
 import pytest
 
 import async_child
+import kv_contract
 from noloco_jax.asynchronous import control, liveness, session
+import memory_kv  # pylint: disable=g-bad-import-order  (tests/memory_kv.py)
 
 
 # ---- MemoryKV: the same semantics as the service, in one process ----
 
 
 def test_memory_kv_create_is_won_once_among_racing_threads():
-  kv = control.MemoryKV()
+  kv = memory_kv.MemoryKV()
   wins = []
   threads = [threading.Thread(target=lambda i=i: wins.append(kv.create("k", str(i)))) for i in range(16)]
   [t.start() for t in threads]
@@ -27,7 +29,7 @@ def test_memory_kv_create_is_won_once_among_racing_threads():
 
 
 def test_memory_kv_increment_wait_dir_delete():
-  kv = control.MemoryKV()
+  kv = memory_kv.MemoryKV()
   assert kv.increment("n", 1) == 1 and kv.increment("n", 0) == 1 and kv.increment("n", 5) == 6
   start = time.monotonic()
   assert kv.wait("missing", 0.2) is None
@@ -39,6 +41,22 @@ def test_memory_kv_increment_wait_dir_delete():
   assert kv.dir("d/") == {"d/a": "1", "d/b": "2"}
   kv.delete("d/a")
   assert kv.get("d/a") is None
+
+
+def test_memory_kv_keeps_the_kv_contract():
+  kv = memory_kv.MemoryKV()
+  kv_contract.check(lambda: kv)
+
+
+def test_jax_kv_keeps_the_kv_contract():
+  """JaxKV over a coordination service and a client in this process (tests/test_async_etcd.py: the same on etcd)."""
+  connection = control.connect(f"127.0.0.1:{control._spare_port('127.0.0.1')}", 1, 0,  # pylint: disable=protected-access
+                               heartbeat_timeout_s=10, initialization_timeout_s=60)
+  try:
+    kv_contract.check(lambda: connection.kv)
+  finally:
+    connection.client.shutdown()  # the client says goodbye before its service goes (else it aborts the process)
+    connection.service.shutdown()
 
 
 # ---- The lease table on a fake clock ----
@@ -70,7 +88,7 @@ def test_this_process_is_never_lost_to_itself():
 
 
 def test_liveness_over_memory_kv_sees_a_silent_thread_lost():
-  kv = control.MemoryKV()
+  kv = memory_kv.MemoryKV()
   a = liveness.Liveness(kv, 0, 1, beat_s=0.02, lease_s=0.3).start()
   b = liveness.Liveness(kv, 1, 2, beat_s=0.02, lease_s=0.3).start()
   assert sorted(a.poll()) == [0, 1]
@@ -85,7 +103,7 @@ def test_liveness_over_memory_kv_sees_a_silent_thread_lost():
 def test_a_newcomer_tells_a_beating_peer_from_a_dead_one():
   """A just-started observer holds every lease it sees alive until a lease passes; `beating` does not
   wait that long: it keeps only the slots whose heartbeat moves (what a joiner picks donors from)."""
-  kv = control.MemoryKV()
+  kv = memory_kv.MemoryKV()
   alive = liveness.Liveness(kv, 0, 1, beat_s=0.02, lease_s=30.0).start()
   kv.set("live/1", "2:57")  # the last beat of a process that has died
   newcomer = liveness.Liveness(kv, 2, 3, beat_s=0.02, lease_s=30.0).start()
@@ -99,13 +117,13 @@ def test_a_newcomer_tells_a_beating_peer_from_a_dead_one():
                                           (dict(beat_s=0.1, lease_s=-1.0), "beat_s=0.1")])
 def test_bad_lease_settings_name_the_value(kwargs, field):
   with pytest.raises(ValueError, match=field):
-    liveness.Liveness(control.MemoryKV(), 0, 1, **kwargs)
+    liveness.Liveness(memory_kv.MemoryKV(), 0, 1, **kwargs)
 
 
 @pytest.mark.parametrize("field,value,named", [
-    ("max_wait_s", 0.0, "outer.max_wait_s=0.0 is not valid"), ("window_s", -1.0, "outer.match_window_s=-1.0"),
-    ("exchange_timeout_s", 0.0, "outer.exchange_timeout_s=0.0"), ("odd", "pairs", "outer.match_odd='pairs'"),
-    ("lease_s", 0.1, "outer.lease_s=0.1")])
+    ("max_wait_s", 0.0, "outer.asynchronous.max_wait_s=0.0 is not valid"), ("window_s", -1.0, "outer.asynchronous.match_window_s=-1.0"),
+    ("exchange_timeout_s", 0.0, "outer.asynchronous.exchange_timeout_s=0.0"), ("odd", "pairs", "outer.asynchronous.match_odd='pairs'"),
+    ("lease_s", 0.1, "outer.asynchronous.lease_s=0.1")])
 def test_bad_session_options_are_one_line_naming_the_field(field, value, named):
   with pytest.raises(ValueError, match=named.replace("(", r"\(")) as e:
     session.Options(**{field: value}).check()

@@ -6,16 +6,16 @@ line (python -m noloco_jax.main under launch_local), each job on the smoke model
 
 - two processes at equal speed: the job equals the lock-step schedule's (to float32 round-off), and run
   again from its checkpoint of step 6, each process resumes exactly (bit for bit, logs included);
-- three processes training while their rounds find partners (outer.overlap_steps), one killed mid-run
+- three processes training while their rounds find partners (outer.overlap.steps), one killed mid-run
   (NOLOCO_FAULTS): the others train on without a restart and never pair with it again; started again,
   it takes its state from a live peer and pairs with them.
 
 Each job takes 30–90 s on a loaded 2-core machine, most of it starting JAX in every process.
 """
 
+import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,12 +28,16 @@ import pytest
 
 from configs import default
 from noloco_jax import config as config_lib
+from noloco_jax import export_hf
+from noloco_jax import report
+from noloco_jax import sample
 from noloco_jax import training
 from noloco_jax.asynchronous import job as job_lib
 from noloco_jax.asynchronous import logs as async_logs
 from noloco_jax.asynchronous import session as session_lib
 from noloco_jax.io.checkpoint import read as read_lib
 from noloco_jax.outer import exchange, methods
+from noloco_jax.outer import base as outer_base
 from noloco_jax.runtime import launch_local
 from noloco_jax.training import build as build_lib
 from noloco_jax.training.rounds.asynchronous import AsyncRounds
@@ -57,12 +61,12 @@ def _smoke(**overrides):
     ({"outer.kind": "ddp"}, "config.outer.schedule='async' is not valid: 'lockstep' with outer.kind='ddp'"),
     ({"outer.kind": "epidemic"}, "config.outer.schedule='async' is not valid: 'lockstep' with outer.kind='epidemic'"),
     ({"num_stages": 2, "model.num_layers": 2}, "config.num_stages=2 is not valid"),
-    ({"outer.overlap_steps": 3}, "config.outer.overlap_steps=3 is not valid"),  # τ < H (smoke: H = 3)
-    ({"outer.compression": "int8"}, "config.outer.compression='int8' is not valid"),
+    ({"outer.overlap.steps": 3}, "config.outer.overlap.steps=3 is not valid"),  # τ < H (smoke: H = 3)
+    ({"outer.codec.compression": "int8"}, "config.outer.codec.compression='int8' is not valid"),
     ({"outer.pairing": "round_robin"}, "config.outer.pairing='round_robin' is not valid"),
-    ({"outer.group_size": 4}, "config.outer.group_size=4 is not valid"),
+    ({"outer.rule.group_size": 4}, "config.outer.rule.group_size=4 is not valid"),
     ({"nan_policy": "skip_round"}, "config.nan_policy='skip_round' is not valid"),
-    ({"outer.max_wait_s": 0.0}, "config.outer.max_wait_s=0.0 is not valid"),
+    ({"outer.asynchronous.max_wait_s": 0.0}, "config.outer.asynchronous.max_wait_s=0.0 is not valid"),
     ({"outer.schedule": "eventually"}, "config.outer.schedule='eventually' is not valid"),
 ])
 def test_unsupported_combinations_are_one_line_naming_the_field(overrides, field):
@@ -109,10 +113,12 @@ class _Process:
     self.slot = slot
 
 
-def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit():
+def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit_and_compiles_nothing():
   """Three replicas in one group, lock-step (exchange.group_mean on one device) and asynchronous (each
-  member's own AsyncRounds._apply with the others' messages as the transport delivers them)."""
-  cfg = _smoke(**{"num_replicas": 3, "outer.group_size": 3, "num_devices": 1})
+  member's own AsyncRounds._apply with the others' messages as the transport delivers them). A group of
+  three (outer.asynchronous.match_odd='triple') runs programs compiled before the first step: nothing is
+  compiled inside the round (its first triple used to compile its mean there, stalling 3.4-6.5 s)."""
+  cfg = _smoke(**{"num_replicas": 3, "outer.rule.group_size": 3, "num_devices": 1})
   setup = build_lib.build(cfg)
   parts = setup.method.parts
   state = setup.init_state()
@@ -122,16 +128,26 @@ def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit():
   state = state.replace(params=jax.tree.unflatten(jax.tree.structure(state.params), noisy))
   states, own, payload, _ = parts.message(state)
   # The lock-step round program (message, exchange, merge in one program) for the grouping (0, 1, 2).
-  lockstep, _ = jax.jit(methods.round_of(parts)((((0, 1, 2),),), 1))(state, np.asarray(0, np.int32))
+  lockstep, _ = jax.jit(outer_base.round_of(parts)((((0, 1, 2),),), 1))(state, np.asarray(0, np.int32))
   async_cfg = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 3}))
   local = build_lib.build(job_lib.process_config(async_cfg))
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+  one = lambda tree, i: jax.tree.map(lambda x: x[i:i + 1], tree)
   for me in range(3):
     driver = AsyncRounds(local, _Process(me))
-    one = lambda tree, i: jax.tree.map(lambda x: x[i:i + 1], tree)
+    driver._compile_ahead(one(state, me))  # pylint: disable=protected-access  (what `start` does)
     others = [s for s in range(3) if s != me]
     result = session_lib.RoundResult("exchanged", 0, (0, 1, 2), (0, 0, 0),
                                      [one(payload, me)] + [one(payload, s) for s in others], [30, 30, 30])
-    new_state, progress = driver._apply(one(states, me), one(own, me), result)  # pylint: disable=protected-access
+    mine, own_me = one(states, me), one(own, me)
+    again = jax.tree.map(jnp.copy, mine)  # the merge donates the state it replaces
+    before = len(compiles)
+    new_state, progress = driver._apply(mine, own_me, result)  # pylint: disable=protected-access
+    driver._apply(again, own_me, dataclasses.replace(result, progress=[30, 27, 24]))  # pylint: disable=protected-access
+    assert len(compiles) == before, compiles[before:]  # the triple's programs, equal and weighted, were ready
+    driver.programs.close()
     assert progress == 30.0
     for got, want in zip(jax.tree.leaves(new_state), jax.tree.leaves(one(lockstep, me))):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -141,16 +157,16 @@ def test_the_message_program_reads_theta_and_phi_and_writes_the_message_once():
   """Bytes the driver's message program reads and writes (XLA's cost analysis) in model copies: c from θ and φ
   (3) and the norm ‖φ − θ‖ (2). It donates the state it returns (undonated, XLA copied every leaf: 17) and
   returns the float32 payload once, as the own term too."""
-  from noloco_jax.outer import rounds as rounds_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import programs as programs_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.tools import hlo as hlo_lib  # pylint: disable=g-import-not-at-top
   cfg = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 2, "model.d_model": 256}))
   local = build_lib.build(job_lib.process_config(cfg))
   driver = AsyncRounds(local, _Process(0))
-  state = rounds_lib.abstract(local.init_state())
-  _, own, payload, _ = jax.eval_shape(driver._message_fn, state)  # pylint: disable=protected-access
-  assert own is None and jax.tree.structure(payload) == jax.tree.structure(state.params)
-  compiled = driver._message_fn.lower(state).compile()  # pylint: disable=protected-access
-  copies = hlo_lib.bytes_accessed(compiled) / methods.tree_bytes(state.params)
+  state = programs_lib.abstract(local.init_state())
+  _, sent, _ = jax.eval_shape(driver.programs.jitted("message", state), state)
+  assert len(sent) == 1 and jax.tree.structure(sent[0]) == jax.tree.structure(state.params)  # own = payload, once
+  compiled = driver.programs._lower("message").compile()  # pylint: disable=protected-access
+  copies = hlo_lib.bytes_accessed(compiled) / outer_base.tree_bytes(state.params)
   assert 5 - 0.05 <= copies <= 5 + 0.05, copies
   assert hlo_lib.parameter_copies(compiled.as_text()) == 0
 
@@ -177,37 +193,67 @@ def _final(process_dir):
 
 def test_equal_speeds_are_lockstep_noloco_and_each_process_resumes_exactly(tmp_path):
   """Two processes at equal speed: every round pairs them at equal progress, so the job is deterministic.
-  Run once to the end, then again from a copy of its workdir holding only the checkpoint of step 6: each
-  process resumes from its own checkpoint, and the second run ends bit for bit where the first did, its
-  logs included. Both match the lock-step schedule's run of the same config to float32 round-off (the
-  update is the same bit for bit, tests above; a one-replica program on one device and the lock-step's
-  program over a two-device mesh are compiled differently and differ in the last bits)."""
+  Run once to the end; then again, killed (SIGKILL, both processes) after step 7 or 8: each process's logs then
+  hold the rows its checkpoint of step 6 covers (on disk before it), and, run once more, it resumes from
+  that checkpoint, drops the rows written after it, and ends bit for bit where the first run did, its
+  logs included (metrics, pairings: every row once). Both match the lock-step schedule's run of the same
+  config to float32 round-off (the update is the same bit for bit, tests above; a one-replica program on
+  one device and the lock-step's program over a two-device mesh are compiled differently and differ in
+  the last bits). No round compiled anything (every program is compiled before the first step)."""
   root = str(tmp_path)
   first_dir, second_dir = os.path.join(root, "first"), os.path.join(root, "second")
   flags = lambda workdir: ["--config=configs/default.py:smoke", f"--workdir={workdir}", *ASYNC, "--config.num_replicas=2",
-                           "--config.checkpoint_every=6", "--config.outer.max_wait_s=120"]
+                           "--config.checkpoint_every=6", "--config.checkpoint.async_save=False",
+                           "--config.outer.asynchronous.max_wait_s=120"]
+  pairings = lambda d, slot: _jsonl(os.path.join(d, f"process_{slot}", f"pairings_{slot}.jsonl"))
   first = launch_local.Job(2, 1, flags(first_dir), log_dir=os.path.join(root, "logs"))
   assert first.wait(timeout_s=600, grace_s=30) == [0, 0], _job_logs(root)
-  shutil.copytree(first_dir, second_dir)
-  for slot in (0, 1):
-    shutil.rmtree(os.path.join(second_dir, f"process_{slot}", "checkpoints", "12"))
-  second = launch_local.Job(2, 1, flags(second_dir), log_dir=os.path.join(root, "logs", "again"))
-  assert second.wait(timeout_s=600, grace_s=30) == [0, 0], _job_logs(root) + _job_logs(os.path.join(root, "logs"))
+  # Process 1 first (after its checkpoint of step 6), then process 0, which hosts the coordination service:
+  # its death would end a process still running (the order is what makes both deaths SIGKILLs).
+  killed = launch_local.Job(2, 1, flags(second_dir), log_dir=os.path.join(root, "killed", "logs"),
+                            env={"NOLOCO_FAULTS": "kill:process=1,step=7;kill:process=0,step=8"})
+  assert killed.wait(timeout_s=600, grace_s=30) == [-9, -9], _job_logs(os.path.join(root, "killed"))
+  for slot in (0, 1):  # what the checkpoint of step 6 covers is on disk
+    assert os.path.isdir(os.path.join(second_dir, f"process_{slot}", "checkpoints", "6"))
+    assert [p["step"] for p in pairings(second_dir, slot)] == [3, 6]
+  again = launch_local.Job(2, 1, flags(second_dir), log_dir=os.path.join(root, "again", "logs"))
+  assert again.wait(timeout_s=600, grace_s=30) == [0, 0], _job_logs(os.path.join(root, "again"))
   reference = training.train_and_evaluate(_smoke(**{"num_replicas": 2, "num_devices": 2}), os.path.join(root, "lockstep"))
   for slot in (0, 1):
-    (snapshot, rows), (again, rows_again) = (_final(os.path.join(d, f"process_{slot}")) for d in (first_dir, second_dir))
-    assert snapshot.step == again.step == 12
-    for got, want in zip(jax.tree.leaves((again.params, again.slow)), jax.tree.leaves((snapshot.params, snapshot.slow))):
+    (snapshot, rows), (resumed, rows_again) = (_final(os.path.join(d, f"process_{slot}")) for d in (first_dir, second_dir))
+    assert snapshot.step == resumed.step == 12
+    for got, want in zip(jax.tree.leaves((resumed.params, resumed.slow)), jax.tree.leaves((snapshot.params, snapshot.slow))):
       np.testing.assert_array_equal(got, want)  # resumed exactly
     assert rows_again == rows  # every row once, the same values (the resume dropped the rows after step 6)
     for got, want in zip(jax.tree.leaves((snapshot.params, snapshot.slow)),
                          jax.tree.leaves((reference["state"].params, reference["state"].outer["slow"]))):
       np.testing.assert_allclose(got[0], np.asarray(want)[slot], rtol=1e-4, atol=1e-6)
-    pairings = _jsonl(os.path.join(first_dir, f"process_{slot}", f"pairings_{slot}.jsonl"))
-    assert [(p["status"], p["group"], p["progress"]) for p in pairings] == [("exchanged", [0, 1], s) for s in (3, 6, 9, 12)]
+    for d in (first_dir, second_dir):  # the resumed run's pairing rows: each round once, as the first run's
+      assert [(p["step"], p["status"], p["group"], p["progress"]) for p in pairings(d, slot)] == [
+          (s, "exchanged", [0, 1], s) for s in (3, 6, 9, 12)]
     train = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train] == [3, 6, 9, 12]
     assert train[-1]["async/exchanged_rounds"] == 4 and train[-1]["async/skipped_rounds"] == 0
+    assert all(r["async/round_compiles"] == 0 for r in train)
+  # The job's own result (issue 34 item 8), written by process 0 once the other had finished: at equal
+  # progress the consensus is the plain mean of φ, and the figures are the lock-step job's.
+  with open(os.path.join(first_dir, "summary.json")) as f:
+    job = json.load(f)
+  assert job["job"] == "asynchronous" and job["processes"] == [0, 1]
+  assert [(p["ended"], p["checkpoint_step"], p["consensus_weight"]) for p in job["per_process"].values()] == [
+      ("finished", 12, 0.5)] * 2
+  np.testing.assert_allclose(job["eval/consensus_loss"], reference["eval/consensus_loss"], rtol=1e-5)
+  np.testing.assert_allclose(job["eval/loss"], reference["eval/loss"], rtol=1e-5)
+  np.testing.assert_allclose(job["replicas/weight_std"], reference["replicas/weight_std"], rtol=1e-3)
+  # The tools after a run, on the job's workdir (issue 33 item 8): the consensus is the job's.
+  out = os.path.join(root, "hf")
+  assert export_hf.main([first_dir, "--out", out, "--consensus"]) == 0
+  exported = export_hf.read_safetensors(os.path.join(out, "model.safetensors"))
+  want = export_hf.hf_state_dict(jax.tree.map(lambda x: np.mean(np.asarray(x), 0), reference["state"].outer["slow"]))
+  for name, value in want.items():
+    np.testing.assert_allclose(exported[name], value, rtol=1e-4, atol=1e-6)
+  assert report.main([first_dir, "--no-png"]) == 0 and sample.main([first_dir, "--replica", "1", "--prompt", "def ",
+                                                                      "--length", "4"]) == 0
 
 
 def _wait_for(predicate, timeout_s, what):
@@ -223,9 +269,9 @@ def test_a_killed_process_is_left_behind_and_rejoins_from_a_live_peer(tmp_path):
   root = str(tmp_path)
   workdir = os.path.join(root, "run")
   flags = ["--config=configs/default.py:smoke", f"--workdir={workdir}", *ASYNC, "--config.num_replicas=3",
-           "--config.num_steps=100000", "--config.eval_every=0", "--config.log_every=3", "--config.outer.lease_s=3",
-           "--config.outer.max_wait_s=2", "--config.outer.exchange_timeout_s=10",
-           "--config.outer.overlap_steps=2"]  # rounds on their own thread while the steps go on (τ = 2 of H = 3)
+           "--config.num_steps=100000", "--config.eval_every=0", "--config.log_every=3", "--config.outer.asynchronous.lease_s=3",
+           "--config.outer.asynchronous.max_wait_s=2", "--config.outer.asynchronous.exchange_timeout_s=10",
+           "--config.outer.overlap.steps=2"]  # rounds on their own thread while the steps go on (τ = 2 of H = 3)
   slow = "delay:seconds=0.1"
   job = launch_local.Job(3, 1, flags, log_dir=os.path.join(root, "logs"), env={"NOLOCO_FAULTS": f"{slow};kill:process=2,step=9"})
   procs = list(job.procs)
@@ -259,6 +305,7 @@ def test_a_killed_process_is_left_behind_and_rejoins_from_a_live_peer(tmp_path):
     assert after and all(old["incarnation"] not in p["incarnations"] for p in after)
     rows = [r for r in _jsonl(os.path.join(workdir, f"process_{slot}", "metrics.jsonl")) if "train/loss" in r]
     assert [r["step"] for r in rows] == list(range(3, 3 * len(rows) + 1, 3))  # every row, no restart, nothing lost
+    assert all(r["async/round_compiles"] == 0 for r in rows)  # three processes: groups of three were ready too
   # The restarted process took a live peer's state and step, and trained on from there.
   joined = [json.loads(line) for line in open(os.path.join(workdir, "process_2", "membership_2.jsonl"))
             if '"joined_from"' in line]

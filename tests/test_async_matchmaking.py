@@ -17,7 +17,8 @@ import pytest
 from scipy import stats
 
 import async_child
-from noloco_jax.asynchronous import control, law, liveness, matchmaking
+from noloco_jax.asynchronous import law, liveness, matchmaking
+import memory_kv  # pylint: disable=g-bad-import-order  (tests/memory_kv.py)
 
 
 def _partitions(members, odd):
@@ -124,7 +125,7 @@ def test_simulation_bounds_every_wait_by_the_budget():
 
 
 def _run_threads(num, rounds, *, window_s=0.05, max_wait_s=5.0, sleep_s=0.005, seed=7, kv=None):
-  kv = kv or control.MemoryKV()
+  kv = kv or memory_kv.MemoryKV()
   lives = [liveness.Liveness(kv, s, 100 + s, beat_s=0.05, lease_s=30.0).start() for s in range(num)]
   makers = [matchmaking.Matchmaker(kv, s, 100 + s, seed=seed, window_s=window_s, max_wait_s=max_wait_s,
                                    live=lives[s].poll) for s in range(num)]
@@ -168,7 +169,7 @@ def test_protocol_agrees_and_is_uniform_at_equal_speed():
 
 
 def test_a_lone_process_skips_after_its_budget():
-  kv = control.MemoryKV()
+  kv = memory_kv.MemoryKV()
   live = liveness.Liveness(kv, 0, 1, beat_s=0.05, lease_s=30.0).start()
   maker = matchmaking.Matchmaker(kv, 0, 1, seed=0, window_s=0.01, max_wait_s=0.5, live=live.poll)
   start = time.monotonic()
@@ -180,7 +181,7 @@ def test_a_lone_process_skips_after_its_budget():
 def test_members_close_a_batch_whose_opener_died():
   """A dead opener (it took ticket 1, then vanished: no lease) never closes its batch; the two live
   members close it themselves after window + close_grace_s, without the dead one, and pair."""
-  kv = control.MemoryKV()
+  kv = memory_kv.MemoryKV()
   kv.increment(matchmaking.TICKET, 1)
   kv.set("mm/t/1", "[5, 55, 0]")  # slot 5, incarnation 55: holds no lease
   lives = [liveness.Liveness(kv, s, 100 + s, beat_s=0.05, lease_s=30.0).start() for s in range(2)]
@@ -200,7 +201,7 @@ def test_members_close_a_batch_whose_opener_died():
 
 
 def test_bad_matchmaker_settings_name_the_value():
-  kv = control.MemoryKV()
+  kv = memory_kv.MemoryKV()
   with pytest.raises(ValueError, match="max_wait_s=0"):
     matchmaking.Matchmaker(kv, 0, 1, seed=0, window_s=0.1, max_wait_s=0, live=dict)
   with pytest.raises(ValueError, match="window_s=-1"):

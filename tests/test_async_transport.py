@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 import async_child
-from noloco_jax.asynchronous import control, matchmaking, transport
+from noloco_jax.asynchronous import matchmaking, transport
+import memory_kv  # pylint: disable=g-bad-import-order  (tests/memory_kv.py)
 
 
 def _pair():
-  kv = control.MemoryKV()
+  kv = memory_kv.MemoryKV()
   return kv, transport.Transport(kv, 0, 10), transport.Transport(kv, 1, 11)
 
 

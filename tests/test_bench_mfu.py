@@ -22,6 +22,7 @@ def _bench():
   return module
 
 
+@pytest.mark.exhaustive(reason="bench_mfu end to end (its FLOP count: the other tests of the file)")
 def test_bench_prints_the_fields_on_a_tiny_model(capsys):
   result = _bench().main(["--config=configs/default.py:smoke", "--steps=1", "--repeats=1", "--replicas_per_device=2",
                           "--config.model.loss_chunk=8", "--json"])

@@ -137,6 +137,11 @@ def test_async_summary_and_validation_loss_over_time():
   assert async_runs.time_of_tokens(traces, 100) is None
 
 
+QUICK = ("bench_network's quick modes (its summaries, the latency model's column and the async summaries: this "
+         "file's unit tests; the async schedule itself: tests/test_async_driver.py)")
+
+
+@pytest.mark.exhaustive(reason=QUICK)
 def test_quick_straggler_its_partner_idles_and_the_model_says_half():
   results = _quick(methods=("noloco", "diloco", "async"))
   assert results["runs"][-1]["rounds"]["exchanged"] > 0  # the asynchronous job paired its two processes
@@ -148,6 +153,7 @@ def test_quick_straggler_its_partner_idles_and_the_model_says_half():
     assert run["model"]["idle_fraction"] == pytest.approx([0.0, 0.5])
 
 
+@pytest.mark.exhaustive(reason=QUICK)
 def test_quick_lognormal_the_model_sees_the_delays_the_run_slept():
   results = _quick("--lognormal", "0.05,0.8", methods=("noloco",))  # one job: the mode, not the method
   for run in results["runs"]:
@@ -164,6 +170,7 @@ def _can_unshare_with_tc() -> str | None:
   return None
 
 
+@pytest.mark.exhaustive(reason=QUICK)
 @pytest.mark.skipif(_can_unshare_with_tc() is not None, reason=str(_can_unshare_with_tc()))
 def test_quick_bandwidth_limit_the_exchange_waits_for_the_link():
   results = _quick("--rate", "1mbit", methods=("diloco",))

@@ -299,6 +299,9 @@ def test_skip_round_undoes_the_round_and_goes_on(cache, monkeypatch, tmp_path, c
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.exhaustive(reason="training on after a restore onto fewer devices (the restore: "
+                        "test_restore_onto_two_devices_is_bitwise; several replicas per device: tests/test_train.py's "
+                        "simulator test)")
 def test_restore_onto_fewer_devices_continues_the_same_run(reference, killed, tmp_path):
   """8 replicas saved from 8 devices, trained on from 4 devices holding 2 replicas each.
 

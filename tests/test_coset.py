@@ -1,4 +1,4 @@
-"""outer.compression=coset (outer/coset.py): the codec's math and a whole round against NumPy, its shared
+"""outer.codec.compression=coset (outer/coset.py): the codec's math and a whole round against NumPy, its shared
 randomness, mesh = simulator, and its bytes in the compiled program."""
 
 import math
@@ -11,10 +11,9 @@ import pytest
 
 from configs import default
 from noloco_jax.inner.state import TrainState
-from noloco_jax.outer import coset
-from noloco_jax.outer import methods as outer_lib
-from noloco_jax.outer import pairing
-from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.config.outer import OuterConfig
+from noloco_jax.outer import base, coset, exchange, methods, pairing
+from noloco_jax.outer import programs as programs_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
 from tests.test_compression import assert_one_line_config_error
@@ -133,10 +132,24 @@ def test_random_fragments_are_uniform_subsets():
 # ---- A whole round against NumPy ----
 
 
+RULE = ("outer_momentum", "outer_lr", "consensus_weight", "group_size")
+
+
 def _outer_cfg(**kw):
+  """config.outer with `kw` set: the rule's fields (RULE) in outer.rule, coset_* and compression in
+  outer.codec, the rest (inner_steps) in outer."""
   cfg = ml_collections.ConfigDict(default.get_config().outer)
-  cfg.update(kw)
+  for name, value in kw.items():
+    section = cfg.rule if name in RULE else cfg.codec if name.startswith("coset") or name == "compression" else cfg
+    section[name] = value
   return cfg
+
+
+def _make(cfg, seed=0):
+  """The method and its codec (outer.codec.coset_seed = seed)."""
+  cfg.codec.coset_seed = seed
+  o = OuterConfig.parse(cfg)
+  return methods.make(cfg), base.make_codec(o.codec, inner_steps=o.inner_steps, beta=o.rule.outer_lr)
 
 
 def _replicas(seed):
@@ -233,7 +246,7 @@ def np_coded_ms(codec, sum_sq, moved_blocks, n):
 
 
 def np_coset_round(codec, theta, phi, delta, h, eps, nu, groups, step, *, alpha, beta, gamma):
-  """One NoLoCo round with coset messages: c in float32 as rules.noloco_message, the codes and decode in
+  """One NoLoCo round with coset messages: c in float32 as exchange.message, the codes and decode in
   float32 as defined, the update in float64. The fragments, signs and dither come from the codec's key
   (NumPy cannot draw JAX's streams), and ε from the run (checked against np_lattice_steps separately:
   a value on a rounding boundary would otherwise flip a code). Returns θ, δ and the new h per leaf."""
@@ -269,7 +282,7 @@ def _round(method, pool, index, theta, outer, step, num_devices=N, opt_state=())
   state = TrainState(step=np.full(N, step, np.int32), params=theta, opt_state=opt_state, outer=outer)
   state = jax.device_put(state, mesh_lib.replica_sharding(mesh))
   route = jnp.asarray(index) if isinstance(index, np.ndarray) else jnp.int32(index)
-  new_state, _ = rounds_lib.make_round_fn(method, mesh, pool)(state, route)
+  new_state, _ = programs_lib.make_round_fn(method, mesh, pool)(state, route)
   return jax.tree.map(np.asarray, new_state)
 
 
@@ -289,8 +302,7 @@ def test_coset_round_matches_numpy(mode, bits, density, order, h0):
   theta, phi, delta = _replicas(bits)
   cfg = _outer_cfg(outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.9, inner_steps=5, compression="coset",
                    coset_bits=bits, coset_density=density, coset_block=64, coset_order=order, coset_mode=mode)
-  method = outer_lib.make_method(cfg, seed=11)
-  codec = outer_lib.make_codec(outer_lib.OuterConfig.parse(cfg), seed=11)
+  method, codec = _make(cfg, seed=11)
   h = [np.full(N, h0, np.float32) for _ in theta]  # leaves in tree order: b, w
   outer = {"slow": phi, "momentum": delta, "codec": {"h": h, "eps": [np.zeros(N, np.float32) for _ in theta]}}
   informed = order == "fisher" or mode == "global"
@@ -316,7 +328,7 @@ def test_off_the_fragment_a_round_is_a_local_outer_step():
   theta, phi, delta = _replicas(4)
   cfg = _outer_cfg(outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.7, inner_steps=5, compression="coset",
                    coset_bits=2, coset_density=0.1, coset_block=64)
-  method = outer_lib.make_method(cfg)
+  method, _ = _make(cfg)
   outer = {"slow": phi, "momentum": delta, "codec": {"h": [np.zeros(N, np.float32)] * 2, "eps": [np.zeros(N, np.float32)] * 2}}
   groups = pairing.groups_from_permutation(np.arange(N), 2)
   got = _round(method, (groups,), 0, theta, outer, 5)
@@ -328,7 +340,7 @@ def test_off_the_fragment_a_round_is_a_local_outer_step():
 @pytest.mark.parametrize("num_devices", [1])
 def test_coset_mesh_and_simulator_agree_bitwise(num_devices):
   theta, phi, delta = _replicas(5)
-  method = outer_lib.make_method(_outer_cfg(compression="coset", coset_bits=2, coset_density=0.3, coset_block=64), seed=2)
+  method, _ = _make(_outer_cfg(compression="coset", coset_bits=2, coset_density=0.3, coset_block=64), seed=2)
   outer = {"slow": phi, "momentum": delta, "codec": {"h": [np.full(N, 1e-4, np.float32)] * 2,
                                                       "eps": [np.zeros(N, np.float32)] * 2}}
   schedule = pairing.PairingSchedule(seed=3, num_replicas=N, group_size=2, mode="round_robin")
@@ -347,15 +359,15 @@ def test_coset_mesh_and_simulator_agree_bitwise(num_devices):
     ("sum", "cyclic", 2, 0.25), ("global", "cyclic", 2, 0.3)])
 def test_coset_bytes_match_the_compiled_collectives(mode, order, bits, density):
   theta = {"w": np.zeros((N, 96, 128), np.float32), "b": np.zeros((N, 5), np.float32)}
-  method = outer_lib.make_method(_outer_cfg(compression="coset", coset_bits=bits, coset_density=density,
-                                            coset_mode=mode, coset_order=order))
+  method, _ = _make(_outer_cfg(compression="coset", coset_bits=bits, coset_density=density, coset_mode=mode,
+                               coset_order=order))
   opt_state, _ = _adam_state(theta, 0)
   mesh = mesh_lib.make_mesh(N, N)
   state = jax.device_put(TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=opt_state,
                                      outer=jax.vmap(method.init)(theta)), mesh_lib.replica_sharding(mesh))
   groups = pairing.groups_from_permutation(np.arange(N), 2)
-  hlo = rounds_lib.make_round_fn(method, mesh, (groups,)).lower(state, jnp.int32(0)).compile().as_text()
-  counted = method.bytes_per_round(jax.tree.map(lambda x: x[0], theta))
+  hlo = programs_lib.make_round_fn(method, mesh, (groups,)).lower(state, jnp.int32(0)).compile().as_text()
+  counted = method.traffic(jax.tree.map(lambda x: x[0], theta), N)[0].operand
   assert hlo_lib.collective_bytes(hlo, "collective-permute") == counted
   # w: 12,288 values, 48 blocks of 256; b: 5 values (one block of 8; `global`: of 256). Plus the round (int32).
   codes = lambda values: -(-values * bits // 8)
@@ -372,15 +384,18 @@ def test_coset_bytes_match_the_compiled_collectives(mode, order, bits, density):
 
 
 @pytest.mark.parametrize("overrides,field", [
-    ({"outer.compression": "coset", "outer.coset_density": 0.0}, "outer.coset_density"),
-    ({"outer.compression": "coset", "outer.coset_density": 1.2}, "outer.coset_density"),
-    ({"outer.compression": "coset", "outer.coset_bits": 1}, "outer.coset_bits"),
-    ({"outer.compression": "coset", "outer.coset_order": "sorted"}, "outer.coset_order"),
-    ({"outer.compression": "coset", "outer.group_size": 4}, "outer.group_size"),
-    ({"outer.compression": "coset", "outer.overlap_steps": 1}, "outer.overlap_steps"),
-    ({"outer.compression": "coset", "outer.coset_mode": "sum", "outer.coset_density": 0.3}, "outer.coset_density"),
-    ({"outer.compression": "coset", "outer.coset_mode": "global", "outer.coset_bits": 32}, "outer.coset_bits"),
-    ({"outer.compression": "coset", "outer.coset_mode": "tree"}, "outer.coset_mode"),
+    ({"outer.codec.compression": "coset", "outer.codec.coset_density": 0.0}, "outer.codec.coset_density"),
+    ({"outer.codec.compression": "coset", "outer.codec.coset_density": 1.2}, "outer.codec.coset_density"),
+    ({"outer.codec.compression": "coset", "outer.codec.coset_bits": 1}, "outer.codec.coset_bits"),
+    ({"outer.codec.compression": "coset", "outer.codec.coset_order": "sorted"}, "outer.codec.coset_order"),
+    ({"outer.codec.compression": "coset", "outer.rule.group_size": 4}, "outer.rule.group_size"),
+    ({"outer.codec.compression": "coset", "outer.overlap.steps": 1}, "outer.overlap.steps"),
+    ({"outer.codec.compression": "coset", "outer.schedule": "async"}, "outer.schedule"),
+    ({"outer.codec.compression": "coset", "outer.codec.coset_scale": "block", "outer.codec.coset_mode": "sum",
+      "outer.codec.coset_density": 0.5}, "outer.codec.coset_scale"),
+    ({"outer.codec.compression": "coset", "outer.codec.coset_mode": "sum", "outer.codec.coset_density": 0.3}, "outer.codec.coset_density"),
+    ({"outer.codec.compression": "coset", "outer.codec.coset_mode": "global", "outer.codec.coset_bits": 32}, "outer.codec.coset_bits"),
+    ({"outer.codec.compression": "coset", "outer.codec.coset_mode": "tree"}, "outer.codec.coset_mode"),
 ])
 def test_bad_coset_settings_name_the_field(overrides, field):
   assert_one_line_config_error(overrides, field)
@@ -393,9 +408,10 @@ def test_bad_coset_settings_name_the_field(overrides, field):
 def test_coded_spread_matches_the_second_moment_recursion(coverage_blocks, kappa):
   """192 independent runs of 8 replicas × 64 values (8 blocks of 8), 10 rounds: fresh pairs, a random
   fragment of `coverage_blocks` blocks per round (coset.fragment_index), the partner's message decoded by
-  coset_encode / coset_decode at ε = κ·rms(D) (b = 8: no wraps; κ = 0: exact values), rules.noloco_update.
+  coset_encode / coset_decode at ε = κ·rms(D) (b = 8: no wraps; κ = 0: exact values), methods/noloco.update.
   The sample second moments match stability.coded_second_moments within 4 standard errors."""
-  from noloco_jax.outer import rules, stability
+  from noloco_jax.outer import stability
+  from noloco_jax.outer.methods import noloco
   alpha, beta, gamma, sigma2, rounds, trials, blocks, width = 0.5, 0.7, 0.7, 1.0, 10, 192, 8, 8
   p = coverage_blocks / blocks
   exact = stability.coded_second_moments(rounds, np.zeros((2, 2)), alpha=alpha, beta=beta, gamma=gamma, num_replicas=N,
@@ -407,7 +423,7 @@ def test_coded_spread_matches_the_second_moment_recursion(coverage_blocks, kappa
   key = jax.random.PRNGKey(5)
   for t in range(rounds):
     theta = phi + np.sqrt(sigma2) * rng.normal(size=phi.shape).astype(np.float32)
-    c = np.asarray(rules.noloco_message(theta, phi, beta=beta, gamma=gamma))
+    c = np.asarray(exchange.message(theta, phi, beta=beta, gamma=gamma))
     partner = np.empty((trials, N), int)
     for trial in range(trials):
       groups = pairing.PairingSchedule(seed=trial, num_replicas=N, group_size=2).groups(t)
@@ -429,7 +445,7 @@ def test_coded_spread_matches_the_second_moment_recursion(coverage_blocks, kappa
     np.put_along_axis(mask, chosen, True, axis=1)
     mask = np.repeat(mask, width, axis=1)[:, None, :]
     mean_c = np.where(mask, (c + decoded) / 2, c)
-    _, phi, delta = (np.asarray(x) for x in rules.noloco_update(phi, delta, mean_c, alpha=alpha, gamma=gamma))
+    phi, delta = (np.asarray(x) for x in noloco.update(phi, delta, mean_c, alpha=alpha, gamma=gamma))
     x = phi.astype(np.float64) - phi.mean(axis=1, keepdims=True)
     y = delta.astype(np.float64) - delta.mean(axis=1, keepdims=True)
     scale = 1.0 / ((N - 1) * phi.shape[-1])
@@ -439,3 +455,30 @@ def test_coded_spread_matches_the_second_moment_recursion(coverage_blocks, kappa
       sample = est[t - 1][j]
       se = sample.std(ddof=1) / np.sqrt(trials)
       assert abs(sample.mean() - exact[t, a, b]) <= 4 * se, (t, (a, b), sample.mean(), exact[t, a, b], se)
+
+
+# ---- experiments/bench_compression.py: its training part, quick (the smoke job, one seed) ----
+
+
+def test_bench_compression_trains_each_setting_and_reports_loss_and_bytes_against_float32(tmp_path):
+  """--train --quick: float32 and the coset codec at 30 % on the smoke job. vs_float32 is the counted
+  bytes over float32's, and every run sent exactly the counted bytes per round (its comm metric); the
+  means are over the seeds; --merge of the same result twice doubles the seeds and keeps the means."""
+  from experiments import bench_compression as bench
+  result = bench.main(["--train", "--quick"])
+  by_name = {s["setting"]: s for s in result["settings"]}
+  assert list(by_name) == ["float32", "coset 30% 2-bit"]
+  f32, coded = by_name["float32"], by_name["coset 30% 2-bit"]
+  assert f32["vs_float32"] == 1 and f32["loss_vs_float32"] == 1
+  assert f32["bytes_per_round"] == 4 * f32["params"]
+  assert 0 < coded["vs_float32"] < 0.03  # 2 bits on 30 % of the values, plus exponents and the round
+  assert coded["loss_vs_float32"] == coded["eval_loss"] / f32["eval_loss"]
+  for s in result["settings"]:
+    (row,) = s["seeds"]
+    assert row["bytes_sent_per_round"] == s["bytes_per_round"] and row["error"] is None
+    assert s["eval_loss"] == row["eval_loss"] and np.isfinite(row["eval_loss"])
+  path = tmp_path / "one.json"
+  path.write_text(__import__("json").dumps(result))
+  merged = bench.main([f"--merge={path},{path}"])
+  for a, b in zip(merged["settings"], result["settings"]):
+    assert len(a["seeds"]) == 2 and a["eval_loss"] == pytest.approx(b["eval_loss"]) and a["vs_float32"] == b["vs_float32"]

@@ -406,3 +406,27 @@ def test_real_data_configs_load(name, arg):
   assert fields.source in {"c4_json", "tfds", "parquet", "text"}
   if arg and "tfds" in arg:
     assert (fields.tfds_name, fields.tokenizer, fields.seq_len) == ("c4/en", "hf", 32)
+
+
+# ---------------------------------------------------------------- C4's bad input on the command line
+
+
+@pytest.mark.parametrize("module,args,last_line", [
+    ("noloco_jax.main", ["--workdir={tmp}/run", "--config.data.path={tmp}/no_such_dir"],
+     "noloco_jax: config.data.path='{tmp}/no_such_dir' is not valid: an existing directory holding "
+     "c4-train.*.json.gz files."),
+    ("noloco_jax.io.data.train_spm", ["--output={tmp}/spm", "--config.data.path={tmp}/no_such_dir"],
+     "noloco_jax: config.data.path='{tmp}/no_such_dir' is not valid: an existing directory holding "
+     "c4-train.*.json.gz files."),
+    ("noloco_jax.io.data.train_spm", ["--output={tmp}/spm", "--config.data.path={tmp}"],
+     "noloco_jax: config.data.path='{tmp}' holds no c4-train.*.json.gz (or .json) file; check the directory "
+     "and config.data.train_split / eval_split."),
+], ids=["main_no_such_path", "train_spm_no_such_path", "train_spm_no_c4_files"])
+def test_c4_bad_input_is_one_line_and_exits_2(tmp_path, module, args, last_line):
+  """Issue 34 item 2: the trainer and train_spm on a C4 path that does not exist ended in a traceback
+  (exit 1), where every other source gets one line naming the field (exit 2)."""
+  tmp = str(tmp_path)
+  proc = subprocess.run([sys.executable, "-m", module, f"--config={REPO}/configs/c4.py",
+                         *(a.format(tmp=tmp) for a in args)], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1] == last_line.format(tmp=tmp), proc.stderr[-3000:]

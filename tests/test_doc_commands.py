@@ -429,8 +429,8 @@ _FILE = re.compile(r"(?<![\w/.])((?:noloco_jax|experiments|configs|scripts|tests
 
 
 def missing_files(path: str) -> list[str]:
-  """Files a README or docs/ page names (`outer/x.py` meaning noloco_jax/outer/x.py) that do not exist.
-  Not RESULTS.md: a dated log, whose sections name the files of their time."""
+  """Files a README, docs/ page or RESULTS.md names (`outer/x.py` meaning noloco_jax/outer/x.py) that do
+  not exist. (RESULTS.md names a removed script without its folder, with the commit that has it.)"""
   text, found = _markdown(path), []
   for m in _FILE.finditer(text):
     name = m.group(1)
@@ -447,10 +447,27 @@ def test_every_documented_command_names_what_exists():
   assert not problems, "\n" + "\n".join(problems)
 
 
-def test_every_file_the_readme_and_docs_name_exists():
-  pages = ["README.md"] + [p for p in documents() if p.startswith("docs/")]
+def test_every_file_the_readme_docs_and_results_name_exists():
+  pages = ["README.md", "experiments/RESULTS.md"] + [p for p in documents() if p.startswith("docs/")]
   problems = [issue for page in pages for issue in missing_files(page)]
   assert not problems, "\n" + "\n".join(problems)
+
+
+def _anchor(heading: str) -> str:
+  """The anchor a markdown renderer gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+  return "#" + re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_results_contents_list_every_topic_in_order():
+  """experiments/RESULTS.md is by topic: its contents list links every `##` section, in order, and
+  nothing else (a section added without its line, or a renamed one, fails here)."""
+  text = _markdown("experiments/RESULTS.md")
+  topics = [line[3:] for line in text.splitlines() if line.startswith("## ") and line != "## Contents"]
+  contents = text.split("## Contents", 1)[1].split("\n## ", 1)[0]
+  links = re.findall(r"^\d+\. \[([^\]]+)\]\((#[^)]+)\)$", contents, re.M)
+  assert [title for title, _ in links] == topics
+  assert [anchor for _, anchor in links] == [_anchor(t) for t in topics]
+  assert _anchor("After a run: export, report, sample, consensus, W&B") == "#after-a-run-export-report-sample-consensus-wb"
 
 
 def test_the_extraction_finds_the_commands_it_should():
@@ -471,7 +488,7 @@ def test_the_checks_catch_what_they_should():
   bad = {
       "python -m noloco_jax.main --config=configs/default.py --workdir=w --config.outer.pairing_pool=4":
           "not a field",
-      "python -m noloco_jax.main --config=configs/default.py --config.outer.kind=epidemic --config.outer.fanout=9":
+      "python -m noloco_jax.main --config=configs/default.py --config.outer.kind=epidemic --config.outer.rule.fanout=9":
           "does not validate",
       "python experiments/no_such_script.py": "does not exist",
       "python -m noloco_jax.no_such_module": "no such module",
@@ -487,7 +504,7 @@ def test_the_checks_catch_what_they_should():
       "python experiments/bench_ab.py --a.outer.pairing_pool=4": "not a field of the schema",
       "python experiments/bench_ab.py --a.outer.inner_steps=often": "outer.inner_steps",
       "python experiments/bench_ab.py --c.outer.inner_steps=5": "takes no --c.FIELD overrides",
-      "python experiments/bench_checksum.py --config.outer.inner_steps=5": "takes no --config.FIELD overrides",
+      "python experiments/bench_async.py --config.outer.inner_steps=5": "takes no --config.FIELD overrides",
       "python experiments/ablations/execute_cells.py experiments/ablations/04_compression.ipynb 'No such heading'":
           "no markdown heading",
   }
@@ -512,3 +529,59 @@ def test_the_checks_catch_what_they_should():
 @pytest.mark.parametrize("path", ["README.md", "experiments/RESULTS.md"])
 def test_the_documents_are_read(path):
   assert snippets(path)
+
+
+# ---- The pages themselves: tables that render, a front door that fits ----
+
+
+def broken_tables(path: str) -> list[str]:
+  """Table rows that markdown renders as text: a `| ... |` line after a line that is neither blank nor a
+  row (a paragraph inside a table ends it, and the rows after it become running text), or a table whose
+  second line is not its header's separator."""
+  problems, lines = [], _markdown(path).split("\n")
+  fenced = False
+  for i, line in enumerate(lines):
+    if line.lstrip().startswith("```"):
+      fenced = not fenced
+    is_row = not fenced and line.startswith("|")
+    if not is_row:
+      continue
+    before = lines[i - 1] if i else ""
+    if before.strip() and not before.startswith("|"):
+      problems.append(f"{path}:{i + 1}: a table row after a line of text (renders as text): {line[:80]}")
+    elif not before.strip():  # a table's first line: its separator must follow
+      after = lines[i + 1] if i + 1 < len(lines) else ""
+      if not re.fullmatch(r"\|(\s*:?-+:?\s*\|)+\s*", after):
+        problems.append(f"{path}:{i + 1}: a table without its |---| separator line: {line[:80]}")
+  return problems
+
+
+def test_every_table_of_the_readme_and_docs_renders_as_a_table():
+  """Issue 34 item 1: a paragraph inside the README's configuration table turned 11 rows into running text."""
+  pages = ["README.md"] + [p for p in documents() if p.startswith("docs/")]
+  problems = [issue for page in pages for issue in broken_tables(page)]
+  assert not problems, "\n" + "\n".join(problems)
+  # The check finds the defect it is for.
+  assert _check_table_text("| a | b |\n|---|---|\n| 1 | 2 |\ntext\n| 3 | 4 |")
+  assert not _check_table_text("| a | b |\n|---|---|\n| 1 | 2 |\n\ntext\n")
+
+
+def _check_table_text(text: str) -> list[str]:
+  import tempfile  # pylint: disable=g-import-not-at-top
+  with tempfile.NamedTemporaryFile("w", suffix=".md", dir=REPO, delete=False) as f:
+    f.write(text)
+  try:
+    return broken_tables(os.path.relpath(f.name, REPO))
+  finally:
+    os.remove(f.name)
+
+
+def test_the_readme_is_a_front_door():
+  """Issue 34 item 1: the README was 725 lines. It fits two screens (what it is, the two commands, a short
+  tour, where to read on); the reference material is in docs/, and every page it points to exists."""
+  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    text = f.read()
+  assert len(text.splitlines()) <= 120, len(text.splitlines())
+  assert "bash scripts/run_default.sh" in text and "bash scripts/test.sh" in text
+  for page in ("configuration", "data", "running", "after_a_run", "scale", "install"):
+    assert f"(docs/{page}.md)" in text and os.path.exists(os.path.join(REPO, "docs", f"{page}.md")), page

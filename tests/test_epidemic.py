@@ -12,28 +12,29 @@ from scipy import stats
 
 from configs import default
 from noloco_jax import config as config_lib
-from noloco_jax.config.outer import ORACLE_MAX_DEGREE
+from noloco_jax.outer.epidemic import ORACLE_MAX_DEGREE
 from noloco_jax.outer import epidemic
 from noloco_jax.outer import methods as outer_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
-from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.outer import programs as programs_lib
 from noloco_jax.inner.state import TrainState
+import hlo_helpers  # pylint: disable=g-bad-import-order  (tests/hlo_helpers.py)
 
 N = 8
 
 
 def _method(fanout, message_dtype="float32", topology="oracle"):
   cfg = ml_collections.ConfigDict(default.get_config().outer)
-  cfg.update(kind="epidemic", fanout=fanout, message_dtype=message_dtype, topology=topology)
-  return outer_lib.make_method(cfg)
+  cfg.update(kind="epidemic", rule=dict(fanout=fanout, topology=topology), codec=dict(message_dtype=message_dtype))
+  return outer_lib.make(cfg)
 
 
 def _round(method, pool, index, theta, num_devices=N):
   mesh = mesh_lib.make_mesh(N, num_devices)
   state = TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer={"slow": theta})
   state = jax.device_put(state, mesh_lib.replica_sharding(mesh))
-  new, _ = rounds_lib.make_round_fn(method, mesh, pool)(state, jnp.int32(index))
+  new, _ = programs_lib.make_round_fn(method, mesh, pool)(state, jnp.int32(index))
   return jax.tree.map(np.asarray, new)
 
 
@@ -208,23 +209,15 @@ def test_oracle_acceptance_rate_at_the_largest_allowed_degree():
     assert simple.mean() > 0.002, (n, simple.mean())
 
 
-def test_graph_stats_script_runs():
-  """experiments/epidemic_graph_stats.py (RESULTS.md's acceptance rates and draw times), on small sizes."""
-  from experiments import epidemic_graph_stats
-  row = epidemic_graph_stats.stats(8, 1, draws=5)
-  assert 0.2 < row["oracle_acceptance"] < 0.6 and row["oracle_share_receiving_nothing"] == 0
-  assert row["binomial_share_receiving_nothing"] == round((6 / 7) ** 7, 4)
-
-
 @pytest.mark.parametrize("overrides,message", [
-    ({"outer.kind": "epidemic", "outer.topology": "ring"},
-     "config.outer.topology='ring' is not valid: one of oracle | local."),
-    ({"outer.kind": "noloco", "outer.topology": "local"},
-     "config.outer.topology='local' is not valid: 'oracle' (the default) with outer.kind='noloco' (a topology "
-     "is Epidemic Learning's: outer.kind='epidemic')."),
-    ({"outer.kind": "epidemic", "outer.fanout": 4, "num_replicas": 16},
-     "config.outer.fanout=4 is not valid: one of [1, 2, 3, 12, 13, 14, 15] with outer.topology='oracle' and "
-     "num_replicas=16 (the exact s-regular draw needs min(s, N − 1 − s) ≤ 3), or outer.topology='local'."),
+    ({"outer.kind": "epidemic", "outer.rule.topology": "ring"},
+     "config.outer.rule.topology='ring' is not valid: one of oracle | local."),
+    ({"outer.kind": "noloco", "outer.rule.topology": "local"},
+     "config.outer.rule.topology='local' is not valid: 'oracle' (the default) with outer.kind='noloco' (a topology "
+     "is read by outer.kind='epidemic' alone)."),
+    ({"outer.kind": "epidemic", "outer.rule.fanout": 4, "num_replicas": 16},
+     "config.outer.rule.fanout=4 is not valid: one of [1, 2, 3, 12, 13, 14, 15] with outer.rule.topology='oracle' and "
+     "num_replicas=16 (the exact s-regular draw needs min(s, N − 1 − s) ≤ 3), or outer.rule.topology='local'."),
 ])
 def test_bad_topology_settings_are_one_line_naming_the_field(overrides, message):
   config = default.get_config()
@@ -239,7 +232,7 @@ def test_bad_topology_settings_are_one_line_naming_the_field(overrides, message)
 def test_local_with_a_large_fanout_is_valid():
   config = default.get_config()
   config.num_replicas = 16
-  config.outer.update(kind="epidemic", fanout=4, topology="local")
+  config.outer.update(kind="epidemic", rule=dict(fanout=4, topology="local"))
   config_lib.validate(config)
 
 
@@ -299,9 +292,9 @@ def test_epidemic_bytes_in_the_compiled_program(fanout, topology):
                          mesh_lib.replica_sharding(mesh))
   targets = epidemic.draw_targets(0, 0, N, fanout, topology)
   graph = epidemic.matchings(targets)
-  hlo = rounds_lib.make_round_fn(method, mesh, (graph,)).lower(state, jnp.int32(0)).compile().as_text()
+  hlo = programs_lib.make_round_fn(method, mesh, (graph,)).lower(state, jnp.int32(0)).compile().as_text()
   model = (30 + 3) * 4
-  counted = method.bytes_per_round({k: v[0] for k, v in theta.items()})
+  counted = method.traffic({k: v[0] for k, v in theta.items()}, N)[0].operand
   assert counted == fanout * model
   assert hlo_lib.all_collective_bytes(hlo).keys() == {"collective-permute"}
   sent, received, _ = wire_bytes_per_device(hlo)
@@ -310,11 +303,11 @@ def test_epidemic_bytes_in_the_compiled_program(fanout, topology):
   np.testing.assert_array_equal(received, indegree * model)
   if topology == "oracle":
     np.testing.assert_array_equal(received, np.full(N, counted))
-  assert hlo_lib.permute_pair_bytes(hlo) == N * counted
+  assert hlo_helpers.permute_pair_bytes(hlo) == N * counted
   # On the wire (outer/wire.py, what comm/bytes_sent_per_replica and ..._received_... add up): the mean
   # over replicas of the compiled program's, the busiest sender's, and the busiest receiver's bound
   # (exactly s models under EL-Oracle; up to N − 1 under EL-Local).
-  on_wire, _ = outer_lib.traffic(_method(fanout, topology=topology), {k: v[0] for k, v in theta.items()}, N)
+  on_wire, _ = _method(fanout, topology=topology).traffic({k: v[0] for k, v in theta.items()}, N)
   priced = hlo_lib.wire_bytes(hlo, N)["across"]
   np.testing.assert_array_equal(priced.sent, sent)
   np.testing.assert_array_equal(priced.received, received)
@@ -336,7 +329,7 @@ def test_epidemic_training_saves_and_resumes_exactly(tmp_path, caplog, compile_c
 
   config = default.get_config("smoke")
   config.num_steps, config.checkpoint_every = 6, 3
-  config.outer.update(kind="epidemic", fanout=2, topology=topology)
+  config.outer.update(kind="epidemic", rule=dict(fanout=2, topology=topology))
   workdir = str(tmp_path / "run")
   first = train.train_and_evaluate(config, workdir)
   shutil.rmtree(os.path.join(workdir, "checkpoints", "6"))

@@ -18,6 +18,8 @@ from noloco_jax.io.checkpoint import read as read_lib
 from noloco_jax.io.data.tokenizer import ByteTokenizer
 from noloco_jax.models import llama
 
+from checkpoint_damage import copy_run, damage
+
 INSTALL_HINT = ("needs transformers and torch: pip install transformers 'torch==2.13.0' (the CPU wheel is enough; "
                 "any torch that transformers accepts works)")
 TEXT = "def f(x):\n  return x + 1  # ünïcode ☃ and a tab\t!"
@@ -193,6 +195,105 @@ def test_a_sentencepiece_run_exports_its_model_file_and_transformers_decodes_our
   ids = ours.encode(TEXT).tolist()
   transformers = pytest.importorskip("transformers", reason=INSTALL_HINT)
   tok = transformers.AutoTokenizer.from_pretrained(str(out))
-  # Decoding agrees; encoding may not (README: transformers' conversion of the model handles runs of
-  # spaces otherwise), which is why the README says to encode with sentencepiece and tokenizer.model.
+  # Decoding agrees; encoding may not (docs/after_a_run.md: transformers' conversion of the model handles runs of
+  # spaces otherwise), which is why docs/after_a_run.md says to encode with sentencepiece and tokenizer.model.
   assert tok.decode(ids) == ours.decode(ids) == TEXT
+
+
+# ---- what the export reads: verified as a resume verifies it (issue 33 item 4) ----
+
+
+@pytest.mark.parametrize("how", ["state", "meta"])
+def test_a_damaged_latest_step_is_skipped_with_a_warning_naming_it(finished_run, tmp_path, capsys, how):
+  """Before: the export read step 12 without its checksums (a flipped state file was exported as it was, an
+  edited meta record unnoticed; other damage ended in a 55-line traceback)."""
+  workdir = copy_run(finished_run, tmp_path)
+  damage(workdir, 12, how)
+  assert export_hf.main([workdir, "--out", str(tmp_path / "hf"), "--consensus"]) == 0
+  captured = capsys.readouterr()
+  (warning,) = captured.err.strip().splitlines()
+  assert warning.startswith(f"noloco_jax.export_hf: warning: checkpoint step(s) 12 of {workdir} fail verification"), warning
+  assert "read step 6 instead, the newest valid one" in warning
+  assert "Exported consensus of step 6" in captured.out
+  with open(tmp_path / "hf" / "config.json") as f:
+    assert json.load(f)["noloco_jax"]["step"] == 6
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["12", "6"]  # a reader moves nothing
+
+
+def test_a_damaged_step_asked_for_or_no_valid_step_is_one_line(finished_run, tmp_path, capsys):
+  workdir = copy_run(finished_run, tmp_path)
+  damage(workdir, 12, "state")
+  assert export_hf.main([workdir, "--out", str(tmp_path / "a"), "--step", "12"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("noloco_jax.export_hf: error: --step=12: checkpoint step 12 in ") and "\n" not in err, err
+  damage(workdir, 6, "meta")
+  assert export_hf.main([workdir, "--out", str(tmp_path / "b")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "\n" not in err and err.startswith(f"noloco_jax.export_hf: error: WORKDIR={workdir!r}: no valid checkpoint in "), err
+  assert "step(s) 12, 6 all fail verification" in err
+  assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+
+
+# ---- where the export goes: nothing is destroyed (issue 33 item 1) ----
+
+
+def test_the_export_never_writes_into_a_runs_workdir(finished_run, tmp_path, capsys):
+  workdir = copy_run(finished_run, tmp_path)
+  with open(os.path.join(workdir, "config.json")) as f:
+    before = f.read()
+  for extra in ([], ["--force"]):
+    assert export_hf.main([workdir, "--out", workdir] + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"noloco_jax.export_hf: error: --out={workdir!r} is the workdir of a run") and "\n" not in err
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert f.read() == before
+  assert not os.path.exists(os.path.join(workdir, "model.safetensors"))
+
+
+def test_a_folder_that_is_not_an_export_is_refused_unless_forced(finished_run, tmp_path, capsys):
+  out = tmp_path / "mine"
+  out.mkdir()
+  (out / "config.json").write_text('{"my": "own config"}')
+  (out / "notes.txt").write_text("keep me")
+  assert export_hf.main([finished_run, "--out", str(out)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith(f"noloco_jax.export_hf: error: --out={str(out)!r} is not empty and is not an export of "
+                        "noloco_jax (it holds config.json, notes.txt): nothing was written") and "\n" not in err
+  assert sorted(os.listdir(out)) == ["config.json", "notes.txt"] and (out / "config.json").read_text() == '{"my": "own config"}'
+  assert export_hf.main([finished_run, "--out", str(out), "--force"]) == 0
+  assert (out / "notes.txt").read_text() == "keep me"  # only an export's own file names are replaced
+  assert "noloco_jax" in json.loads((out / "config.json").read_text())
+
+
+def test_a_previous_export_is_replaced_whole(finished_run, tmp_path, capsys):
+  out = tmp_path / "hf"
+  assert export_hf.main([finished_run, "--out", str(out), "--consensus"]) == 0
+  (out / "tokenizer.model").write_bytes(b"a stale file of an earlier export")
+  assert export_hf.main([finished_run, "--out", str(out), "--replica", "2"]) == 0
+  assert "(replacing the previous export there)" in capsys.readouterr().out
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+  assert json.loads((out / "config.json").read_text())["noloco_jax"]["weights"] == "replica 2"
+  assert not [n for n in os.listdir(tmp_path) if n.startswith(".export_hf-")]  # no temporary folder left
+
+
+def test_the_provenance_names_no_path_of_this_machine(exported):
+  """Issue 34 item 7: config.json carried the run's absolute workdir."""
+  workdir, out, _ = exported
+  with open(os.path.join(out, "config.json")) as f:
+    text = f.read()
+  assert workdir not in text and os.path.dirname(workdir) not in text
+
+  def strings(value):
+    if isinstance(value, dict):
+      return [s for v in value.values() for s in strings(v)]
+    if isinstance(value, list):
+      return [s for v in value for s in strings(v)]
+    return [value] if isinstance(value, str) else []
+
+  assert not [s for s in strings(json.loads(text)) if s.startswith(("/", "~"))]
+  origin = json.loads(text)["noloco_jax"]
+  assert (origin["step"], origin["weights"], origin["source"], origin["outer_kind"]) == (12, "consensus", "slow", "noloco")
+  assert origin["config"]["model"]["rope_theta"] == 500.0 and "commit" in origin["code"]
+  assert export_hf.without_paths({"a": "/data/c4_spm.model", "b": "meta-llama/Meta-Llama-3-8B",
+                                  "c": "/x/train/*.txt,~/y/*.txt", "d": ""}) == {
+      "a": "c4_spm.model", "b": "meta-llama/Meta-Llama-3-8B", "c": "*.txt,*.txt", "d": ""}

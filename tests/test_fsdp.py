@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default
+from noloco_jax.outer import programs as programs_lib
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
@@ -57,8 +58,8 @@ def _train(fsdp: int, microbatches: int = 1, offload: bool = False, loss_chunk: 
     state, metrics = setup.inner_step(state, sharding_lib.global_array(setup.mesh, batch, N))
     losses.append(np.asarray(metrics["loss"]))
   compiled = setup.rounds.compile(state, 0)  # the loop's round programs, compiled once, run and read
-  state, _ = compiled.fn(state, jnp.int32(compiled.route))
-  return setup, state, np.stack(losses), compiled.hlo_text()
+  state, _ = programs_lib.lockstep_round(compiled)(state, jnp.int32(setup.rounds.plan(0)[1]))
+  return setup, state, np.stack(losses), "\n".join(c.as_text() for c in compiled.values())
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_fsdp_training_equals_unsharded_training(unsharded):
 
   # Each fsdp device sends only its shard: per device half the bytes, per replica the same total.
   one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), base.params)
-  per_replica = setup.method.bytes_per_round(one)
+  per_replica = setup.method.traffic(one, setup.config.num_replicas)[0].operand
   assert hlo_lib.collective_bytes(base_hlo, "collective-permute") == per_replica
   assert 2 * hlo_lib.collective_bytes(hlo, "collective-permute") == per_replica
 

@@ -18,6 +18,13 @@ def _numpy_loss(x, w, t):
   return float(np.mean(lse - np.take_along_axis(logits, np.asarray(t)[..., None], -1)[..., 0]))
 
 
+def _plain_loss(x_BxLxD, w_DxV, targets_BxL):
+  """The plain loss of the model with model.loss_chunk=0: the head as one matmul in x's dtype, then
+  losses.cross_entropy on the [B, L, V] logits."""
+  logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(x_BxLxD.dtype))
+  return losses.cross_entropy(logits_BxLxV, targets_BxL)
+
+
 def _inputs(dtype, B=2, L=12, D=16, V=37):
   kx, kw, kt = jax.random.split(jax.random.key(0), 3)
   return (jax.random.normal(kx, (B, L, D), jnp.float32).astype(dtype),
@@ -28,14 +35,14 @@ def _inputs(dtype, B=2, L=12, D=16, V=37):
 def test_value_matches_numpy(chunk):
   x, w, t = _inputs(jnp.float32)
   np.testing.assert_allclose(losses.chunked_cross_entropy(x, w, t, chunk), _numpy_loss(x, w, t), rtol=1e-6)
-  np.testing.assert_allclose(losses.plain_cross_entropy(x, w, t), _numpy_loss(x, w, t), rtol=1e-6)
+  np.testing.assert_allclose(_plain_loss(x, w, t), _numpy_loss(x, w, t), rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
 @pytest.mark.parametrize("chunk", [4, 5])  # divides L=12, does not (padded last chunk)
 def test_value_and_gradients_equal_the_plain_loss(dtype, tol, chunk):
   x, w, t = _inputs(dtype)
-  plain, (gx_p, gw_p) = jax.value_and_grad(losses.plain_cross_entropy, argnums=(0, 1))(x, w, t)
+  plain, (gx_p, gw_p) = jax.value_and_grad(_plain_loss, argnums=(0, 1))(x, w, t)
   chunked, (gx_c, gw_c) = jax.jit(jax.value_and_grad(losses.chunked_cross_entropy, argnums=(0, 1)),
                                   static_argnums=3)(x, w, t, chunk)
   assert gx_c.dtype == x.dtype and gw_c.dtype == w.dtype
@@ -48,7 +55,7 @@ def test_value_and_gradients_equal_the_plain_loss(dtype, tol, chunk):
 def test_gradient_scales_with_the_cotangent_and_survives_vmap():
   x, w, t = _inputs(jnp.float32)
   f = lambda x, w: 3.0 * losses.chunked_cross_entropy(x, w, t, 5)
-  g = lambda x, w: 3.0 * losses.plain_cross_entropy(x, w, t)
+  g = lambda x, w: 3.0 * _plain_loss(x, w, t)
   for a, b in zip(jax.grad(f, argnums=(0, 1))(x, w), jax.grad(g, argnums=(0, 1))(x, w)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
   # Stacked replicas (the inner step vmaps value_and_grad over them).
@@ -65,7 +72,7 @@ def test_rejects_a_chunk_below_one():
     losses.chunked_cross_entropy(x, w, t, 0)
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("bfloat16", 3e-2)])
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), pytest.param("bfloat16", 3e-2, marks=pytest.mark.exhaustive(reason="the bfloat16 case (the float32 case stays in)"))])
 def test_model_loss_and_all_parameter_gradients_match_with_chunks(dtype, tol):
   common = dict(vocab_size=300, d_model=32, num_layers=1, num_heads=4, mlp_dim=64, max_seq_len=16,
                 dtype=model_lib.DTYPES[dtype])
@@ -89,20 +96,21 @@ def test_model_loss_and_all_parameter_gradients_match_with_chunks(dtype, tol):
 
 
 def test_head_matmul_accounting_in_the_lowered_programs():
-  """experiments/bench_loss.py on tiny shapes: the gradient program of the chunked loss holds the head's
-  three matmuls (logits, dx, dW) like the plain loss; the naive scan + checkpoint holds four (its
-  backward pass recomputes the logits). All three agree in value and gradients."""
-  import importlib.util
-  import os
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "bench_loss.py")
-  spec = importlib.util.spec_from_file_location("bench_loss", path)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
-  r = bench.main(["--batch=2", "--seq_len=16", "--d_model=8", "--vocab=97", "--chunk=4", "--steps=1",
-                  "--repeats=1", "--json"])
-  assert (r["plain"]["vocab_matmuls"], r["chunked"]["vocab_matmuls"], r["naive"]["vocab_matmuls"]) == (3, 3, 4)
-  for name in ("chunked", "naive"):
-    diff = r[name]["max_abs_diff_vs_plain"]
-    assert diff["loss"] < 1e-5 and diff["dx"] < 1e-6 and diff["dw"] < 1e-6, (name, diff)
-  # The chunk's [B, 4, V] logits instead of [B, 16, V]: less scratch memory than the plain loss.
-  assert r["chunked"]["temp_bytes"] < r["plain"]["temp_bytes"]
+  """The chunked loss's gradient program holds the head's three matmuls (logits, dx, dW) like the plain
+  loss (its custom_vjp finishes the gradient in the forward pass: no recomputed logits), and needs less
+  scratch memory ([B, chunk, V] logits instead of [B, L, V]). Tiny shapes of the figures in
+  experiments/RESULTS.md (measured by bench_loss.py, since removed)."""
+  B, L, D, V, C = 2, 16, 8, 97, 4
+  kx, kw, kt = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (B, L, D), jnp.float32)
+  w = jax.random.normal(kw, (D, V), jnp.float32) * D ** -0.5
+  t = jax.random.randint(kt, (B, L), 0, V)
+  found = {}
+  for name, loss in {"plain": _plain_loss,
+                     "chunked": lambda x, w, t: losses.chunked_cross_entropy(x, w, t, C)}.items():
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w, t)
+    # Matmuls whose result or operands carry the vocabulary: the head's forward and gradient matmuls.
+    dots = [line for line in lowered.as_text().splitlines() if "dot_general" in line and f"{V}" in line]
+    found[name] = (len(dots), lowered.compile().memory_analysis().temp_size_in_bytes)
+  assert (found["plain"][0], found["chunked"][0]) == (3, 3), found
+  assert found["chunked"][1] < found["plain"][1], found

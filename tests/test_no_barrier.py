@@ -18,7 +18,7 @@ import pytest
 from configs import default
 from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.io import process_metrics
-from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.outer import programs as programs_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.runtime import launch_local
@@ -89,14 +89,14 @@ def test_noloco_round_only_permutes_between_the_rounds_partners():
   setup = build_lib.build(_smoke(), vocab_size=257)  # 8 replicas on 8 devices: replica r = device r
   state = setup.init_state()
   grouping = setup.schedule.groups(0)
-  one = rounds_lib.make_round_fn(setup.method, setup.mesh, (grouping,), setup.state_shardings)
+  one = programs_lib.make_round_fn(setup.method, setup.mesh, (grouping,), setup.state_shardings)
   found = hlo_lib.collective_groups(one.lower(state, jnp.int32(0)).compile().as_text())
   assert found and {op for op, _ in found} == {"collective-permute"}
   for _, pairs in found:
     assert set(pairs) == _pairs(grouping)
   # The loop's round 0 (one program per grouping with `fresh` pairings; a switch over the pool with
   # round_robin): every permute is one of the groupings that program covers.
-  found = hlo_lib.collective_groups(setup.rounds.compile(state, 0).hlo_text())
+  found = hlo_lib.collective_groups("\n".join(c.as_text() for c in setup.rounds.compile(state, 0).values()))
   allowed = [_pairs(g) for g in setup.schedule.pool] or [_pairs(setup.schedule.groups(0))]
   assert {op for op, _ in found} == {"collective-permute"}
   assert all(set(pairs) in allowed for _, pairs in found)
@@ -107,7 +107,7 @@ def test_diloco_round_is_a_global_all_reduce():
   cfg = _smoke()
   cfg.outer.kind = "diloco"
   setup = build_lib.build(cfg, vocab_size=257)
-  found = hlo_lib.collective_groups(setup.rounds.compile(setup.init_state(), 0).hlo_text())
+  found = hlo_lib.collective_groups("\n".join(c.as_text() for c in setup.rounds.compile(setup.init_state(), 0).values()))
   assert any(op == "all-reduce" and (groups == [] or len(groups[0]) == 8) for op, groups in found), found
 
 

@@ -1,7 +1,5 @@
 """Outer steps against NumPy references, pairings, the mesh and simulator paths, and bytes on the wire."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -13,9 +11,10 @@ from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.outer import methods as outer_lib
 from noloco_jax.training import build as build_lib
-from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.outer import programs as programs_lib
 from noloco_jax.outer import pairing
 from noloco_jax.inner.state import TrainState
+import hlo_helpers  # pylint: disable=g-bad-import-order  (tests/hlo_helpers.py)
 
 N = 8
 
@@ -43,7 +42,7 @@ def _run_round(method, groups_pool, index, theta, outer_state, num_devices=N):
   sharding = mesh_lib.replica_sharding(mesh)
   state = TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer_state)
   state = jax.device_put(state, sharding)
-  round_fn = rounds_lib.make_round_fn(method, mesh, groups_pool)
+  round_fn = programs_lib.make_round_fn(method, mesh, groups_pool)
   new_state, metrics = round_fn(state, jnp.asarray(index, jnp.int32))
   return jax.tree.map(np.asarray, new_state), jax.tree.map(np.asarray, metrics)
 
@@ -85,7 +84,7 @@ def np_diloco(theta, phi, momentum_buf, lr, mu, nesterov):
 @pytest.mark.parametrize("group_size", [2, 4, 8])
 def test_noloco_round_matches_numpy(group_size):
   theta, phi, delta = _random_replicas(0)
-  method = outer_lib.make_method(_outer_cfg(kind="noloco", group_size=group_size, outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.9))
+  method = outer_lib.make(_outer_cfg(kind="noloco", rule=dict(group_size=group_size, outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.9)))
   groups = pairing.groups_from_permutation(np.random.default_rng(1).permutation(N), group_size)
   state, metrics = _run_round(method, (groups,), 0, theta, {"slow": phi, "momentum": delta})
   want_theta, want_phi, want_delta = np_noloco(theta, phi, delta, groups, 0.5, 0.7, 0.9)
@@ -99,7 +98,7 @@ def test_noloco_round_matches_numpy(group_size):
 
 def test_gossip_round_is_pairwise_averaging_of_fast_weights():
   theta, phi, delta = _random_replicas(2)
-  method = outer_lib.make_method(_outer_cfg(kind="gossip", outer_momentum=0.9, outer_lr=0.1, consensus_weight=0.1))  # ignored
+  method = outer_lib.make(_outer_cfg(kind="gossip", rule=dict(outer_momentum=0.9, outer_lr=0.1, consensus_weight=0.1)))  # ignored
   groups = ((0, 5), (1, 2), (3, 7), (4, 6))
   state, _ = _run_round(method, (groups,), 0, theta, {"slow": phi, "momentum": delta})
   for k in theta:
@@ -112,7 +111,7 @@ def test_gossip_round_is_pairwise_averaging_of_fast_weights():
 @pytest.mark.parametrize("nesterov,lr,mu", [(False, 0.7, 0.3), (True, 0.7, 0.9)])
 def test_diloco_two_rounds_match_numpy(nesterov, lr, mu):
   theta, phi, _ = _random_replicas(3, same_phi=True)
-  method = outer_lib.make_method(_outer_cfg(kind="diloco", outer_lr=lr, outer_momentum=mu, nesterov=nesterov))
+  method = outer_lib.make(_outer_cfg(kind="diloco", rule=dict(outer_lr=lr, outer_momentum=mu, nesterov=nesterov)))
   outer_state = jax.vmap(method.init)({k: jnp.asarray(v) for k, v in phi.items()})
   buf = {k: np.zeros_like(v[:1], np.float64) for k, v in phi.items()}
   want_phi = phi
@@ -127,7 +126,7 @@ def test_diloco_two_rounds_match_numpy(nesterov, lr, mu):
 
 
 def test_ddp_averages_gradients_over_all_replicas():
-  method = outer_lib.make_method(_outer_cfg(kind="ddp"))
+  method = outer_lib.make(_outer_cfg(kind="ddp"))
   mesh = mesh_lib.make_mesh(N, 4)  # two replicas per device: local mean, then the all-reduce
   grads = {"w": np.random.default_rng(4).normal(size=(N, 3, 2)).astype(np.float32)}
   reduce = jax.jit(mesh_lib.replica_map(method.reduce_grads, mesh, in_specs=jax.P(mesh_lib.REPLICA),
@@ -139,8 +138,8 @@ def test_ddp_averages_gradients_over_all_replicas():
 def test_noloco_with_one_group_and_identical_slow_weights_equals_heavy_ball_diloco():
   theta, phi, _ = _random_replicas(5, same_phi=True)
   alpha, beta = 0.3, 0.7
-  nl = outer_lib.make_method(_outer_cfg(kind="noloco", group_size=N, outer_momentum=alpha, outer_lr=beta, consensus_weight=beta))
-  dl = outer_lib.make_method(_outer_cfg(kind="diloco", outer_momentum=alpha, outer_lr=beta, nesterov=False))
+  nl = outer_lib.make(_outer_cfg(kind="noloco", rule=dict(group_size=N, outer_momentum=alpha, outer_lr=beta, consensus_weight=beta)))
+  dl = outer_lib.make(_outer_cfg(kind="diloco", rule=dict(outer_momentum=alpha, outer_lr=beta, nesterov=False)))
   nl_outer = {"slow": phi, "momentum": jax.tree.map(np.zeros_like, phi)}
   dl_outer = jax.vmap(dl.init)({k: jnp.asarray(v) for k, v in phi.items()})
   one_group = (tuple(range(N)),)
@@ -156,7 +155,7 @@ def test_noloco_with_one_group_and_identical_slow_weights_equals_heavy_ball_dilo
 
 def test_gossip_with_zero_learning_rate_keeps_the_mean_and_shrinks_the_spread():
   theta, phi, delta = _random_replicas(6)
-  method = outer_lib.make_method(_outer_cfg(kind="gossip"))
+  method = outer_lib.make(_outer_cfg(kind="gossip"))
   schedule = pairing.PairingSchedule(seed=0, num_replicas=N, group_size=2, mode="fresh")
   outer_state = {"slow": theta, "momentum": delta}
   mean0 = {k: v.astype(np.float64).mean(0) for k, v in theta.items()}
@@ -176,7 +175,7 @@ def test_gossip_with_zero_learning_rate_keeps_the_mean_and_shrinks_the_spread():
 @pytest.mark.parametrize("kind,num_devices", [("noloco", 4), ("noloco", 2), ("gossip", 4), ("diloco", 4)])
 def test_mesh_and_simulator_paths_agree(kind, num_devices):
   theta, phi, delta = _random_replicas(7, same_phi=(kind == "diloco"))
-  method = outer_lib.make_method(_outer_cfg(kind=kind, group_size=2, message_dtype="bfloat16"))
+  method = outer_lib.make(_outer_cfg(kind=kind, rule=dict(group_size=2), codec=dict(message_dtype="bfloat16")))
   schedule = pairing.PairingSchedule(seed=3, num_replicas=N, group_size=2, mode="round_robin")
   outer_state = ({"slow": phi, "momentum": delta} if kind != "diloco"
                  else jax.tree.map(np.asarray, jax.vmap(method.init)({k: jnp.asarray(v) for k, v in phi.items()})))
@@ -237,20 +236,20 @@ def test_sources_for_shift_visit_every_other_group_member_once():
                                                             ("noloco", "float32", 4), ("diloco", "float32", 2)])
 def test_counted_bytes_match_the_compiled_collectives(kind, message_dtype, group_size):
   theta, phi, delta = _random_replicas(8, same_phi=True)
-  method = outer_lib.make_method(_outer_cfg(kind=kind, message_dtype=message_dtype, group_size=group_size))
+  method = outer_lib.make(_outer_cfg(kind=kind, rule=dict(group_size=group_size), codec=dict(message_dtype=message_dtype)))
   mesh = mesh_lib.make_mesh(N, N)
   groups = pairing.groups_from_permutation(np.arange(N), group_size)
   outer_state = {"slow": phi, "momentum": delta} if kind != "diloco" else jax.vmap(method.init)(phi)
   state = TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer_state)
   state = jax.device_put(state, mesh_lib.replica_sharding(mesh))
-  lowered = rounds_lib.make_round_fn(method, mesh, (groups,)).lower(state, jnp.int32(0))
+  lowered = programs_lib.make_round_fn(method, mesh, (groups,)).lower(state, jnp.int32(0))
   hlo = lowered.compile().as_text()
-  counted = method.bytes_per_round(jax.tree.map(lambda x: x[0], theta))
+  counted = method.traffic(jax.tree.map(lambda x: x[0], theta), N)[0].operand
   permuted, reduced = hlo_lib.collective_bytes(hlo, "collective-permute"), hlo_lib.collective_bytes(hlo, "all-reduce")
   itemsize = 2 if message_dtype == "bfloat16" else 4
   if kind == "noloco":
     assert counted == (group_size - 1) * 17 * itemsize  # 17 parameters, n−1 messages per round
-    assert hlo_lib.stablehlo_collective_bytes(lowered.as_text()) == counted and reduced == 0
+    assert hlo_helpers.stablehlo_collective_bytes(lowered.as_text()) == counted and reduced == 0
     # XLA:CPU widens bf16 collectives to f32 after lowering; on GPU/TPU the compiled op stays bf16.
     assert permuted == counted * (4 // itemsize)
   else:
@@ -271,8 +270,8 @@ def test_outer_rounds_compile_once_per_pairing_program(mode, num_devices):
     round_fn, route = setup.outer_round(round_)
     state, _ = round_fn(state, route)
     routes.append(np.asarray(route).tobytes())
-  programs = setup.rounds.programs(None)  # NoLoCo runs in parts: message and merge, one program each
-  assert programs.message._cache_size() == 1 and programs.merge._cache_size() == 1
+  programs = setup.rounds  # NoLoCo runs in parts: message and merge, one program each
+  assert programs.jitted("message")._cache_size() == 1 and programs.jitted("merge")._cache_size() == 1
   if mode == "round_robin" or num_devices == 1:
     assert len(setup.rounds) == 1  # one routes program for all six rounds
     assert len(set(routes)) > 1  # ... yet the rounds used different pairings
@@ -281,24 +280,25 @@ def test_outer_rounds_compile_once_per_pairing_program(mode, num_devices):
 
 
 def test_compiled_ahead_rounds_equal_jitted_rounds():
-  """Rounds.ahead (AOT, background) runs the same programs as Setup.outer_round: bitwise equal states."""
+  """The run's programs (AOT, compiled in the background) are Setup.outer_round's: bitwise equal states."""
   cfg = default.get_config("smoke")
   setup = build_lib.build(cfg, vocab_size=257)
   a = setup.init_state()
   b = setup.init_state()
-  programs = setup.rounds.ahead(a)
+  programs = setup.rounds
+  programs.start(a)
   try:
     for round_ in range(3):
       compiled, route = programs.program(round_)
-      a, _ = compiled(a, route)
+      a, _ = programs_lib.lockstep_round(compiled)(a, route)
       jitted, route_b = setup.outer_round(round_)
       b, _ = jitted(b, route_b)
       assert np.array_equal(route, route_b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    stats = programs.compiler.stats
+    stats = programs.stats
     # Rounds 0-2 waited for at most once each (for their routes, the message and the merge together);
     # the message and merge compiled once, rounds 0-2's routes each once; round 3's may still be compiling.
-    assert len(stats.waits_s) == 3 and stats.compiles >= 5 and len(programs.compiler) == 6
+    assert len(stats.waits_s) == 3 and stats.compiles >= 5 and len(programs._futures) == 6
   finally:
     programs.close()

@@ -1,4 +1,4 @@
-"""Streaming overlap (outer.overlap_steps = τ, outer.overlap_mix = λ): the delayed merge against NumPy over
+"""Streaming overlap (outer.overlap.steps = τ, outer.overlap.mix = λ): the delayed merge against NumPy over
 whole round sequences (plain and compressed messages), mesh = one device, the split round = the plain one,
 bytes, bad input, exact resume."""
 
@@ -16,7 +16,7 @@ from configs import default
 from noloco_jax.inner.state import TrainState
 from noloco_jax.outer import methods as outer_lib
 from noloco_jax.outer import pairing
-from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.outer import programs as programs_lib
 from noloco_jax.outer import wire
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
@@ -24,6 +24,7 @@ from noloco_jax.training import loop as train
 from noloco_jax.training.loop_state import LoopState
 from noloco_jax.training.rounds import OverlappedRounds
 from test_compression import assert_one_line_config_error, np_dense_roundtrip, np_topk_roundtrip
+import hlo_helpers  # pylint: disable=g-bad-import-order  (tests/hlo_helpers.py)
 
 N = 8
 SHAPES = {"w": (6, 5), "b": (3,)}
@@ -121,7 +122,7 @@ def _toy_run(method, schedule, num_devices, theta0, targets, *, steps, H, tau, l
       driver.after_step(run, step, {})
   finally:
     driver.close(failed=False)
-  assert not driver.sent_at and run.loop.inflight_step == 0 and run.loop.round == steps // H
+  assert not driver.sent_at and driver.save() == {} and run.loop.round == steps // H
   return jax.tree.map(np.asarray, run.state)
 
 
@@ -132,10 +133,9 @@ def test_overlapped_rounds_match_numpy_and_mesh_equals_one_device(kind, tau, mix
   """Compression composes with overlap: the codec is a parameter of the exchange, and its error-feedback
   residual is updated when the message is sent."""
   H, lr = 4, 0.3
-  extra = dict(compression_chunk=16, topk_density=0.25, topk_bits=4, slow_codec="int8", feedback_decay=1.0)
-  method = outer_lib.make_method(_outer_cfg(kind=kind, overlap_steps=tau, overlap_mix=mix, outer_momentum=0.5,
-                                            outer_lr=0.7, consensus_weight=0.9, inner_steps=H,
-                                            compression=compression, **extra))
+  codec = dict(compression=compression, chunk=16, topk_density=0.25, topk_bits=4, slow_codec="int8", feedback_decay=1.0)
+  method = outer_lib.make(_outer_cfg(kind=kind, inner_steps=H, rule=dict(outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.9),
+                                     codec=codec, overlap=dict(steps=tau, mix=mix)))
   schedule = pairing.PairingSchedule(seed=4, num_replicas=N, group_size=2, mode="fresh")
   theta0 = {k: np.broadcast_to(v[:1], v.shape).copy() for k, v in _targets(0).items()}  # replicas start equal
   targets = _targets(1)
@@ -165,7 +165,7 @@ def test_overlapped_rounds_match_numpy_and_mesh_equals_one_device(kind, tau, mix
 def test_send_then_merge_with_no_steps_between_and_mix_0_is_the_plain_round_bitwise():
   """τ = 0 runs the plain round (the golden test); the split round is the same arithmetic: message and
   group mean as the plain round, φ and δ by the same rule, and with λ = 0 θ ← φ."""
-  method = outer_lib.make_method(_outer_cfg(overlap_steps=1, overlap_mix=0.0, consensus_weight=0.9))
+  method = outer_lib.make(_outer_cfg(rule=dict(consensus_weight=0.9), overlap=dict(steps=1, mix=0.0)))
   rng = np.random.default_rng(3)
   theta = {k: rng.normal(size=(N,) + s).astype(np.float32) for k, s in SHAPES.items()}
   outer = {"slow": jax.tree.map(lambda x: x + 0.1, theta), "momentum": jax.tree.map(lambda x: 0.01 * x, theta),
@@ -175,14 +175,13 @@ def test_send_then_merge_with_no_steps_between_and_mix_0_is_the_plain_round_bitw
   make = lambda: jax.device_put(TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=outer),
                                 mesh_lib.replica_sharding(mesh))
   key, route = schedule.plan(0, N)
-  plain, _ = rounds_lib.make_round_fn(method, mesh, key)(make(), route)
-  programs = rounds_lib.SplitPrograms(method, mesh, schedule, mix=0.0)
+  plain, _ = programs_lib.make_round_fn(method, mesh, key)(make(), route)
+  programs = programs_lib.RoundPrograms(method, mesh, schedule, where="exchange", mix=0.0)
   state = make()
-  programs.message_structs(rounds_lib.abstract(state))
-  state, sent, _ = programs.message(state)
+  state, sent, _ = programs.jitted("message", programs_lib.abstract(state))(state)
   assert len(sent) == 1  # the float32 payload is the own term: sent once, read as both
-  mean = programs.build_exchange(key)(*sent, route)
-  split = programs.merge(state.replace(outer={**state.outer, "inflight": mean}))
+  mean = programs.jitted(key)(*sent, route)
+  split = programs.jitted("merge")(state.replace(outer={**state.outer, "inflight": mean}))
   pick = lambda s: (s.params, s.outer["slow"], s.outer["momentum"])  # the in-flight buffer: the plain round's is unused
   for a, b in zip(jax.tree.leaves(pick(plain)), jax.tree.leaves(pick(split))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -190,48 +189,48 @@ def test_send_then_merge_with_no_steps_between_and_mix_0_is_the_plain_round_bitw
 
 @pytest.mark.parametrize("message_dtype", ["float32", "bfloat16"])
 def test_overlapped_send_moves_the_bytes_counted_per_round(message_dtype):
-  method = outer_lib.make_method(_outer_cfg(overlap_steps=2, message_dtype=message_dtype))
+  method = outer_lib.make(_outer_cfg(codec=dict(message_dtype=message_dtype), overlap=dict(steps=2)))
   params = {"w": np.zeros((N, 96, 128), np.float32), "b": np.zeros((N, 5), np.float32)}
   mesh = mesh_lib.make_mesh(N, N)
   schedule = pairing.PairingSchedule(seed=0, num_replicas=N, group_size=2, mode="fresh")
-  programs = rounds_lib.SplitPrograms(method, mesh, schedule, mix=0.5)
-  key, route = programs.plan(0)
+  programs = programs_lib.RoundPrograms(method, mesh, schedule, where="exchange", mix=0.5)
+  key, _ = programs.plan(0)
   state = jax.device_put(TrainState(step=np.zeros(N, np.int32), params=params, opt_state=(),
                                     outer=method.init(params)), mesh_lib.replica_sharding(mesh))
-  sent = programs.message_structs(rounds_lib.abstract(state))
-  assert len(sent) == (1 if message_dtype == "float32" else 2)  # a bfloat16 payload is not the own term
-  lowered = programs.build_exchange(key).lower(*sent, route)
+  programs.jitted("message", programs_lib.abstract(state))
+  assert len(programs._structs["sent"]) == (1 if message_dtype == "float32" else 2)  # bfloat16: not the own term
+  lowered = programs._lower(key)
   hlo = lowered.compile().as_text()
-  counted = method.bytes_per_round(jax.tree.map(lambda x: x[0], params))
+  counted = method.traffic(jax.tree.map(lambda x: x[0], params), N)[0].operand
   itemsize = 2 if message_dtype == "bfloat16" else 4
   assert counted == (96 * 128 + 5) * itemsize  # one copy per replica per round (n = 2)
-  assert hlo_lib.stablehlo_collective_bytes(lowered.as_text()) == counted
+  assert hlo_helpers.stablehlo_collective_bytes(lowered.as_text()) == counted
   # XLA:CPU widens bf16 collectives to f32 after lowering (as for the plain round, tests/test_outer.py).
   assert hlo_lib.collective_bytes(hlo, "collective-permute") == counted * (4 // itemsize)
   assert hlo_lib.all_collective_bytes(hlo).keys() == {"collective-permute"}
   # On the wire (outer/wire.py, what an overlapped run's comm/bytes_sent_per_replica adds up): the plain
   # round's message, sent and received once per round, as the compiled exchange carries it.
-  on_wire, _ = outer_lib.traffic(method, jax.tree.map(lambda x: x[0], params), N)
+  on_wire, _ = method.traffic(jax.tree.map(lambda x: x[0], params), N)
   priced = hlo_lib.wire_bytes(hlo, N)["across"]
   assert on_wire.sent == on_wire.received == on_wire.operand == counted
   np.testing.assert_array_equal(priced.sent, np.full(N, counted * (4 // itemsize)))
   np.testing.assert_array_equal(priced.received, np.full(N, counted * (4 // itemsize)))
   # The message and the merge programs communicate nothing.
-  for fn in (programs.message, programs.merge):
-    assert hlo_lib.all_collective_bytes(fn.lower(state).compile().as_text()) == {}
+  for name in ("message", "merge"):
+    assert hlo_lib.all_collective_bytes(programs._lower(name).compile().as_text()) == {}  # pylint: disable=protected-access
 
 
 # ---- Bad input: one line naming the field ----
 
 
 @pytest.mark.parametrize("overrides,field", [
-    ({"outer.overlap_steps": 3}, "outer.overlap_steps"),  # smoke: H = 3
-    ({"outer.overlap_steps": -1}, "outer.overlap_steps"),
-    ({"outer.overlap_steps": 1, "outer.overlap_mix": 1.5}, "outer.overlap_mix"),
-    ({"outer.overlap_mix": -0.1}, "outer.overlap_mix"),
-    ({"outer.overlap_steps": 1, "outer.kind": "diloco"}, "outer.overlap_steps"),
-    ({"outer.overlap_steps": 1, "outer.kind": "epidemic"}, "outer.overlap_steps"),
-    ({"outer.overlap_steps": 1, "nan_policy": "skip_round"}, "outer.overlap_steps"),
+    ({"outer.overlap.steps": 3}, "outer.overlap.steps"),  # smoke: H = 3
+    ({"outer.overlap.steps": -1}, "outer.overlap.steps"),
+    ({"outer.overlap.steps": 1, "outer.overlap.mix": 1.5}, "outer.overlap.mix"),
+    ({"outer.overlap.mix": -0.1}, "outer.overlap.mix"),
+    ({"outer.overlap.steps": 1, "outer.kind": "diloco"}, "outer.overlap.steps"),
+    ({"outer.overlap.steps": 1, "outer.kind": "epidemic"}, "outer.overlap.steps"),
+    ({"outer.overlap.steps": 1, "nan_policy": "skip_round"}, "outer.overlap.steps"),
 ])
 def test_bad_overlap_settings_name_the_field(overrides, field):
   assert_one_line_config_error(overrides, field)
@@ -245,12 +244,12 @@ def test_overlapped_training_resumes_bitwise_from_inside_a_window(tmp_path, capl
   config = default.get_config("smoke")
   # H = 3, τ = 2: sent at 3, merged at 5; sent at 6, merged at 8 (the last step). Saved at 4: in flight.
   config.num_steps, config.checkpoint_every, config.checkpoint.keep, config.eval_every = 8, 4, 3, 4
-  config.outer.update(overlap_steps=2, overlap_mix=0.5)
+  config.outer.overlap.update(steps=2, mix=0.5)
   workdir = str(tmp_path / "run")
   first = train.train_and_evaluate(config, workdir)
   assert 0 < first["eval/loss"] < np.log(257)  # it learned
   meta = json.load(open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")))
-  assert meta["inflight_step"] == 3 and meta["round"] == 1
+  assert meta["driver"] == {"sent_at": 3} and meta["round"] == 1
   assert any(k.startswith(".outer['inflight']") for k in meta["state_shapes"])
   shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
   with caplog.at_level("INFO"):
@@ -274,7 +273,7 @@ def test_two_processes_with_the_threaded_send_match_one_process(tmp_path):
   import mp_env  # pylint: disable=g-import-not-at-top
 
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  overrides = {"num_replicas": 2, "checkpoint_every": 4, "outer.overlap_steps": 2}
+  overrides = {"num_replicas": 2, "checkpoint_every": 4, "outer.overlap.steps": 2}
   workdir = tmp_path / "two"
   job = launch_local.Job(2, 1, ["--config=configs/default.py:smoke", f"--workdir={workdir}"]
                          + [f"--config.{k}={v}" for k, v in overrides.items()],
@@ -284,7 +283,7 @@ def test_two_processes_with_the_threaded_send_match_one_process(tmp_path):
   assert "the exchange is called on a second thread" in open(job.log_paths[0]).read()
   config = default.get_config("smoke")
   config.num_replicas, config.checkpoint_every = 2, 4
-  config.outer.overlap_steps = 2
+  config.outer.overlap.steps = 2
   train.train_and_evaluate(config, str(tmp_path / "one"))
 
   def rows(path):  # timings left out, and the per-round weight std only a one-process job logs
@@ -298,20 +297,25 @@ def test_two_processes_with_the_threaded_send_match_one_process(tmp_path):
     for key in w:
       np.testing.assert_allclose(g[key], w[key], rtol=1e-5, err_msg=f"step {w['step']} {key}")
   meta = json.load(open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")))
-  assert meta["inflight_step"] == 3
+  assert meta["driver"] == {"sent_at": 3}
 
 
-def test_the_loop_state_keeps_the_in_flight_step_and_the_late_weight_std():
+def test_the_loop_state_keeps_the_drivers_record_and_the_late_weight_std():
   from noloco_jax.training.loop_state import LoopState  # pylint: disable=g-import-not-at-top
 
   loop = LoopState(step=4, round=1, comm_bytes=8)
   loop.add_round(4, {"pseudo_grad_norm": np.ones(2, np.float32)}, wire.permute(8), applied=False)  # sent: std not known yet
-  loop.inflight_step = 4
+  loop.driver = {"sent_at": 4}  # OverlappedRounds.save
   back = LoopState.from_record(json.loads(json.dumps(loop.to_record())))
-  assert back.inflight_step == 4 and back.round == 2
-  assert LoopState.from_record({**loop.to_record(), "inflight_step": 0}).inflight_step == 0
-  old = {k: v for k, v in loop.to_record().items() if k != "inflight_step"}  # a checkpoint from before
-  assert LoopState.from_record(old).inflight_step == 0
+  assert back.driver == {"sent_at": 4} and back.round == 2
+  # Checkpoints from before the driver kept its record: the step in flight, or none, where it was then.
+  old = {k: v for k, v in loop.to_record().items() if k != "driver"}
+  assert LoopState.from_record({**old, "inflight_step": 3}).driver == {"sent_at": 3}
+  assert LoopState.from_record({**old, "inflight_step": 0}).driver == {} == LoopState.from_record(old).driver
+  history = {**old["history"], "async": {"progress": 6.0, "progress_step": 6}, "schedule": {"async/exchanged_rounds": 2}}
+  back = LoopState.from_record({**old, "history": history})
+  assert back.driver == {"progress": 6.0, "progress_step": 6, "counts": {"async/exchanged_rounds": 2}}
+  assert "async" not in back.history and "schedule" not in back.history
   loop.set_round_weight_std(0.5)  # at the merge
   assert loop.pending_rounds[-1][1] == 0.5
   loop.take_pending()
@@ -322,7 +326,7 @@ def test_the_loop_state_keeps_the_in_flight_step_and_the_late_weight_std():
 def test_the_merge_keeps_every_dtype_with_a_bfloat16_outer_state():
   """outer.state_dtype wraps the message and the merge as it wraps the plain round (methods.with_state_dtype);
   the in-flight mean stays float32 (a message, not stored state)."""
-  method = outer_lib.make_method(_outer_cfg(overlap_steps=1, state_dtype="bfloat16", compression="int8"))
+  method = outer_lib.make(_outer_cfg(state_dtype="bfloat16", codec=dict(compression="int8"), overlap=dict(steps=1)))
   theta = _targets(2)
   mesh = mesh_lib.make_mesh(N, N)
   state = jax.device_put(TrainState(step=np.zeros(N, np.int32), params=theta, opt_state=(), outer=method.init(theta)),
@@ -341,6 +345,7 @@ def test_the_merge_keeps_every_dtype_with_a_bfloat16_outer_state():
                     "residual": {jnp.dtype(jnp.bfloat16)}, "inflight": {jnp.dtype(jnp.float32)}}
 
 
+@pytest.mark.exhaustive(reason="bench_overlap's quick mode (overlap's behaviour: the rest of test_overlap.py)")
 def test_bench_overlap_quick_mode_reports_both_settings():
   """experiments/bench_overlap.py --quick: 2 processes, τ = 0 and 1, no bandwidth limit (seconds)."""
   import importlib.util  # pylint: disable=g-import-not-at-top

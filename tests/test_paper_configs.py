@@ -35,11 +35,11 @@ def test_every_grid_config_validates_with_the_papers_settings(arg):
   assert (cfg.model.dtype, cfg.model.preset) == ("bfloat16", o["model"])
   outer = cfg.outer
   if o["method"] == "noloco":
-    assert (outer.kind, outer.outer_momentum, outer.outer_lr, outer.consensus_weight, outer.group_size,
+    assert (outer.kind, outer.rule.outer_momentum, outer.rule.outer_lr, outer.rule.consensus_weight, outer.rule.group_size,
             outer.inner_steps) == (
         "noloco", 0.5, 0.7, 0.7, 2, 50)
   elif o["method"] == "diloco":
-    assert (outer.kind, outer.outer_momentum, outer.outer_lr, outer.inner_steps, outer.nesterov) == (
+    assert (outer.kind, outer.rule.outer_momentum, outer.rule.outer_lr, outer.inner_steps, outer.rule.nesterov) == (
         "diloco", 0.3, 0.7, 100, False)
   else:
     assert outer.kind == "ddp"

@@ -27,10 +27,17 @@ from noloco_jax.parallel import pipeline
 from noloco_jax.parallel import routing
 from noloco_jax import training
 from noloco_jax.training import build as build_lib
-from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.outer import programs as programs_lib
 from noloco_jax.parallel.mesh import REPLICA, STAGE
 
 VOCAB = 257
+
+
+def _weight_std_numpy(params_NxP) -> float:
+  """metrics.weight_std's NumPy reference: the std over replicas, pooled over every parameter, in float64."""
+  leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(params_NxP)]
+  n, count = leaves[0].shape[0], sum(x[0].size for x in leaves)
+  return float(np.sqrt(sum(((x - x.mean(0)) ** 2).sum() for x in leaves) / (n * count)))
 
 
 def _config(num_replicas=4, num_stages=2, routing_mode="fixed", **pipeline_kw):
@@ -79,11 +86,16 @@ def _reference_loss(params_N, tokens_NxBxL1, paths_MxNxS, model_cfg):
   return jnp.sum(loss), jax.ops.segment_sum(loss, last, num_segments=N)
 
 
+def _routes(config, mode=None):
+  return pipeline.route_schedule(config.pipeline, seed=config.seed, num_replicas=config.num_replicas,
+                                 num_stages=config.num_stages, batch_size=config.data.batch_size, mode=mode)
+
+
 def _pipelined_grads(setup, schedule, params_N, tokens, step):
   """loss [N] and gradients [N, ...] of pipeline.make_grads_fn on the mesh, routed by `schedule`."""
   cfg, mesh = setup.config, setup.mesh
   S = mesh.shape[STAGE]
-  grads_fn = pipeline.make_grads_fn(cfg, setup.model, mesh, schedule)
+  grads_fn = pipeline.make_grads_fn(setup.model, mesh, schedule)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_N)
   specs = pipeline._manual_specs(params_N, S, 1, setup.model)  # pylint: disable=protected-access
   fn = jax.jit(jax.shard_map(functools.partial(grads_fn, global_shapes=shapes), mesh=mesh,
@@ -110,7 +122,7 @@ def grads_setup():
 
 def test_fixed_routing_equals_the_unpipelined_model(grads_setup):
   setup, params, tokens = grads_setup
-  schedule = pipeline.route_schedule(setup.config, "fixed")
+  schedule = _routes(setup.config, "fixed")
   loss, grads = _pipelined_grads(setup, schedule, params, tokens, step=5)
   plain = jax.jit(jax.vmap(lambda p, b: inner.compute_grads(p, b, setup.model.loss)))
   plain_loss, plain_grads = plain(params, tokens)
@@ -126,7 +138,7 @@ def test_a_chunked_loss_on_the_last_stage_equals_the_unpipelined_plain_loss(grad
   cfg = _config(routing_mode="random", microbatches=2)
   cfg.model.loss_chunk = 12  # does not divide L = 32: the padded last chunk is exercised too
   chunked = build_lib.build(cfg, vocab_size=VOCAB)
-  loss, grads = _pipelined_grads(chunked, pipeline.route_schedule(chunked.config, "fixed"), params, tokens, step=5)
+  loss, grads = _pipelined_grads(chunked, _routes(chunked.config, "fixed"), params, tokens, step=5)
   plain_loss, plain_grads = jax.jit(jax.vmap(lambda p, b: inner.compute_grads(p, b, setup.model.loss)))(params, tokens)
   np.testing.assert_allclose(loss, plain_loss, rtol=2e-5, atol=2e-6)
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
@@ -137,7 +149,7 @@ def test_a_chunked_loss_on_the_last_stage_equals_the_unpipelined_plain_loss(grad
 def test_random_routing_equals_the_routed_reference(grads_setup):
   """Loss per last-stage replica and every gradient shard, against the paths of routing.py."""
   setup, params, tokens = grads_setup
-  schedule = pipeline.route_schedule(setup.config)
+  schedule = _routes(setup.config)
   step = 5
   loss, grads = _pipelined_grads(setup, schedule, params, tokens, step)
   paths = schedule.paths(step)
@@ -237,7 +249,7 @@ def test_noloco_with_two_stages_trains(trained):
   layer_leaf = state.params["layers"]["blocks"]["mlp"]["up"]["kernel"]
   assert layer_leaf.sharding.spec[:2] == (REPLICA, STAGE)  # the layer axis stayed split over stages
   np.testing.assert_allclose(float(jax.jit(metrics_lib.weight_std)(state.params)),
-                             metrics_lib.weight_std_numpy(mesh_lib.fetch(state.params)), rtol=1e-4)
+                             _weight_std_numpy(mesh_lib.fetch(state.params)), rtol=1e-4)
 
 
 def test_checkpoint_round_trip_with_stages(trained):
@@ -264,14 +276,17 @@ def test_outer_round_sends_one_model_per_replica_with_stages(grads_setup):
   setup = grads_setup[0]
   assert setup.method.kind == "noloco"
   # One grouping (no switch over a pool, whose branches would all be counted).
-  round_fn = rounds_lib.make_round_fn(setup.method, setup.mesh, (setup.schedule.groups(0),), setup.state_shardings)
+  round_fn = programs_lib.make_round_fn(setup.method, setup.mesh, (setup.schedule.groups(0),), setup.state_shardings)
   state = setup.init_state()
   text = round_fn.lower(state, jnp.int32(0)).compile().as_text()
   one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
   per_device = hlo.collective_bytes(text, "collective-permute")
   # Each device sends its stage's shards; the two stages of a replica together send one model.
-  assert per_device * setup.config.num_stages == setup.method.bytes_per_round(one)
-  assert pipeline.replicated_leaves(state.params, setup.config.num_stages, setup.model) == []
+  assert per_device * setup.config.num_stages == setup.method.traffic(one, setup.config.num_replicas)[0].operand
+  # No parameter is stored whole on every stage (it would be sent S times per round).
+  on_every_stage = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+                    if not any(e == STAGE or (isinstance(e, tuple) and STAGE in e) for e in x.sharding.spec)]
+  assert on_every_stage == []
 
 
 @pytest.mark.parametrize("mode", ["per_stage", "global"])

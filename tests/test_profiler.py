@@ -24,13 +24,6 @@ def test_parse_steps_and_its_one_line_errors():
     profiler.parse_steps("10,20", num_steps=12)
 
 
-def test_covers_round():
-  assert profiler.covers_round(5, 6, 3)  # step 6 ends round 2
-  assert not profiler.covers_round(4, 5, 3)
-  assert profiler.covers_round(3, 3, 3)
-  assert profiler.covers_round(1, 50, 50) and not profiler.covers_round(1, 49, 50)
-
-
 def _drive(tmp_path, first, last, begun=0, steps=8):
   """A fake loop: a jitted named step per iteration, the plug-in's hooks in the loop's order."""
   @jax.jit

@@ -155,10 +155,9 @@ def test_skip_round_stops_a_run_whose_rounds_keep_diverging(cache, tmp_path, cap
 
 
 def test_round_guard_counts_skips_in_a_row_across_a_resume():
-  config = smoke(nan_policy="skip_round")
   history = {"skipped_rounds": [[1, 3], [10, 12], [13, 15]]}  # the last two one after the other
-  assert checkpoint.RoundGuard(config, None, history)._in_a_row == 2  # pylint: disable=protected-access
-  assert checkpoint.RoundGuard(config, None, {})._in_a_row == 0  # pylint: disable=protected-access
+  assert checkpoint.RoundGuard(3, 3, None, history)._in_a_row == 2  # pylint: disable=protected-access
+  assert checkpoint.RoundGuard(3, 3, None, {})._in_a_row == 0  # pylint: disable=protected-access
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -127,6 +127,27 @@ def test_without_matplotlib_the_text_still_prints_and_the_png_says_how(tmp_path,
 def test_bad_input_is_one_line(tmp_path, capsys):
   assert report.main([str(tmp_path)]) == 2
   err = capsys.readouterr().err.strip()
-  assert err == f"noloco_jax.report: error: WORKDIR={str(tmp_path)!r} holds no metrics.jsonl: give the --workdir of a run."
+  assert err == (f"noloco_jax.report: error: WORKDIR={str(tmp_path)!r} holds no metrics.jsonl: give the --workdir of a "
+                 "run (or of an asynchronous job, which holds process_<i>/).")
   assert report.main([str(tmp_path), "--link-gbps", "0"]) == 2
   assert "--link-gbps=0.0 must be > 0" in capsys.readouterr().err
+
+
+def test_every_run_is_drawn_in_the_spread_panel_and_the_consensus_line_stands_out(tmp_path):
+  """Issue 34 item 5: a DiLoCo run (spread 0 at every logged step) vanished from the log-scale spread panel
+  without a word, and the consensus-eval line hid under the eval line in the same colour."""
+  pytest.importorskip("matplotlib", reason="needs matplotlib: pip install '.[plots]'")
+  noloco = _write_run(tmp_path / "noloco", _rows())
+  flat = [{k: (0.0 if k == "replicas/weight_std" else v) for k, v in r.items()} for r in _rows()]
+  diloco = _write_run(tmp_path / "diloco", flat, config={**CONFIG, "outer": {"kind": "diloco"}})
+  fig = report.figure([report.Run(noloco), report.Run(diloco)])
+  ax_step, ax_std = fig.axes[0], fig.axes[3]
+  spread = {line.get_label(): line for line in ax_std.lines}
+  assert set(spread) == {"noloco (noloco)", "diloco (diloco) (0 at every logged step: replicas identical when logged)"}
+  assert list(spread["diloco (diloco) (0 at every logged step: replicas identical when logged)"].get_ydata()) == [0.0] * 5
+  assert ax_std.get_yscale() == "symlog"  # 0 has a place on the axis
+  lines = {line.get_label(): line for line in ax_step.lines}
+  for name in ("noloco (noloco)", "diloco (diloco)"):
+    eval_line, consensus = lines[f"{name}: eval"], lines[f"{name}: consensus eval"]
+    assert eval_line.get_color() != consensus.get_color()
+    assert consensus.get_zorder() > eval_line.get_zorder()  # drawn over it

@@ -1,4 +1,4 @@
-"""A lock-step round in parts (outer/rounds.py: message, routes, merge): the same state as the whole round in
+"""A lock-step round in parts (outer/programs.py: message, routes, merge): the same state as the whole round in
 one program, only the routes depend on the grouping (and only move values), nothing compiled past the
 last round."""
 
@@ -10,8 +10,9 @@ import pytest
 from configs import default
 from noloco_jax.inner.state import TrainState
 from noloco_jax.outer import methods as outer_lib
+from noloco_jax.outer import base as outer_base
 from noloco_jax.outer import pairing
-from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.outer import programs as programs_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.training.rounds import lockstep
@@ -39,45 +40,44 @@ def _state(method, mesh, seed=0, shapes=SHAPES):
 
 @pytest.mark.parametrize("kind,fields,num_devices,mode", [
     ("noloco", {}, N, "fresh"),  # the default: a program per grouping, one replica per device
-    ("noloco", {"message_dtype": "bfloat16", "group_size": 4}, 4, "fresh"),  # 2 replicas per device, groups of 4
-    ("noloco", {"compression": "int8"}, N, "round_robin"),  # error feedback, a switch over the pool
-    ("gossip", {"compression": "topk", "topk_density": 0.1}, N, "fresh"),
+    ("noloco", {"codec": {"message_dtype": "bfloat16"}, "rule": {"group_size": 4}}, 4, "fresh"),  # 2 replicas per device, groups of 4
+    ("noloco", {"codec": {"compression": "int8"}}, N, "round_robin"),  # error feedback, a switch over the pool
+    ("gossip", {"codec": {"compression": "topk", "topk_density": 0.1}}, N, "fresh"),
     ("noloco", {"state_dtype": "bfloat16"}, N, "fresh"),  # φ, δ stored in bfloat16
-    ("noloco", {"group_size": 4}, 1, "fresh"),  # one device: the grouping is data
+    ("noloco", {"rule": {"group_size": 4}}, 1, "fresh"),  # one device: the grouping is data
 ])
 def test_the_round_in_parts_gives_the_whole_rounds_state_bitwise(kind, fields, num_devices, mode):
-  method = outer_lib.make_method(_outer_cfg(kind=kind, pairing=mode, **fields))
+  method = outer_lib.make(_outer_cfg(kind=kind, pairing=mode, **fields))
   mesh = mesh_lib.make_mesh(N, num_devices)
-  schedule = outer_lib.make_schedule(_outer_cfg(kind=kind, pairing=mode, **fields), seed=3, num_replicas=N)
-  rounds = rounds_lib.Rounds(method, mesh, schedule)
+  schedule = outer_lib.schedule(_outer_cfg(kind=kind, pairing=mode, **fields), seed=3, num_replicas=N)
+  rounds = programs_lib.RoundPrograms(method, mesh, schedule)
   assert rounds.split
   parts, whole = _state(method, mesh), _state(method, mesh)
   for round_ in range(2):
     round_fn, route = rounds(round_)
     parts, parts_metrics = round_fn(parts, route)
     key, route_w = rounds.plan(round_)
-    whole, whole_metrics = rounds_lib.make_round_fn(method, mesh, key)(whole, route_w)
+    whole, whole_metrics = programs_lib.make_round_fn(method, mesh, key)(whole, route_w)
     for a, b in zip(jax.tree.leaves((parts, parts_metrics)), jax.tree.leaves((whole, whole_metrics))):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert np.std(np.asarray(parts.params["w"]), axis=0).max() > 1e-3  # replicas still apart: not a trivial check
 
 
 def test_a_fresh_grouping_compiles_only_its_routes_and_they_only_move_the_message():
-  method = outer_lib.make_method(_outer_cfg())
+  method = outer_lib.make(_outer_cfg())
   mesh = mesh_lib.make_mesh(N, N)
   schedule = pairing.PairingSchedule(seed=0, num_replicas=N, group_size=2, mode="fresh")
-  rounds = rounds_lib.Rounds(method, mesh, schedule)
+  rounds = programs_lib.RoundPrograms(method, mesh, schedule)
   state = _state(method, mesh)
   for round_ in range(4):
     round_fn, route = rounds(round_)
     state, _ = round_fn(state, route)
-  programs = rounds.programs(None)
-  assert programs.message._cache_size() == 1 and programs.merge._cache_size() == 1  # once for all rounds
+  assert rounds.jitted("message")._cache_size() == 1 and rounds.jitted("merge")._cache_size() == 1  # once for all
   assert len(rounds) == len({schedule.groups(r) for r in range(4)})  # one routes program per grouping
-  compiled = rounds.compile(state, 4).programs
+  compiled = rounds.compile(state, 4)
   routes = compiled["routes"].as_text()
   # The routes program: one model copy per replica through collective-permutes, and no arithmetic.
-  counted = method.bytes_per_round(jax.tree.map(lambda x: x[0], state.params))
+  counted = method.traffic(jax.tree.map(lambda x: x[0], state.params), N)[0].operand
   assert hlo_lib.all_collective_bytes(routes) == {"collective-permute": counted}
   entry = routes[routes.index("ENTRY"):]
   assert not any(op in entry for op in (" add(", " multiply(", " fusion(")), entry
@@ -85,7 +85,7 @@ def test_a_fresh_grouping_compiles_only_its_routes_and_they_only_move_the_messag
     assert hlo_lib.all_collective_bytes(compiled[name].as_text()) == {}
   # XLA's cost analysis: the routes read the message and write what arrives, two model copies (and the
   # few bytes of the route argument).
-  copy = outer_lib.tree_bytes(state.params) // N
+  copy = outer_base.tree_bytes(state.params) // N
   assert 2 * copy <= hlo_lib.bytes_accessed(compiled["routes"]) <= 2 * copy + 64
 
 
@@ -109,20 +109,15 @@ MEMORY_FLOOR = {"lockstep": {"message": 5, "routes": 2, "merge": 10},
 
 def test_the_rounds_read_and_write_the_model_copies_of_their_arithmetic_and_copy_no_parameter():
   shapes = {"w": (256, 256), "b": (256,)}  # large enough that the norm's partial sums are noise
-  cfg = _outer_cfg(pairing="fixed", overlap_steps=1)
+  cfg = _outer_cfg(pairing="fixed", overlap=dict(steps=1))
   mesh = mesh_lib.make_mesh(N, N)
-  schedule = outer_lib.make_schedule(cfg, seed=0, num_replicas=N)
-  key, route = schedule.plan(0, N)
-  lockstep_rounds = rounds_lib.Rounds(outer_lib.make_method(_outer_cfg(pairing="fixed")), mesh, schedule)
+  schedule = outer_lib.schedule(cfg, seed=0, num_replicas=N)
+  lockstep_rounds = programs_lib.RoundPrograms(outer_lib.make(_outer_cfg(pairing="fixed")), mesh, schedule)
   state = _state(lockstep_rounds.method, mesh, shapes=shapes)
-  compiled = {"lockstep": lockstep_rounds.compile(state, 0).programs}
-  overlapped = rounds_lib.SplitPrograms(outer_lib.make_method(cfg), mesh, schedule, mix=0.5)
-  state = rounds_lib.abstract(_state(outer_lib.make_method(cfg), mesh, shapes=shapes))
-  sent = overlapped.message_structs(state)
-  compiled["overlapped"] = {"message": overlapped.message.lower(state).compile(),
-                            "exchange": overlapped.build_exchange(key).lower(*sent, route).compile(),
-                            "merge": overlapped.merge.lower(state).compile()}
-  copy = outer_lib.tree_bytes(state.params) // N
+  compiled = {"lockstep": lockstep_rounds.compile(state, 0)}
+  overlapped = programs_lib.RoundPrograms(outer_lib.make(cfg), mesh, schedule, where="exchange", mix=0.5)
+  compiled["overlapped"] = overlapped.compile(_state(outer_lib.make(cfg), mesh, shapes=shapes), 0)
+  copy = outer_base.tree_bytes(state.params) // N
   for round_, programs in compiled.items():
     got = {name: hlo_lib.bytes_accessed(c) / copy for name, c in programs.items()}
     assert got.keys() == MEMORY_FLOOR[round_].keys()

@@ -1,6 +1,8 @@
 """Sampling from a checkpoint (noloco_jax/sample.py): the filters against NumPy, the draws' statistics,
 greedy decoding against the model run on the whole prefix, seeding, and the command line."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,8 @@ import pytest
 
 from noloco_jax import sample
 from noloco_jax.models import llama
+
+from checkpoint_damage import copy_run, damage
 
 
 def _filter_reference(logits, top_k, top_p):
@@ -99,8 +103,13 @@ def test_the_command_line_samples_a_checkpoint(finished_run, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--prompt", "x", "--top-p", "0"], "--top-p=0.0 in (0, 1]"),
-    (["--prompt", "x", "--length", "0"], "--length=0 and --num-samples=1 must be >= 1."),
+    (["--prompt", "x", "--top-p", "0"], "--top-p=0.0 is not valid: a number in (0, 1] (1 = off)."),
+    (["--prompt", "x", "--top-p", "1.5"], "--top-p=1.5 is not valid: a number in (0, 1] (1 = off)."),
+    (["--prompt", "x", "--temperature", "-1"], "--temperature=-1.0 is not valid: a number >= 0 (0 = greedy)."),
+    (["--prompt", "x", "--temperature", "nan"], "--temperature=nan is not valid"),
+    (["--prompt", "x", "--top-k", "-2"], "--top-k=-2 is not valid: an integer >= 0 (0 = off)."),
+    (["--prompt", "x", "--length", "0"], "--length=0 is not valid: an integer >= 1."),
+    (["--prompt", "x", "--num-samples", "0"], "--num-samples=0 is not valid: an integer >= 1."),
     (["--prompt-ids", "1,x"], "--prompt-ids='1,x': give comma-separated integers"),
     (["--prompt-ids", "999"], "--prompt-ids: 999 is outside the vocabulary [0, 257)."),
     (["--prompt", "x", "--replica", "9"], "--replica=9: the checkpoint of step 12 holds replicas 0 to 7."),
@@ -109,3 +118,22 @@ def test_bad_arguments_are_one_line(finished_run, capsys, args, message):
   assert sample.main([finished_run] + args) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith("noloco_jax.sample: error: ") and message in err and "\n" not in err, err
+  # The line names the argument that is wrong, and no argument that is right.
+  wrong = message.split("=")[0].split(":")[0]
+  named = set(re.findall(r"--[a-z-]+", err))
+  assert named <= {wrong}, (named, err)
+
+
+def test_a_damaged_latest_step_is_skipped_with_a_warning_naming_it(finished_run, tmp_path, capsys):
+  """Issue 33 item 4: the sampler read the latest step without its checksums."""
+  workdir = copy_run(finished_run, tmp_path)
+  damage(workdir, 12, "state")
+  assert sample.main([workdir, "--prompt", "def ", "--length", "4", "--replica", "5"]) == 0
+  captured = capsys.readouterr()
+  (warning,) = captured.err.strip().splitlines()
+  assert warning.startswith(f"noloco_jax.sample: warning: checkpoint step(s) 12 of {workdir} fail verification")
+  assert "----- sample 0 (replica 5, step 6, seed 0) -----" in captured.out
+  damage(workdir, 6, "state")
+  assert sample.main([workdir, "--prompt", "def ", "--length", "4"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "\n" not in err and f"WORKDIR={workdir!r}: no valid checkpoint in" in err, err

@@ -1,39 +1,39 @@
-"""scripts/slurm_gpu.sbatch run here with the SLURM variables faked (issue 25 item 7).
+"""scripts/slurm_gpu.sbatch's own logic, cheaply, with the SLURM variables faked (issue 25 item 7).
+
+What a real SLURM does with the script (jobs of 2 and 3 tasks, the time limit's signal, scancel,
+requeue, a killed task, a dead run's lock judged by the real squeue) is tested against a real one-node
+cluster in tests/test_slurm_real.py (the real-component tier). Here, in the default suite: how many
+replicas the script asks for (a config's layout against the job's GPUs), the config field the script
+reads, the lock's judgement of SLURM runs (a requeue, no squeue), each process's GPU in the asynchronous
+schedule, and that docs/slurm.md gives the command the real tests run.
 
 The script is run by bash as sbatch would run it, from a copy of the repository's scripts and configs,
 with `srun` and `squeue` replaced by stand-ins on PATH and scripts/env.sh by a no-op (the test's own
-environment has noloco_jax installed). The stand-in srun records its command line; asked to, it runs
-the command as one process on this machine's fake CPU devices, the SLURM variables removed (else
-jax.distributed would take it for a SLURM job of many tasks).
-
-What a resubmission must do, and did not: the default workdir held the SLURM job id, so the job
-submitted again started from scratch in a new folder.
+environment has noloco_jax installed). The stand-in srun records its command line.
 """
 
-import json
 import os
 import shutil
 import socket
 import stat
 import subprocess
+import sys
 
+import jax
 import pytest
 
 from noloco_jax.config import cli
+from noloco_jax.runtime import distributed
+from noloco_jax.runtime import options as options_lib
 from noloco_jax.runtime import workdir_lock
 
-import mp_env
+import test_slurm_real as real
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SRUN = """#!/usr/bin/env bash
-# Records the command (after srun's own options); with FAKE_SRUN_RUN=1 runs it as one process.
-while [[ "$1" == --* ]]; do shift; done
+# Records its command line, one argument a line.
 printf '%s\\n' "$@" > "$FAKE_SRUN_ARGS"
-if [ "${FAKE_SRUN_RUN:-0}" = 1 ]; then
-  unset $(env | grep -o '^SLURM_[A-Z_]*')
-  exec env JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=8 "$@"
-fi
 """
 
 _SQUEUE = """#!/usr/bin/env bash
@@ -65,26 +65,45 @@ def submit_dir(tmp_path):
 
 
 def _submit(root, job_id: str, *args, ntasks=16, **env):
-  """Runs the batch script as job `job_id`: (the command srun was given, the script's output)."""
+  """Runs the batch script as job `job_id`: (the arguments srun was given, the script's output)."""
   record = root.parent / f"srun_{job_id}.args"
   environ = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
   environ.update(PATH=f"{root.parent / 'bin'}{os.pathsep}{environ['PATH']}", SLURM_SUBMIT_DIR=str(root),
                  SLURM_JOB_ID=job_id, SLURM_JOB_NAME="noloco", SLURM_NTASKS=str(ntasks), SLURM_JOB_NUM_NODES="2",
                  FAKE_SRUN_ARGS=str(record), **env)
-  # A bound on a hung script only: a job that trains (the resubmission test) compiles cold, minutes on a
-  # loaded machine (tests/mp_env.py).
   proc = subprocess.run(["bash", str(root / "scripts" / "slurm_gpu.sbatch"), *args], cwd=root, env=environ,
-                        capture_output=True, text=True, timeout=mp_env.JOB_TIMEOUT_S)
+                        capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return record.read_text().splitlines(), proc.stdout + proc.stderr
 
 
-def test_the_default_workdir_is_the_same_for_every_submission(submit_dir):
-  first, _ = _submit(submit_dir, "101")
-  again, _ = _submit(submit_dir, "102")
+@pytest.mark.parametrize("args,kill_on_bad_exit", [((), "1"), (("--config.outer.schedule=async",), "0")],
+                         ids=["lockstep", "async"])
+def test_one_workdir_for_every_submission_and_the_schedule_decides_whether_slurm_ends_the_job(
+    submit_dir, args, kill_on_bad_exit):
+  first, _ = _submit(submit_dir, "101", *args)
+  again, output = _submit(submit_dir, "102", *args)
   assert "--workdir=runs/noloco" in first and first == again  # no job id in it
-  assert first[:3] == ["python", "-m", "noloco_jax.main"]
+  # Lock-step: one task's death ends the job; asynchronous: the others train on (docs/async.md).
+  assert first[:2] == [f"--kill-on-bad-exit={kill_on_bad_exit}", "--cpu-bind=none"]
+  assert first[2:5] == ["python", "-m", "noloco_jax.main"]
   assert "--config.num_replicas=16" in first  # the default config: one replica per GPU
+  assert f"{'async' if args else 'lockstep'} schedule" in output
+
+
+def test_the_config_field_the_script_reads(capsys, monkeypatch):
+  def field(*argv):  # as `python -m noloco_jax.config.cli field ...` (ml_collections reads overrides in sys.argv)
+    monkeypatch.setattr(sys, "argv", ["cli", "field", *argv])
+    return cli._field_main(sys.argv)
+
+  argv = ["outer.schedule", "--config=configs/default.py:smoke", "--workdir=x"]
+  assert field(*argv) == 0 and capsys.readouterr().out == "lockstep\n"
+  assert field(*argv, "--config.outer.schedule=async") == 0 and capsys.readouterr().out == "async\n"
+  with pytest.raises(SystemExit) as usage:
+    field("outer.schedul", "--config=configs/default.py")
+  assert usage.value.code == 2
+  assert capsys.readouterr().err == ("noloco_jax: config.outer.schedul is not a field; did you mean "
+                                     "config.outer.schedule?\n")
 
 
 PAPER = "configs/paper.py:model=small,gpus=16,dp=8,pp=2,method=noloco,data=c4"
@@ -110,23 +129,6 @@ def test_replicas_for_devices():
     cli.replicas_for_devices(8, 4, 1, 6)
 
 
-def test_a_resubmitted_job_resumes_even_after_a_hard_kill(submit_dir, tmp_path):
-  """Job 101 trains 6 steps; job 102 (the same command, more steps) resumes from its checkpoint. Between
-  them, job 101's lock is left as a node failure leaves it: naming another host. squeue no longer lists
-  job 101, so the lock is stale and taken over (before: refused, 'delete the lock file')."""
-  flags = ["--config.checkpoint_every=6", "--config.log_every=3"]
-  run = dict(CONFIG="configs/default.py:smoke", FAKE_SRUN_RUN="1")
-  _submit(submit_dir, "101", *flags, "--config.num_steps=6", ntasks=8, **run)
-  workdir = submit_dir / "runs" / "noloco"
-  assert sorted(os.listdir(workdir / "checkpoints")) == ["6"]
-  with open(workdir / workdir_lock.LOCK_NAME, "w") as f:
-    json.dump({"host": "gpu-node-17", "pid": 4242, "start": "1", "slurm_job": "101", "slurm_restart": "0"}, f)
-  _, output = _submit(submit_dir, "102", *flags, "--config.num_steps=12", ntasks=8, **run)
-  assert "resumed from step 6" in output, output[-3000:]
-  assert "was left by a run that is no longer running (host gpu-node-17, pid 4242, SLURM job 101)" in output
-  assert sorted(os.listdir(workdir / "checkpoints")) == ["12", "6"]
-
-
 def test_a_slurm_lock_is_judged_by_squeue(tmp_path, monkeypatch, submit_dir):
   monkeypatch.setenv("PATH", f"{submit_dir.parent / 'bin'}{os.pathsep}{os.environ['PATH']}")
   monkeypatch.setenv("SLURM_JOB_ID", "900")
@@ -141,3 +143,31 @@ def test_a_slurm_lock_is_judged_by_squeue(tmp_path, monkeypatch, submit_dir):
   monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))  # no squeue: cannot tell, so refused
   assert workdir_lock.is_alive(other(slurm_job="554"))
   assert socket.gethostname() != "gpu-node-3"
+
+
+def test_an_asynchronous_process_uses_only_the_gpu_of_its_local_index(monkeypatch):
+  """The asynchronous schedule does not start jax.distributed, which is what restricts each process to
+  the GPU of its SLURM_LOCALID; under scripts/slurm_gpu.sbatch every task sees all GPUs of its node, so
+  each process of a node started JAX on all of them (before: the setting stayed as it was)."""
+  for name, value in dict(SLURM_JOB_ID="7", SLURM_NTASKS="3", SLURM_PROCID="2", SLURM_LOCALID="2",
+                          SLURM_STEP_NODELIST="gpu-node-1", SLURM_JOB_NODELIST="gpu-node-1").items():
+    monkeypatch.setenv(name, value)
+  names = ("jax_cuda_visible_devices", "jax_rocm_visible_devices")
+  before = [jax.config.values[name] for name in names]
+  try:
+    address, count, pid = distributed.process_coordinates(options_lib.resolve_options({}))
+    assert (address, count, pid) == ("gpu-node-1:61447", 3, 2)
+    assert [jax.config.values[name] for name in names] == ["2", "2"]
+  finally:
+    for name, value in zip(names, before):
+      jax.config.update(name, value)
+
+
+def test_the_docs_give_the_command_the_real_tests_run():
+  with open(os.path.join(REPO, "docs", "slurm.md"), encoding="utf-8") as f:
+    text = " ".join(f.read().replace("\\\n", " ").split())
+  env = " ".join(f"{k}={v}" for k, v in real.CPU_ENV.items())
+  request = " ".join(real.CPU_REQUEST)
+  assert f"{env} CONFIG={real.CONFIG} sbatch {request} scripts/slurm_gpu.sbatch" in text
+  assert (f"{env} CONFIG={real.CONFIG} sbatch {request.replace('node=2', 'node=3')} scripts/slurm_gpu.sbatch "
+          "--config.outer.schedule=async") in text

@@ -1,4 +1,4 @@
-"""outer/stability.py against a Monte-Carlo of the project's own round arithmetic (outer/rules.py) with the
+"""outer/stability.py against a Monte-Carlo of the project's own round arithmetic (outer/methods/noloco.py) with the
 project's own random groupings (outer/pairing.py), on stacked replicas, and the issue's two examples."""
 
 import jax
@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from noloco_jax.outer import pairing, rules, stability
+from noloco_jax.outer import exchange, pairing, stability
+from noloco_jax.outer.methods import noloco
 
 N, TRIALS, COORDS = 8, 192, 32
 
@@ -30,9 +31,9 @@ def _monte_carlo(*, alpha, beta, gamma, group_size, rounds, noise, init, seed):
     phi, delta = carry
     table, u_NxC = inputs
     theta = phi + u_NxC
-    c = rules.noloco_message(theta, phi, beta=beta, gamma=gamma)
+    c = exchange.message(theta, phi, beta=beta, gamma=gamma)
     mean_c = (c + sum(c[table[s]] for s in range(group_size - 1))) / group_size  # the group mean
-    _, phi, delta = rules.noloco_update(phi, delta, mean_c, alpha=alpha, gamma=gamma)
+    phi, delta = noloco.update(phi, delta, mean_c, alpha=alpha, gamma=gamma)
     return (phi, delta), (phi, delta)
 
   def trial(phi, delta, tables_R, u_R):
@@ -124,4 +125,4 @@ def test_the_map_agrees_with_an_explicit_average_over_all_groupings():
 def test_instability_message_names_the_values():
   assert stability.instability(0.5, 0.7, 2, 8) is None and stability.instability(0.9, 0.3, 2, 8) is None
   message = stability.instability(0.9, 1.2, 2, 8)
-  assert "outer.consensus_weight=1.2" in message and "11.4% per round" in message and "inside" in message
+  assert "outer.rule.consensus_weight=1.2" in message and "11.4% per round" in message and "inside" in message

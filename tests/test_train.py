@@ -67,10 +67,9 @@ def test_simulator_and_mesh_runs_give_the_same_metrics(tmp_path):
 
 
 def test_the_config_is_parsed_once_per_run(tmp_path, monkeypatch):
-  """Issue 22: the ConfigDict is parsed and validated once (main.py / build.load_config); everything after
+  """Issue 22: the ConfigDict is parsed and validated once (main.py: config.load); everything after
   receives the typed config or its sections, which are never parsed again."""
   from noloco_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
 
   parses = []
   real = config_lib.Config.parse.__func__
@@ -85,7 +84,7 @@ def test_the_config_is_parsed_once_per_run(tmp_path, monkeypatch):
     monkeypatch.setattr(section, "parse", classmethod(counting))
   config = default.get_config("smoke")
   config.num_steps = 3
-  typed = build_lib.load_config(config)  # what main.py does with the flags' ConfigDict
+  typed = config_lib.load(config)  # what main.py does with the flags' ConfigDict
   assert parses.count("Config") == 1
   parses.clear()
   training.train_and_evaluate(typed, str(tmp_path))

@@ -114,7 +114,7 @@ def test_a_smoke_run_logs_its_config_every_scalar_and_the_summary_offline(tmp_pa
 def test_the_writer_is_made_only_when_a_project_is_set(tmp_path):
   pytest.importorskip("wandb", reason=HINT)
   cfg = config_lib.validate(default.get_config("smoke"))
-  writer = metrics_lib.make_writer(str(tmp_path), cfg)
+  writer = metrics_lib.make_writer(str(tmp_path), cfg.wandb, cfg.to_dict())
   assert not any(isinstance(w, writers.WandbWriter) for w in writer._writers)  # pylint: disable=protected-access
   writer.close()
   assert not os.path.exists(tmp_path / "wandb")

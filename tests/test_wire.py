@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default
+from noloco_jax.config.outer import OuterConfig, RuleConfig
 from noloco_jax.outer import epidemic, pairing, wire
 from noloco_jax.tools import dryrun
 from noloco_jax.tools import hlo as hlo_lib
@@ -99,6 +100,12 @@ def test_ring_allgather_and_reduce_scatter_formulas_are_the_simulated_rings():
   assert wire.allgather(4 * e, n).operand == 4 * e // n  # each worker's share
 
 
+def _spec_traffic(kind, message_bytes, num_replicas, **rule):
+  """(round, step) Traffic of `kind`'s own accounting (its spec's `wire`, noloco_jax/outer/methods/)."""
+  outer = OuterConfig(kind=kind, rule=RuleConfig(**rule))
+  return outer.spec.wire(message_bytes, num_replicas, outer)
+
+
 def test_group_exchange_sends_one_message_per_other_member():
   for n in (2, 4, 8):
     groups = pairing.PairingSchedule(seed=3, num_replicas=8, group_size=n, mode="fresh").groups(0)
@@ -107,13 +114,13 @@ def test_group_exchange_sends_one_message_per_other_member():
       for g, src in enumerate(pairing.sources_for_shift(groups, shift, 8)):
         sent[src] += 100
         received[g] += 100
-    t = wire.round_traffic("noloco", 100, 8, group_size=n)
+    t = _spec_traffic("noloco", 100, 8, group_size=n)[0]
     assert t.sent == sent.mean() == sent.max() == t.received == received.max() == (n - 1) * 100 == t.operand
 
 
 def test_epidemic_push_sends_s_copies_and_receives_s_on_average():
   s, n = 2, 8
-  t = wire.round_traffic("epidemic", 100, n, fanout=s)
+  t = _spec_traffic("epidemic", 100, n, fanout=s, topology="local")[0]
   regular = wire.push(100, s, n, regular=True)
   most = 0
   for draw in range(200):
@@ -130,7 +137,7 @@ def test_fsdp_step_is_two_gathers_and_a_reduce_scatter():
   s, n = 4 * 1000, 8
   full = wire.fsdp_step(s, n)
   assert full.sent == pytest.approx(3 * (n - 1) / n * s)  # 1.5 × DDP's ring all-reduce
-  assert full.sent == pytest.approx(1.5 * wire.step_traffic("ddp", s, n).sent)
+  assert full.sent == pytest.approx(1.5 * _spec_traffic("ddp", s, n)[1].sent)
   assert full.operand == 2 * s // n + s
   kept = wire.fsdp_step(s, n, gathers=1)
   assert kept.sent == pytest.approx(wire.allreduce(s, n).sent)  # the same bytes as an all-reduce
@@ -147,8 +154,8 @@ def test_alpha_beta_times_are_the_closed_forms():
 
 
 def test_kinds_without_an_exchange_send_nothing_and_bad_algorithms_are_named():
-  assert wire.round_traffic("ddp", 100, 8) == wire.round_traffic("none", 100, 8) == wire.NOTHING
-  assert wire.step_traffic("diloco", 100, 8) == wire.NOTHING
+  assert _spec_traffic("ddp", 100, 8)[0] == _spec_traffic("none", 100, 8)[0] == wire.NOTHING
+  assert _spec_traffic("diloco", 100, 8)[1] == _spec_traffic("none", 100, 8)[1] == wire.NOTHING
   assert wire.allreduce(100, 1).sent == 0
   with pytest.raises(ValueError, match="'butterfly' is not valid: one of ring | tree"):
     wire.allreduce(100, 8, "butterfly")

@@ -118,7 +118,7 @@ def summarise(run: dict, inner_steps: int, tokens_per_step: int, processes: list
               overlapped: bool = False) -> dict:
   """bench_network.summarise's figures for an asynchronous job (`tokens_per_step`: one replica's).
 
-  `overlapped`: the job ran its rounds on their own thread (outer.overlap_steps > 0), so a round's
+  `overlapped`: the job ran its rounds on their own thread (outer.overlap.steps > 0), so a round's
   waiting and exchange went on while the steps did, and are not parts of the time the loop spent in it.
 
   Idle: the time in rounds (finding a partner, the exchange, the update, a skipped round's wait) over

@@ -26,12 +26,12 @@ import shutil
 import tempfile
 from typing import Any, Iterable, Mapping, Sequence
 
-import jax
 import ml_collections
 import numpy as np
 
 from noloco_jax import config as config_lib
-from noloco_jax.outer.paper import PAPER_OUTER
+from noloco_jax.config.outer import OuterConfig
+from noloco_jax.outer import methods
 from noloco_jax.config import files as config_files
 from noloco_jax.runtime import compile_cache
 from noloco_jax.io import metrics as metrics_lib
@@ -96,10 +96,17 @@ def method_config(base: ml_collections.ConfigDict, kind: str, *, smoke: bool = F
   H is MINI_INNER_STEPS[kind], or with `smoke` the smoke config's own H, unless given in `outer`.
   """
   config = ml_collections.ConfigDict(base.to_dict())
-  config.outer.kind = kind
-  config.outer.update(PAPER_OUTER[kind])  # the paper's (outer/paper.py)
+  config.outer.update(methods.defaults(kind))  # the kind and its (the paper's) values: its spec's
   config.outer.inner_steps = base.outer.inner_steps if smoke else MINI_INNER_STEPS.get(kind, base.outer.inner_steps)
-  config.outer.update(outer)
+  for name, value in outer.items():  # a flat name (group_size=4) goes to its section (outer.rule.group_size)
+    *path, last = OuterConfig.RENAMED.get(name, name).split(".")
+    node = config.outer
+    for part in path:
+      node = node[part]
+    if isinstance(value, dict):  # a section given whole: rule=dict(group_size=4)
+      node[last].update(value)
+    else:
+      node[last] = value
   return config
 
 

@@ -3,7 +3,7 @@
 Leaving needs nothing here: a process that dies stops renewing its lease (liveness.py), the others
 see it lost within a lease, no batch admits it again (matchmaking.py keeps only members whose lease
 is held), and an exchange it was part of fails within its timeout (transport.py). Every process logs
-the membership events it sees (who joined, left or was lost, and when) through `EventLog`.
+the membership events it sees (who joined, left or was lost, and when: session.py).
 
 Joining. JAX fixes the number of processes at `jax.distributed.initialize`, so a job is started with
 P *slots*; a process that (re)starts takes a slot whose process is gone, with the same process id
@@ -22,19 +22,17 @@ What is copied is the rule of `checkpoint.elastic=grow` (io/checkpoint/resize.py
 weights φ, which become the new process's θ and φ, outer momentum δ = 0 (a member that has taken no
 outer step has no momentum; copying the peer's would repeat the peer's next outer step), and the
 peer's inner optimiser state (its step count keeps the learning-rate schedule in step; its moments
-keep Adam's bias correction right). `grow_from_peer` is that rule as a pure function.
+keep Adam's bias correction right). The method says what its new replica is (OuterMethod.new_replica:
+NoLoCo's gives θ = φ, δ = 0); the round driver applies it to what was copied.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from noloco_jax.asynchronous import transport as transport_lib
@@ -42,14 +40,6 @@ from noloco_jax.asynchronous.control import KV
 from noloco_jax.parallel import permutations
 
 JOIN_TAGS = 1 << 39  # join transfers use tags from here up; exchanges use batch indices below
-
-
-def grow_from_peer(peer_phi, peer_inner_state, delta_like):
-  """(θ, φ, δ, inner state) of a member that starts from a peer: θ = φ = φ_peer, δ = 0, the peer's inner state."""
-  theta = jax.tree.map(jnp.array, peer_phi)
-  phi = jax.tree.map(jnp.array, peer_phi)
-  delta = jax.tree.map(jnp.zeros_like, delta_like)
-  return theta, phi, delta, peer_inner_state
 
 
 def digest(leaves) -> str:
@@ -130,22 +120,3 @@ def join(kv: KV, transport: transport_lib.Transport, slot: int, incarnation: int
 class _Peer:
   def __init__(self, slot: int, incarnation: int):
     self.slot, self.incarnation = slot, incarnation
-
-
-class EventLog:
-  """Appends this process's membership events (and any other records) to WORKDIR/membership_<slot>.jsonl."""
-
-  def __init__(self, directory: str, slot: int):
-    os.makedirs(directory, exist_ok=True)
-    self.path = os.path.join(directory, f"membership_{slot}.jsonl")
-    self._file = open(self.path, "a", buffering=1)
-    self._lock = threading.Lock()  # written by the heartbeat's thread and the round's
-
-  def __call__(self, record: dict) -> None:
-    with self._lock:
-      if not self._file.closed:
-        self._file.write(json.dumps(record) + "\n")
-
-  def close(self) -> None:
-    with self._lock:
-      self._file.close()

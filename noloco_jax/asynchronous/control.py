@@ -16,8 +16,8 @@ What the store offers (measured with jax 0.10.2, docs/async.md):
 - `increment` (atomic add on an integer key; `increment(key, 0)` reads it): a ticket counter;
 - `get` (None when absent), `wait` (blocks up to a timeout), `dir` (every key under a prefix), `delete`.
 
-`MemoryKV` implements the same interface in one process (a dict and a lock): the matchmaker and the
-liveness tracker run unchanged on it in deterministic simulations and thread-level tests.
+The tests implement the same interface in one process (tests/memory_kv.py: a dict and a lock): the
+matchmaker and the liveness tracker run unchanged on it in thread-level tests.
 
 Two ways to join the service (both JAX's own client and service classes):
 
@@ -28,7 +28,7 @@ Two ways to join the service (both JAX's own client and service classes):
   service tells every process to terminate: "shared fate").
 - `initialize`: `jax.distributed.initialize` with `jax_enable_recoverability` set first (it must be
   set before), for benchmarks that also run programs over several processes' devices
-  (experiments/bench_async_transport.py compares such a program with the transfer server).
+  (experiments/bench_async.py compares such a program with the transfer server).
 
 Process 0. The service runs inside process 0 (slot 0) by default; when that process exits, every other
 process aborts (status 134), recoverability or not: a limit of JAX's runtime. `serve` runs the same
@@ -48,7 +48,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from typing import Protocol
 
 import jax
@@ -131,7 +130,7 @@ class JaxKV:
   def delete(self, key: str) -> None:
     self._client.key_value_delete(NAMESPACE + key)
 
-  # Bytes values: the store as a data plane, measured by experiments/bench_async_transport.py (every
+  # Bytes values: the store as a data plane, measured by experiments/bench_async.py (every
   # byte passes through the one process serving the store; not used for weights, docs/async.md).
 
   def set_bytes(self, key: str, value: bytes) -> None:
@@ -151,8 +150,7 @@ def live_nodes(process_ids) -> dict[int, int]:
 
   A BARRIER (what `jax.live_devices` calls): it returns once every live process named has called it,
   and a dead one is left out only once the service has declared it dead (heartbeat_timeout_s). Not
-  used by the schedule, which cannot wait for the others (liveness.py); measured by
-  experiments/bench_async_control.py.
+  used by the schedule, which cannot wait for the others (liveness.py); measured in docs/async.md §9.
   """
   from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top
   return {int(k): int(v) for k, v in global_state.client.get_live_nodes(list(process_ids)).items()}
@@ -168,59 +166,6 @@ def incarnation(client=None, slot: int | None = None) -> int:
     me = jax.process_index()
     return live_nodes([me])[me]
   return int(client.get_live_nodes([slot])[slot])
-
-
-# ---- In one process (simulations, thread-level tests) ----
-
-
-class MemoryKV:
-  """The KV interface over a dict: linearisable (one lock), `wait` blocks on a condition variable."""
-
-  def __init__(self):
-    self._data: dict[str, str] = {}
-    self._cv = threading.Condition()
-
-  def set(self, key: str, value: str) -> None:
-    with self._cv:
-      self._data[key] = value
-      self._cv.notify_all()
-
-  def create(self, key: str, value: str) -> bool:
-    with self._cv:
-      if key in self._data:
-        return False
-      self._data[key] = value
-      self._cv.notify_all()
-      return True
-
-  def get(self, key: str) -> str | None:
-    with self._cv:
-      return self._data.get(key)
-
-  def wait(self, key: str, timeout_s: float) -> str | None:
-    end = time.monotonic() + max(timeout_s, 0.0)
-    with self._cv:
-      while key not in self._data:
-        left = end - time.monotonic()
-        if left <= 0:
-          return None
-        self._cv.wait(left)
-      return self._data[key]
-
-  def increment(self, key: str, by: int) -> int:
-    with self._cv:
-      value = int(self._data.get(key, "0")) + by
-      self._data[key] = str(value)
-      self._cv.notify_all()
-      return value
-
-  def dir(self, prefix: str) -> dict[str, str]:
-    with self._cv:
-      return {k: v for k, v in self._data.items() if k.startswith(prefix)}
-
-  def delete(self, key: str) -> None:
-    with self._cv:
-      self._data.pop(key, None)
 
 
 # ---- Starting the runtime ----
@@ -265,17 +210,26 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
 
 @dataclasses.dataclass
 class Connection:
-  """This process's place in the control plane (`connect`): its slot, its store, the service it may host."""
-  kv: JaxKV
+  """This process's place in the control plane (`connect`, or etcd_kv.connect): its slot, its store, the
+  service it may host, and whether it rejoins a running job (its slot was used before in this job)."""
+  kv: KV
   slot: int
   num_slots: int
   incarnation: int
   client: object  # JAX's DistributedRuntimeClient (kept alive: its heartbeats are our membership in the service)
   service: object | None  # the coordination service, when this process hosts it (slot 0, not standalone)
+  rejoining: bool = False  # take the weights from a live peer before training (asynchronous/job.py)
 
   @property
   def hosts_service(self) -> bool:
     return self.service is not None
+
+  def close(self) -> None:
+    """Leaves the control plane. On etcd: revokes this process's lease, so its keys (heartbeat, slot) go at
+    once. On JAX's service: nothing (main.py leaves with os._exit, skipping the client's goodbye)."""
+    close = getattr(self.kv, "close", None)
+    if close is not None:
+      close()
 
 
 def connect(coordinator_address: str, num_slots: int, slot: int, *, heartbeat_timeout_s: int = 30,

@@ -20,6 +20,13 @@ decides the replica's share of the data (io/data: replica `slot` of N, as in loc
 A process that starts while its slot has been used before in this service's lifetime (it was
 restarted, or its slot was reserved at start-up: control.reserve_slot) is *rejoining*: its round
 driver takes its weights from a live peer before training (training/rounds/asynchronous.py).
+
+The control plane (`start`'s `control_plane`, main.py's --control): JAX's coordination service
+(`'jax'`, the default: in process 0 or standalone; it holds the `num_processes` slots it started with),
+or an etcd cluster (`'etcd://HOST:PORT,...[/JOB]'`, asynchronous/etcd_kv.py: replicated, so it survives
+the loss of any one member, and it admits processes that were never part of the job). On etcd,
+`config.num_replicas` is the most processes the job holds at once (one data shard per slot); a process
+started without a process id takes the highest free slot and, when a peer is alive, joins from it.
 """
 
 from __future__ import annotations
@@ -31,12 +38,13 @@ import os
 import time
 
 from noloco_jax import config as config_lib
-from noloco_jax.asynchronous import control, liveness
+from noloco_jax.asynchronous import control, etcd_kv, liveness
 from noloco_jax.asynchronous import session as session_lib
-from noloco_jax.runtime import failures
+from noloco_jax.runtime import failures, job_checks
 
 CONFIG_KEY = "config/"  # config/<slot>: the config each process started with (compared at start-up)
 DONE = "done/"  # done/<slot> = incarnation: that process is exiting (Process.finish)
+JAX = "jax"  # the control plane of JAX's coordination service (else an etcd URL: etcd_kv.py)
 
 
 class ConfigMismatch(failures.ReportedError, RuntimeError):
@@ -52,7 +60,7 @@ class Process:
   rejoining: bool  # its slot was used before in this job: take the weights from a live peer
 
   @property
-  def kv(self) -> control.JaxKV:
+  def kv(self) -> control.KV:
     return self.connection.kv
 
   @property
@@ -84,6 +92,11 @@ class Process:
       logging.warning("Process %d could not say it is done: %s", self.slot, str(e).splitlines()[0])
       return
     if not self.connection.hosts_service:
+      if isinstance(kv, etcd_kv.EtcdKV):
+        # Revoking the lease deletes the heartbeat key at once: a peer that had not yet read "left" in it
+        # would hold this process lost a lease later. Two more beats first, then the slot is free at once.
+        time.sleep(2 * self.heartbeat.beat_s)
+      self.connection.close()
       return
     self.heartbeat.leave(keep_beating=True)
     last: dict[int, tuple[str, float]] = {}  # slot -> (lease value, when it last changed, by our clock)
@@ -112,22 +125,45 @@ class Process:
 
 
 def session_options(config: config_lib.Config) -> session_lib.Options:
-  """The engine's options from config.outer (a heartbeat about ten times per lease)."""
-  o = config.outer
+  """The engine's options from config.outer.asynchronous (a heartbeat about ten times per lease)."""
+  o = config.outer.asynchronous
   return session_lib.Options(seed=config.seed, window_s=o.match_window_s, max_wait_s=o.max_wait_s,
                              exchange_timeout_s=o.exchange_timeout_s, odd=o.match_odd,
                              beat_s=min(0.5, o.lease_s / 10), lease_s=o.lease_s, join_timeout_s=o.join_timeout_s)
 
 
-def check_layout(config: config_lib.Config, num_processes: int | None) -> None:
+def check_layout(config: config_lib.Config, num_processes: int | None, *, process_id: int | None = None,
+                 control_plane: str = JAX) -> None:
   """One line naming the field when the job's process count does not fit the config (ConfigError)."""
+  n = config.num_replicas
+  if control_plane != JAX:
+    # On etcd a job holds at most num_replicas processes (one data shard per slot), and may start with fewer.
+    if n < 2:
+      config_lib.fields.fail("num_replicas", n, "≥ 2 with outer.schedule='async' on etcd (the most processes the "
+                             "job holds at once, one data shard each)")
+    if num_processes is not None and num_processes > n:
+      config_lib.fields.fail("num_replicas", n, f"≥ {num_processes}, the processes the job starts with (on etcd, "
+                             "num_replicas is the most processes the job holds at once: one data shard per slot)")
+    if process_id is not None and not 0 <= process_id < n:
+      raise config_lib.ConfigError(f"--process_id={process_id} is not valid: a slot in [0, {n - 1}] "
+                                   f"(config.num_replicas={n}, the most processes the job holds), or none: a process "
+                                   "started without one takes a free slot.")
+    return
   if num_processes is None or num_processes < 2:
     config_lib.fields.fail("outer.schedule", "async", "'lockstep' in a job of one process (the asynchronous "
                            "schedule pairs processes: start several, e.g. python -m noloco_jax.runtime.launch_local "
                            "--num_processes=4 --devices_per_process=1 -- ...)")
-  if config.num_replicas != num_processes:
-    config_lib.fields.fail("num_replicas", config.num_replicas, f"{num_processes}, the number of processes, with "
-                           "outer.schedule='async' (one replica per process)")
+  if n != num_processes:
+    grow = (" (JAX's coordination service cannot grow past the processes it starts with: to let the job grow, run "
+            "it on etcd, --control=etcd://HOST:PORT,...)") if n > num_processes else ""
+    config_lib.fields.fail("num_replicas", n, f"{num_processes}, the number of processes, with "
+                           f"outer.schedule='async' (one replica per process){grow}")
+  if process_id is not None and not 0 <= process_id < num_processes:
+    raise config_lib.ConfigError(
+        f"--process_id={process_id} is not valid with JAX's coordination service: a slot in [0, {num_processes - 1}]; "
+        f"the service holds the {num_processes} processes it started with and cannot grow (reserve spare slots at "
+        "start-up, python -m noloco_jax.asynchronous.control --reserve_slot=ID, or run the job on etcd: "
+        "--control=etcd://HOST:PORT,...).")
 
 
 def process_config(config: config_lib.Config) -> config_lib.Config:
@@ -135,49 +171,61 @@ def process_config(config: config_lib.Config) -> config_lib.Config:
   return dataclasses.replace(config, num_replicas=1, num_devices=0)
 
 
-def start(config: config_lib.Config, coordinator_address: str, num_processes: int, process_id: int, *,
-          heartbeat_timeout_s: int, initialization_timeout_s: int, standalone_service: bool = False) -> Process:
-  """Connects this process to the job's control plane and checks that it runs the job's config."""
-  check_layout(config, num_processes)
-  connection = control.connect(coordinator_address, num_processes, process_id, heartbeat_timeout_s=heartbeat_timeout_s,
-                               initialization_timeout_s=initialization_timeout_s, standalone_service=standalone_service)
-  kv = connection.kv
-  # Whoever used this slot before (an earlier incarnation's heartbeat, or control.reserve_slot's "left")
-  # left its lease key: this process then rejoins a running job.
-  rejoining = kv.get(f"{liveness.PREFIX}{process_id}") is not None
+def start(config: config_lib.Config, coordinator_address: str | None, num_processes: int | None,
+          process_id: int | None, *, heartbeat_timeout_s: int, initialization_timeout_s: int,
+          standalone_service: bool = False, control_plane: str = JAX) -> Process:
+  """Connects this process to the job's control plane and checks that it runs the job's config.
+
+  `control_plane`: JAX's coordination service at `coordinator_address` ('jax'), or an etcd URL (then
+  `num_processes` and `process_id` may be None: a newcomer takes a free slot). A control plane that
+  cannot be used (no etcd member answers, the slot is held, the job is full) is a ConfigError: one line.
+  """
+  check_layout(config, num_processes, process_id=process_id, control_plane=control_plane)
+  options = session_options(config)
+  if control_plane == JAX:
+    connection = _connect_jax(coordinator_address, num_processes, process_id, heartbeat_timeout_s,
+                              initialization_timeout_s, standalone_service)
+    where = "in this process" if connection.hosts_service else f"at {coordinator_address}"
+  else:
+    try:
+      connection = etcd_kv.connect(control_plane, capacity=config.num_replicas, slot=process_id,
+                                   lease_s=options.lease_s)
+    except (ImportError, ValueError, etcd_kv.Unavailable, etcd_kv.SlotError) as e:
+      raise config_lib.ConfigError(str(e)) from None
+    where = f"on etcd ({control_plane})"
+  kv, slot = connection.kv, connection.slot
   # The lease starts now, not when training starts: a process still starting up (a minute on a loaded
   # machine) is alive, and the process hosting the service waits for it before it leaves.
-  options = session_options(config)
-  heartbeat = liveness.Liveness(kv, process_id, connection.incarnation, beat_s=options.beat_s,
+  heartbeat = liveness.Liveness(kv, slot, connection.incarnation, beat_s=options.beat_s,
                                 lease_s=options.lease_s, observe=True).start()
-  _check_same_config(kv, process_id, config)
-  logging.info("Asynchronous job: process %d of %d (incarnation %d), %s; coordination service %s.", process_id,
-               num_processes, connection.incarnation, "rejoining a running job" if rejoining else "starting",
-               "in this process" if connection.hosts_service else f"at {coordinator_address}")
-  return Process(connection, heartbeat, config.num_replicas, rejoining)
+  _check_same_config(kv, slot, config)
+  logging.info("Asynchronous job: process %d of %d (incarnation %d), %s; control plane %s.", slot,
+               connection.num_slots, connection.incarnation,
+               "rejoining a running job" if connection.rejoining else "starting", where)
+  return Process(connection, heartbeat, config.num_replicas, connection.rejoining)
+
+
+def _connect_jax(coordinator_address, num_processes, process_id, heartbeat_timeout_s, initialization_timeout_s,
+                        standalone_service) -> control.Connection:
+  """JAX's coordination service: whoever used this slot before (an earlier incarnation's heartbeat, or
+  control.reserve_slot's "left") left its lease key, so this process rejoins a running job."""
+  connection = control.connect(coordinator_address, num_processes, process_id, heartbeat_timeout_s=heartbeat_timeout_s,
+                               initialization_timeout_s=initialization_timeout_s, standalone_service=standalone_service)
+  connection.rejoining = connection.kv.get(f"{liveness.PREFIX}{process_id}") is not None
+  return connection
 
 
 def _check_same_config(kv: control.KV, slot: int, config: config_lib.Config) -> None:
-  """Posts this process's config, then compares it with every one posted. No process waits for another:
-  of two that start together at least the one that reads second sees the other's (posted before reading)."""
-  mine = json.loads(config.to_json(sort_keys=True))
+  """Posts this process's config, then compares it with every one posted (runtime/job_checks, as a lock-step
+  job's start-up check compares them). No process waits for another: of two that start together at least
+  the one that reads second sees the other's (posted before reading)."""
+  mine = job_checks.flatten_config(config)
   kv.set(f"{CONFIG_KEY}{slot}", json.dumps(mine, sort_keys=True))
   for key, raw in sorted(kv.dir(CONFIG_KEY).items()):
     other = int(key[len(CONFIG_KEY):])
     if other == slot:
       continue
-    differ = _differences(json.loads(raw), mine)
+    differ = job_checks.config_differences([json.loads(raw), mine], processes=[other, slot])
     if differ:
       raise ConfigMismatch(f"process {slot} runs another config than process {other} of this asynchronous job: "
-                           f"{'; '.join(differ[:6])}. Start every process with the same config and overrides.")
-
-
-def _differences(theirs: dict, mine: dict, prefix: str = "") -> list[str]:
-  out = []
-  for key in sorted(set(theirs) | set(mine)):
-    a, b = theirs.get(key), mine.get(key)
-    if isinstance(a, dict) and isinstance(b, dict):
-      out += _differences(a, b, f"{prefix}{key}.")
-    elif a != b:
-      out.append(f"config.{prefix}{key} is {b!r} here, {a!r} there")
-  return out
+                           f"{' | '.join(differ[:6])}. Start every process with the same config and overrides.")

@@ -1,28 +1,28 @@
 """One process's asynchronous schedule: the object a round driver holds (liveness, matchmaking, transport, churn).
 
-The driver's calls, in a process that trains at its own pace:
+The driver's calls (training/rounds/asynchronous.py), in a process that trains at its own pace:
 
-    session = Session.from_runtime(Options(...), log_dir=WORKDIR)   # after control.initialize
+    session = Session.from_connection(process, Options(...), pairings=log, events=log)
     state = session.join(template) if restarted else state          # churn.py: weights from a live peer
     every H inner steps:
-        result = session.round(message, progress=steps_done)        # never waits for anyone but its group
-        if result.exchanged:  (θ, φ, δ) = async_rules.async_noloco_update(φ, δ, result.messages, result.progress, …)
-        session.serve_joins(lambda: (φ, inner_state), progress)     # a joiner may be waiting for us
+        result = session.round(payload, progress=steps_done, step=step)  # never waits for anyone but its group
+        if result.exchanged: the method's merge with the group's weighted mean of result.messages
+        session.serve_joins(lambda: state, progress)                # a joiner may be waiting for us
     session.close()                                                 # others see us leave at once
 
 `round` answers exchanged (the group's messages, own first, with their progress), skipped (no partner
 within max_wait_s) or failed (a partner did not deliver within exchange_timeout_s); the last two leave
-the state as it was. Every round is appended to WORKDIR/pairings_<slot>.jsonl and every membership
-event (joined, left, lost, returned) to WORKDIR/membership_<slot>.jsonl, per process, so that no
-process ever writes for another and whoever reads them merges them.
+the state as it was. A message is any pytree of arrays (a codec's payload). Every round goes to the
+`pairings` log, every membership event (joined, left, lost, returned; a join served or taken) to the
+`events` log, per process (whoever reads them merges them: asynchronous/logs.py); their rows carry the
+step the driver is at (`step`), as the run's other logs do.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
+import threading
 import time
 
 import jax
@@ -46,15 +46,15 @@ class Options:
   def check(self) -> None:
     """One line naming the field for a bad value."""
     if self.window_s < 0:
-      raise ValueError(f"outer.match_window_s={self.window_s} is not valid: seconds ≥ 0.")
+      raise ValueError(f"outer.asynchronous.match_window_s={self.window_s} is not valid: seconds ≥ 0.")
     if self.max_wait_s <= 0:
-      raise ValueError(f"outer.max_wait_s={self.max_wait_s} is not valid: seconds > 0.")
+      raise ValueError(f"outer.asynchronous.max_wait_s={self.max_wait_s} is not valid: seconds > 0.")
     if self.exchange_timeout_s <= 0:
-      raise ValueError(f"outer.exchange_timeout_s={self.exchange_timeout_s} is not valid: seconds > 0.")
+      raise ValueError(f"outer.asynchronous.exchange_timeout_s={self.exchange_timeout_s} is not valid: seconds > 0.")
     if self.odd not in law.ODD_RULES:
-      raise ValueError(f"outer.match_odd={self.odd!r} is not valid; choose one of {law.ODD_RULES}.")
+      raise ValueError(f"outer.asynchronous.match_odd={self.odd!r} is not valid; choose one of {law.ODD_RULES}.")
     if not 0 < self.beat_s < self.lease_s:
-      raise ValueError(f"outer.lease_s={self.lease_s} is not valid with a heartbeat every {self.beat_s} s: "
+      raise ValueError(f"outer.asynchronous.lease_s={self.lease_s} is not valid with a heartbeat every {self.beat_s} s: "
                        "a lease longer than the heartbeat interval.")
 
 
@@ -77,18 +77,20 @@ class RoundResult:
 
 class Session:
 
-  def __init__(self, kv: control.KV, slot: int, incarnation: int, options: Options, *, log_dir: str | None = None,
+  def __init__(self, kv: control.KV, slot: int, incarnation: int, options: Options, *, pairings=None, events=None,
                heartbeat: liveness.Liveness | None = None):
-    """`heartbeat`: this process's lease, already beating (started at connect time, so that a process still
-    starting up is not taken for dead: asynchronous/job.py); else one is started here."""
+    """`pairings`, `events`: the logs of its rounds and of the membership events it sees (anything with
+    `append(row)`: io/checkpoint/logs.JsonlLog), or None; they stay open after `close` (their owner closes
+    them). `heartbeat`: this process's lease, already beating (started at connect time, so that a process
+    still starting up is not taken for dead: asynchronous/job.py); else one is started here."""
     options.check()
     self.kv, self.slot, self.incarnation, self.options = kv, slot, incarnation, options
-    self._events = churn.EventLog(log_dir, slot) if log_dir else None
-    self._pairings = open(os.path.join(log_dir, f"pairings_{slot}.jsonl"), "a", buffering=1) if log_dir else None
+    self.step = 0  # the step the driver is at: every row of the logs carries it
+    self._pairings, self._events, self._lock = pairings, events, threading.Lock()
     if heartbeat is None:
       heartbeat = liveness.Liveness(kv, slot, incarnation, beat_s=options.beat_s, lease_s=options.lease_s).start()
-    if self._events is not None:
-      heartbeat.attach(self._events)  # what it has seen since it started, then every new event
+    if events is not None:
+      heartbeat.attach(self._event)  # what it has seen since it started, then every new event
     self.liveness = heartbeat
     self.matchmaker = matchmaking.Matchmaker(
         kv, slot, incarnation, seed=options.seed, window_s=options.window_s, max_wait_s=options.max_wait_s,
@@ -98,20 +100,20 @@ class Session:
     self.failed = 0
 
   @classmethod
-  def from_runtime(cls, options: Options, *, log_dir: str | None = None) -> "Session":
-    """For this process of a running jax.distributed job (control.initialize first)."""
-    import jax  # pylint: disable=g-import-not-at-top
-    return cls(control.JaxKV(), jax.process_index(), control.incarnation(), options, log_dir=log_dir)
-
-  @classmethod
-  def from_connection(cls, connection, options: Options, *, log_dir: str | None = None) -> "Session":
+  def from_connection(cls, connection, options: Options, **logs) -> "Session":
     """For a process of the trainer's asynchronous schedule (asynchronous/job.Process: its store, slot,
-    incarnation and the heartbeat it started when it connected)."""
-    return cls(connection.kv, connection.slot, connection.incarnation, options, log_dir=log_dir,
-               heartbeat=connection.heartbeat)
+    incarnation and the heartbeat it started when it connected); `logs`: pairings=, events=."""
+    return cls(connection.kv, connection.slot, connection.incarnation, options, heartbeat=connection.heartbeat, **logs)
 
-  def round(self, message, progress: int) -> RoundResult:
-    """Finds this round's group and exchanges `message` (a pytree of arrays) with it; see the module docstring."""
+  def _event(self, record: dict) -> None:
+    """A membership event into its log (from the heartbeat's thread or the round's), stamped with the step."""
+    with self._lock:
+      if self._events is not None:
+        self._events.append({"step": self.step, **record})
+
+  def round(self, message, progress: int, step: int | None = None) -> RoundResult:
+    """Finds this round's group and exchanges `message` (a pytree of arrays) with it; see the module docstring.
+    `step`: the step the round was sent at (its log row's), else the driver's current one."""
     match = self.matchmaker.ready(progress)
     if match is None:
       result = RoundResult("skipped", waited_s=self.matchmaker.history[-1]["waited_s"],
@@ -131,20 +133,19 @@ class Session:
                              tuple(m.incarnation for m in match.group), waited_s=match.waited_s,
                              exchange_s=time.monotonic() - start, reason=str(e))
     if self._pairings is not None:
-      self._pairings.write(json.dumps({"time": time.time(), "slot": self.slot, "incarnation": str(self.incarnation),
-                                       "progress": int(progress), "status": result.status, "batch": result.batch,
-                                       "group": list(result.group), "incarnations": [str(i) for i in result.incarnations],
-                                       "partner_progress": result.progress[1:],
-                                       "waited_s": round(result.waited_s, 6), "exchange_s": round(result.exchange_s, 6),
-                                       "reason": result.reason}) + "\n")
+      self._pairings.append({"step": self.step if step is None else step, "time": time.time(), "slot": self.slot,
+                             "incarnation": str(self.incarnation), "progress": int(progress), "status": result.status,
+                             "batch": result.batch, "group": list(result.group),
+                             "incarnations": [str(i) for i in result.incarnations],
+                             "partner_progress": result.progress[1:], "waited_s": round(result.waited_s, 6),
+                             "exchange_s": round(result.exchange_s, 6), "reason": result.reason})
     return result
 
   def serve_joins(self, state_fn, progress: int) -> int:
     """Offers `state_fn()` to joiners that picked this process as their donor (one store read)."""
     served = self.donor.serve(state_fn, progress, offer_s=self.options.join_timeout_s)
-    if served and self._events is not None:
-      for s in self.donor.served[-served:]:
-        self._events({**s, "slot": self.slot, "event": "served_join"})
+    for s in self.donor.served[-served:] if served else ():
+      self._event({**s, "slot": self.slot, "event": "served_join"})
     return served
 
   def join(self, template):
@@ -152,9 +153,8 @@ class Session:
     live = self.liveness.beating()  # not poll(): a dead donor's stale lease would cost a whole join timeout
     state, donor, progress = churn.join(self.kv, self.transport, self.slot, self.incarnation, template, live,
                                         seed=self.options.seed, timeout_s=self.options.join_timeout_s)
-    if self._events is not None:
-      self._events({"time": time.time(), "slot": self.slot, "incarnation": self.incarnation, "event": "joined_from",
-                    "donor": donor, "donor_progress": progress, "digest": churn.digest(jax.tree.leaves(state))})
+    self._event({"time": time.time(), "slot": self.slot, "incarnation": self.incarnation, "event": "joined_from",
+                 "donor": donor, "donor_progress": progress, "digest": churn.digest(jax.tree.leaves(state))})
     return state, donor, progress
 
   def others_alive(self) -> list[int]:
@@ -170,10 +170,9 @@ class Session:
     (what the process hosting the coordination service must do, or its exit ends them). `keep_beating`: the
     heartbeat goes on ("left", liveness.Liveness.leave) until the process exits (asynchronous/job.py)."""
     self.liveness.leave(keep_beating=keep_beating)
-    self.liveness.detach()  # it may go on beating (and observing): not into the log closed below
+    self.liveness.detach()  # it may go on beating (and observing): not into its log, which its owner closes
+    with self._lock:
+      self._events = self._pairings = None
     end = time.monotonic() + linger_s
     while linger_s > 0 and time.monotonic() < end and self.others_alive():
       time.sleep(min(self.options.beat_s, 0.5))
-    for f in (self._events, self._pairings):
-      if f is not None:
-        f.close()

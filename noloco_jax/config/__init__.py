@@ -7,7 +7,8 @@ and validation; the checks across sections in one place (checks.py).
 | model     | which model, size, precision     | model.py      |
 | data      | corpus, tokenizer, batch shape   | data.py       |
 | inner     | the inner optimizer              | inner.py      |
-| outer     | the outer step (α, β, γ, H, n)   | outer.py      |
+| outer     | the outer method, H, its rule,   | outer.py      |
+|           | codec, overlap, async schedule   |               |
 | checkpoint| what is kept, warm start         | checkpoint.py |
 | pipeline  | micro-batches between stages     | pipeline.py   |
 | wandb     | the optional W&B writer          | wandb.py      |
@@ -18,22 +19,28 @@ reads a ConfigDict into the frozen records (missing fields take their defaults, 
 mapped with a warning, an unknown field is an error suggesting the nearest one), checks every section
 and then the sections against each other, and returns the ConfigDict the trainer reads.
 
-This package imports nothing else from noloco_jax: the allowed values (outer kinds, dtypes, routings,
-...) are declared here and the implementation modules take them from here.
+This package imports nothing else from noloco_jax: the allowed values (dtypes, routings, ...) are
+declared here and the implementation modules take them from here; registries add theirs at run time (the
+outer methods, noloco_jax/outer/methods/, registered when the package is imported; the models).
 """
 
 import ml_collections
 
-from noloco_jax.config.checks import check_across_sections
+from noloco_jax.config.checks import check_across_sections, check_stability
 from noloco_jax.config.data import DataSpec
 from noloco_jax.config.fields import ConfigError, Section
 from noloco_jax.config.run import Config
 
 
 def load(config) -> Config:
-  """The typed, validated config from a ConfigDict (or dict); raises ConfigError (one line)."""
+  """The typed, validated config from a ConfigDict (or dict): every section, the checks across them, and the
+  outer method's stability analysis (refused unless outer.allow_unstable); raises ConfigError (one line). A
+  typed config is returned as it is: whoever made it has checked it."""
+  if isinstance(config, Config):
+    return config
   record = Config.parse(config)
   check_across_sections(record)
+  check_stability(record)
   return record
 
 

@@ -1,8 +1,11 @@
 """The checks that need more than one section, all here: run after every section has checked itself."""
 
+import logging
+
 from noloco_jax.config.fields import fail
-from noloco_jax.config.outer import GROUPED_KINDS, ORACLE_MAX_DEGREE
 from noloco_jax.config.run import Config
+
+_LOGGED: set[str] = set()  # the stability warnings and notes already given by this process
 
 
 def check_across_sections(config: Config) -> None:
@@ -33,23 +36,17 @@ def check_across_sections(config: Config) -> None:
     fail("checkpoint_every", c.checkpoint_every,
          f"a multiple of outer.inner_steps={c.outer.inner_steps} with nan_policy='skip_round' (saves then fall "
          "at round ends, after the round has been checked)")
-  if c.outer.overlap_steps and c.nan_policy == "skip_round":
-    fail("outer.overlap_steps", c.outer.overlap_steps,
+  if c.outer.overlap.steps and c.nan_policy == "skip_round":
+    fail("outer.overlap.steps", c.outer.overlap.steps,
          "0 with nan_policy='skip_round' (a round undone at its end cannot take back an exchange in flight)")
   if c.outer.schedule == "async":
     _check_async(c)
-  if c.outer.kind in GROUPED_KINDS and c.num_replicas % c.outer.group_size and c.outer.schedule != "async":
-    fail("outer.group_size", c.outer.group_size,
+  spec = c.outer.spec
+  if spec.grouped and c.num_replicas % c.outer.rule.group_size and c.outer.schedule != "async":
+    fail("outer.rule.group_size", c.outer.rule.group_size,
          f"a divisor of num_replicas={c.num_replicas} (the replicas are cut into equal groups)")
-  if c.outer.kind == "epidemic" and c.outer.fanout >= c.num_replicas:
-    fail("outer.fanout", c.outer.fanout, f"an integer in [1, num_replicas − 1] = [1, {c.num_replicas - 1}] "
-         "(each replica sends to that many distinct other replicas)")
-  if c.outer.kind == "epidemic" and c.outer.topology == "oracle":
-    s, n = c.outer.fanout, c.num_replicas
-    if min(s, n - 1 - s) > ORACLE_MAX_DEGREE:
-      valid = [f for f in range(1, n) if min(f, n - 1 - f) <= ORACLE_MAX_DEGREE]
-      fail("outer.fanout", s, f"one of {valid} with outer.topology='oracle' and num_replicas={n} (the exact "
-           f"s-regular draw needs min(s, N − 1 − s) ≤ {ORACLE_MAX_DEGREE}), or outer.topology='local'")
+  if spec.check is not None:
+    spec.check(c.outer, c.num_replicas)  # what only the method knows (noloco_jax/outer/methods/)
 
 
 def _check_async(c: Config) -> None:
@@ -64,3 +61,27 @@ def _check_async(c: Config) -> None:
   if c.checkpoint.elastic:
     fail("checkpoint.elastic", c.checkpoint.elastic, "'' with outer.schedule='async' (a process that restarts "
          "while the job runs takes its weights from a live peer by itself)")
+
+
+def check_stability(config: Config) -> None:
+  """Refuses a rule whose cross-replica spread is mean-square unstable (ConfigError, one line) unless
+  outer.allow_unstable, by the method's own analysis (its spec's `stability`, docs/stability.md); a method
+  that declares none is run as configured, and the log says its stability is not analysed."""
+  o = config.outer
+  if o.spec.stability is None:
+    _once(logging.INFO, f"config.outer.kind={o.kind!r}: the stability of the replicas' spread is not analysed for "
+                        "this method (docs/stability.md analyses NoLoCo's update); nothing is refused.")
+    return
+  problem = o.spec.stability(o, config.num_replicas)
+  if problem is None:
+    return
+  if not o.allow_unstable:
+    fail(problem.field, problem.value, f"{problem.why}. {problem.remedy}, or set outer.allow_unstable=True to run it "
+         "anyway")
+  _once(logging.WARNING, f"outer.allow_unstable=True: {problem.why}.")
+
+
+def _once(level: int, message: str) -> None:  # main.py and training/build.py both load the config
+  if message not in _LOGGED:
+    _LOGGED.add(message)
+    logging.log(level, "%s", message)

@@ -4,7 +4,7 @@
 (`--config.outer.momentun=0.9`) as an AttributeError holding an escaped KeyError, and a value of the
 wrong type as a flag error with usage hints; both become e.g.
 
-    noloco_jax: config.outer.momentun is not a field; did you mean config.outer.outer_momentum?
+    noloco_jax: config.outer.momentun is not a field; did you mean config.outer.rule.outer_momentum?
     noloco_jax: config.num_steps='abc' is not valid: an integer.
 
 A config file that cannot be loaded (a syntax error, an exception in `get_config`) is one line naming
@@ -153,7 +153,7 @@ def _value_at(config: ml_collections.ConfigDict, path: str):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Cluster scripts: how many replicas a job of D devices runs (scripts/slurm_gpu.sbatch).
+# Cluster scripts (scripts/slurm_gpu.sbatch): how many replicas a job of D devices runs; a field's value.
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -175,15 +175,21 @@ def replicas_for_devices(num_replicas: int, num_stages: int, fsdp: int, devices:
   return devices // per_replica
 
 
+def _config_from_flags(argv: Sequence[str]) -> ml_collections.ConfigDict:
+  """The config that --config=FILE[:ARGS] and its --config.FIELD=VALUE overrides in argv build (other flags
+  are ignored); a usage error is one line on stderr and exit 2."""
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "config file", flag_values=flag_values)
+  parse_flags([argv[0], *(a for a in argv[1:] if a.startswith(("--config=", "--config.")))], flag_values)
+  return flag_values.config
+
+
 def _layout_main(argv: Sequence[str]) -> int:
   """`python -m noloco_jax.config.cli DEVICES --config=FILE[:ARGS] [--config.FIELD=VALUE ...] [other flags]`:
   prints the num_replicas to pass for a job of DEVICES devices, or nothing to keep the config's (other
   flags, e.g. --heartbeat_timeout_s, are ignored). A config error is one line on stderr and exit 2."""
-  devices, rest = int(argv[1]), [a for a in argv[2:] if a.startswith(("--config=", "--config."))]
-  flag_values = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "config file", flag_values=flag_values)
-  parse_flags([argv[0], *rest], flag_values)  # a usage error: one line, exit 2
-  config = flag_values.config
+  devices = int(argv[1])
+  config = _config_from_flags([argv[0], *argv[2:]])
   try:
     replicas = replicas_for_devices(config.num_replicas, config.num_stages, config.fsdp, devices)
   except ValueError as e:
@@ -193,6 +199,18 @@ def _layout_main(argv: Sequence[str]) -> int:
   return 0
 
 
-if __name__ == "__main__":
-  sys.exit(_layout_main(sys.argv))
+def _field_main(argv: Sequence[str]) -> int:
+  """`python -m noloco_jax.config.cli field NAME --config=FILE[:ARGS] [--config.FIELD=VALUE ...] [other flags]`:
+  prints the value of config field NAME (e.g. outer.schedule) as the flags set it. Unknown field: one line, exit 2."""
+  if len(argv) < 3 or argv[2].startswith("-"):
+    exit_usage("usage: python -m noloco_jax.config.cli field NAME --config=FILE[:ARGS] [--config.FIELD=VALUE ...]")
+  path, config = argv[2], _config_from_flags([argv[0], *argv[3:]])
+  problem = unknown_field(config, path)
+  if problem is not None:
+    exit_usage(problem)
+  print(_value_at(config, path))
+  return 0
 
+
+if __name__ == "__main__":
+  sys.exit(_field_main(sys.argv) if sys.argv[1:2] == ["field"] else _layout_main(sys.argv))

@@ -11,8 +11,9 @@ ConfigDict (or dict, or an instance) into it:
   it is built (config/outer.py: each kind's paper defaults), and remembers which it resolved
   (`unset_fields`). A config file's ConfigDict keeps those as unset typed placeholders
   (`to_config_dict(for_config_file=True)`), so that "left alone" and "set to the default" stay apart;
-- a renamed field (`RENAMED`: old name -> new name) is read under its old name too, with a one-line
-  warning; old and new set to different values is an error (a new field unset, or at the value it
+- a renamed field (`RENAMED`: old name -> new name, which may be a field of a subsection: the flat
+  `compression` of config.outer became `codec.compression`) is read under its old name too, with a
+  one-line warning; old and new set to different values is an error (a new field unset, or at the value it
   had as a default before it could be unset (`UNSET`), counts as not set);
 - every value is checked against the field's type (bool, int, float, str; an int is accepted and
   converted where a float is expected).
@@ -112,7 +113,7 @@ class Section:
       fail(cls.PATH or "<top>", node, "a section (a ConfigDict of fields)")
     items = dict(node.items())
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    cls._map_renamed(items, fields)
+    cls._map_renamed(items)
     values = {}
     for name, value in items.items():
       if name not in fields:
@@ -129,20 +130,35 @@ class Section:
     return section
 
   @classmethod
-  def _map_renamed(cls, items: dict, fields: dict) -> None:
+  def _map_renamed(cls, items: dict) -> None:
+    """Reads each old name into its new field; a new name "codec.compression" is a field of a subsection
+    (items["codec"], copied into a dict here)."""
     for old, new in cls.RENAMED.items():
       if old not in items:
         continue
       old_value = items.pop(old)
       if old_value is None:  # the placeholder the config files keep for the old name: not set
         continue
-      now = items.get(new)
-      if now is not None and now != cls.UNSET.get(new, fields[new].default) and now != old_value:
+      target, section = items, cls
+      *path, name = new.split(".")
+      for part in path:
+        target[part] = dict(target[part].items()) if target.get(part) is not None else {}
+        target, section = target[part], section.field_type(part)
+      now = target.get(name)
+      if now is not None and now != section.UNSET.get(name, getattr(section, name, None)) and now != old_value:
         raise ConfigError(f"config.{cls.field_path(old)}={old_value!r} and config.{cls.field_path(new)}="
-                          f"{items[new]!r} are both set; {old} is the old name of {new}: set only {new}.")
+                          f"{now!r} are both set; {old} is the old name of {new}: set only {new}.")
       logging.warning("config.%s is deprecated: use config.%s (same meaning); taking %s=%r.",
                       cls.field_path(old), cls.field_path(new), new, old_value)
-      items[new] = old_value
+      target[name] = old_value
+
+  @classmethod
+  def field_type(cls, name: str):
+    """The type of field `name` (a dotted name reaches into subsections)."""
+    section, *rest = name.split(".", 1)
+    kind = base_type({f.name: f for f in dataclasses.fields(cls)}[section].type)[0]
+    return kind.field_type(rest[0]) if rest else kind
+
 
   def to_config_dict(self, for_config_file: bool = False) -> ml_collections.ConfigDict:
     """The section as a ConfigDict (what the trainer reads: every field resolved). `for_config_file`
@@ -163,7 +179,7 @@ class Section:
         out[f.name] = value
     if for_config_file:
       for old, new in self.RENAMED.items():
-        out[old] = ml_collections.config_dict.placeholder(kinds[new])
+        out[old] = ml_collections.config_dict.placeholder(self.field_type(new))
     return out
 
   def to_dict(self) -> dict[str, Any]:

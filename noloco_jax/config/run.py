@@ -77,7 +77,7 @@ class Config(Section):
   # eval/consensus_ppl. "slow" averages φ (θ for methods without φ), "theta" averages θ, "" turns it off.
   eval_consensus: str = "slow"
   # "FIRST,LAST" (or one step): a jax.profiler trace of those inner steps into WORKDIR/profile (for
-  # TensorBoard's profile plugin and Perfetto; README "Profiling"); include a multiple of
+  # TensorBoard's profile plugin and Perfetto; docs/after_a_run.md, "Profiler"); include a multiple of
   # outer.inner_steps to capture an outer round. "" = no trace.
   profile_steps: str = ""
 

@@ -142,7 +142,3 @@ def make_eval_step(loss_of, microbatches: int = 1, replica_map: str = "vmap"):
     return jnp.mean(losses.astype(jnp.float32))
 
   return replicas.over_replicas(one_replica, replica_map, in_axes=(0, None))
-
-
-def cast_floats(tree, dtype):
-  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)

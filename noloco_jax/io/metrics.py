@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import os
 
+from clu import parameter_overview  # the parameter table; imports no TensorFlow (clu.metric_writers would)
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from noloco_jax.io import writers
 
@@ -44,22 +44,23 @@ def weight_std(params_NxP) -> jax.Array:
   return jnp.sqrt(sum(squared_deviation(x) for x in leaves) / (n * count))
 
 
-def weight_std_numpy(params_NxP) -> float:
-  leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(params_NxP)]
-  n, count = leaves[0].shape[0], sum(x[0].size for x in leaves)
-  return float(np.sqrt(sum(((x - x.mean(0)) ** 2).sum() for x in leaves) / (n * count)))
+def parameter_table(params_NxP) -> str:
+  """The parameter table of one replica (names, shapes, dtypes, sizes, the total), as flax's examples log it
+  at start: clu.parameter_overview, on shapes only (nothing is read from the devices). clu's metric writers
+  are not used: they import TensorFlow (io/writers.py writes TensorBoard's files without it)."""
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params_NxP)
+  return parameter_overview.get_parameter_overview(one, include_stats=False)
 
 
-def make_writer(workdir: str, config=None) -> writers.MetricWriter:
-  """TensorBoard events + metrics.jsonl + log lines on process 0 (and W&B when config.wandb.project is
-  set); log lines only on the others."""
+def make_writer(workdir: str, wandb_cfg=None, run_config: dict | None = None) -> writers.MetricWriter:
+  """TensorBoard events + metrics.jsonl + log lines on process 0 (and W&B when config.wandb (`wandb_cfg`)
+  names a project: the run's config, `run_config`, goes with it); log lines only on the others."""
   if jax.process_index() != 0:
     return writers.LoggingWriter()
   chosen = [writers.LoggingWriter(), writers.TensorBoardWriter(workdir),
             writers.JsonlWriter(os.path.join(workdir, "metrics.jsonl"))]
-  wandb_config = config.get("wandb") if config is not None else None
-  if wandb_config is not None and wandb_config.project and wandb_config.mode != "disabled":
-    chosen.append(writers.WandbWriter(workdir, wandb_config, config.to_dict()))
+  if wandb_cfg is not None and wandb_cfg.project and wandb_cfg.mode != "disabled":
+    chosen.append(writers.WandbWriter(workdir, wandb_cfg, run_config or {}))
   return writers.MultiWriter(chosen)
 
 

@@ -1,9 +1,9 @@
 """Metric writers without TensorFlow: TensorBoard event files, metrics.jsonl, log lines, progress, and
 optionally Weights & Biases.
 
-`MetricWriter` has the method set of clu's `metric_writers.MetricWriter` (write_scalars,
-write_summaries, ..., flush, close), so code written against clu's writers runs against these. We
-do not subclass clu's class: importing any of `clu.metric_writers` imports TensorFlow.
+`MetricWriter` has the methods of clu's `metric_writers.MetricWriter` that this project calls
+(write_scalars, flush, close) and its own write_summary; the run's config goes to W&B when it starts.
+We do not subclass clu's class: importing any of `clu.metric_writers` imports TensorFlow.
 
 TensorBoard reads event files: TFRecord-framed `Event` protocol buffers in a file whose name holds
 "tfevents". The `tensorboard` package ships both the protobuf classes and the record framing (the
@@ -29,32 +29,11 @@ import numpy as np
 
 
 class MetricWriter(abc.ABC):
-  """clu's MetricWriter methods. Only scalars are written by this project; the rest may be no-ops."""
+  """The writer interface: scalars by step and the end-of-run summary."""
 
   @abc.abstractmethod
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
     """One value per name at `step`."""
-
-  def write_summaries(self, step: int, values: Mapping[str, Any], metadata=None):
-    del step, values, metadata
-
-  def write_images(self, step: int, images: Mapping[str, Any]):
-    del step, images
-
-  def write_videos(self, step: int, videos: Mapping[str, Any]):
-    del step, videos
-
-  def write_audios(self, step: int, audios: Mapping[str, Any], *, sample_rate: int):
-    del step, audios, sample_rate
-
-  def write_texts(self, step: int, texts: Mapping[str, str]):
-    del step, texts
-
-  def write_histograms(self, step: int, arrays: Mapping[str, Any], num_buckets=None):
-    del step, arrays, num_buckets
-
-  def write_hparams(self, hparams: Mapping[str, Any]):
-    del hparams
 
   def write_summary(self, summary: Mapping[str, Any]):
     """The end-of-run summary (training/summary.py's scalars); not one of clu's methods."""
@@ -172,9 +151,6 @@ class WandbWriter(MetricWriter):
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
     self.run.log({k: _float(v) for k, v in scalars.items()}, step=int(step))
 
-  def write_hparams(self, hparams: Mapping[str, Any]):
-    self.run.config.update(dict(hparams), allow_val_change=True)
-
   def write_summary(self, summary: Mapping[str, Any]):
     for key, value in summary.items():
       if isinstance(value, (int, float, str, bool)) or np.isscalar(value):
@@ -202,10 +178,6 @@ class MultiWriter(MetricWriter):
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
     for w in self._writers:
       w.write_scalars(step, scalars)
-
-  def write_hparams(self, hparams: Mapping[str, Any]):
-    for w in self._writers:
-      w.write_hparams(hparams)
 
   def write_summary(self, summary: Mapping[str, Any]):
     for w in self._writers:

@@ -33,8 +33,6 @@ from noloco_jax.models import losses
 
 # Names of the dtypes a config may give (model.dtype, model.param_dtype, outer.state_dtype).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# A parameter's role for pipeline stages (see the module docstring).
-ROLES = ("first", "layers", "last")
 
 
 class Model(abc.ABC):

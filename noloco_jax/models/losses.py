@@ -35,12 +35,6 @@ def cross_entropy(logits_BxLxV, targets_BxL):
   return -jnp.mean(jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1))
 
 
-def plain_cross_entropy(x_BxLxD, w_DxV, targets_BxL):
-  """The reference for `chunked_cross_entropy`: the head as one matmul in x's dtype, then the plain loss."""
-  logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV.astype(x_BxLxD.dtype))
-  return cross_entropy(logits_BxLxV, targets_BxL)
-
-
 def chunked_cross_entropy(x_BxLxD, w_DxV, targets_BxL, chunk: int):
   """Mean cross-entropy of logits x·W against the targets, `chunk` sequence positions at a time.
 

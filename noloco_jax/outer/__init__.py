@@ -1,3 +1,2 @@
-"""Outer methods: the rules (rules.py), who exchanges with whom (pairing.py), the group exchange (exchange.py),
-the methods behind config.outer.kind (methods.py, whose all-reduce baselines also communicate), round
-compilation (rounds.py) and the paper's hyperparameters (paper.py)."""
+"""Outer methods: their catalogue and rules (methods/), what a method is to the code (base.py), its round's
+programs (programs.py), the exchange, codecs, pairings and graphs, stability, and bytes on the wire."""

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 SOURCES = ("slow", "theta")
-SLOW_KEY = "slow"  # the slow weights φ in TrainState.outer (outer/methods.py), for readers of a checkpoint
+SLOW_KEY = "slow"  # the slow weights φ in TrainState.outer (the outer methods keep it there), for readers of a checkpoint
 
 
 def replica_mean(tree_NxP) -> Any:

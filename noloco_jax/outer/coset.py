@@ -65,8 +65,8 @@ SENDER_CHOSEN = ("fisher", "mixed", "damage")  # orders whose blocks the sender 
 RAW_BITS = {32: jnp.float32, 16: jnp.bfloat16}  # bits that send the fragment's values as they are
 # κ = ε / rms(D) by bits. b = 2, 3, 4: chosen offline on the default job's messages (the capture
 # 1 − ms(ĉ − c) / ms(D), swept over κ with per-leaf scales: b = 2: 0.56 at κ = 2.0; b = 3: 0.84 at 1.3; b = 4:
-# 0.95 at 0.6; experiments/coset_capture.py). b ≥ 5, not measured: the decodable range 2^(b−1)·κ kept at
-# 4.8 rms(D), b = 4's.
+# 0.95 at 0.6; python experiments/bench_compression.py --capture). b ≥ 5, not measured: the decodable range
+# 2^(b−1)·κ kept at 4.8 rms(D), b = 4's.
 DEFAULT_KAPPA = {2: 2.0, 3: 1.3, 4: 0.6, 5: 0.3, 6: 0.15, 7: 0.075, 8: 0.0375}
 _FRAGMENT, _DITHER, _SIGNS = 0, 1, 2  # purposes folded into the run's key
 
@@ -151,7 +151,7 @@ MODES = ("fragment", "sum", "global")
 
 @dataclasses.dataclass(frozen=True)
 class CosetCodec:
-  """`outer.compression=coset`: the whole NoLoCo message in coset codes against the receiver's own (module doc).
+  """`outer.codec.compression=coset`: the whole NoLoCo message in coset codes against the receiver's own (module doc).
 
   `mode` says which values of a leaf are coded each round:
   - `fragment`: the values of a shared fragment of its blocks (density of them), the rest not at all;
@@ -161,8 +161,9 @@ class CosetCodec:
     round's random direction s (its component s·(s·D)/g), on every value, every round.
 
   The codec keeps a small state per replica, `{"h": ms estimate of the coded values' difference, "eps":
-  last ε}` (one float32 each per leaf), in `TrainState.outer["codec"]`. Its decode needs the receiver's
-  own message (side information); `observe` updates h from a round's group mean.
+  last ε}` (one float32 each per leaf), in `TrainState.outer["codec"]` (outer/base.group_rule carries it).
+  Its decode needs the receiver's own message (side information); `observe` updates h from a round's
+  group mean.
   """
   density: float
   bits: int
@@ -177,6 +178,11 @@ class CosetCodec:
   scale: str = "leaf"  # leaf: one ε per leaf | block: one ε per block, from a running estimate per block
   feedback = False  # no error-feedback residual: what is not sent stays in the replica's own weights
   side_info = True
+
+  @property
+  def informed(self) -> bool:
+    """Whether `encode` reads the sender's Adam second moment (its sender-chosen blocks)."""
+    return (self.mode == "fragment" and self.order in SENDER_CHOSEN) or self.mode == "global"
 
   @property
   def raw(self) -> bool:

@@ -1,9 +1,6 @@
-"""Epidemic Learning (`outer.kind=epidemic`; de Vos et al., 2023, arXiv 2310.01972), both of its topologies.
-
-Every round each replica sends its model to s = `outer.fanout` other replicas and replaces its model by
-the plain average of its own and everything it received:
-    θ_i ← (θ_i + Σ_{j → i} θ_j) / (1 + in-degree(i)).
-Who sends to whom is the round's random directed graph, `outer.topology`, named as the paper names it:
+"""Epidemic Learning's graphs (its rule: outer/methods/epidemic.py; de Vos et al., 2023): who sends to whom
+each round, a random directed graph where every replica sends to s = `outer.rule.fanout` others, of
+`outer.rule.topology`, named as the paper names it. Pure NumPy:
 
 - `oracle` (EL-Oracle): uniform over the s-regular directed graphs without self-loops: every replica
   sends to s others and receives from exactly s. Drawn exactly by the configuration model: replica i's
@@ -12,7 +9,7 @@ Who sends to whom is the round's random directed graph, `outer.topology`, named 
   (s!)^N of the (N·s)! permutations, so an accepted draw is uniform over them. The acceptance rate falls
   like exp(−s − (s−1)²/2) (0.37, 0.07, 0.003 for s = 1, 2, 3), so for s > (N − 1)/2 the complement of
   an (N − 1 − s)-regular draw is taken (complementing is a bijection between the two sets), and
-  config/checks.py allows min(s, N − 1 − s) ≤ config/outer.py's ORACLE_MAX_DEGREE (3).
+  its spec (outer/methods/epidemic.py) allows min(s, N − 1 − s) ≤ ORACLE_MAX_DEGREE (3).
 - `local` (EL-Local): every replica picks its s receivers itself, uniformly among the C(N−1, s) sets
   of others, independently of the other replicas. A replica's in-degree is then Binomial(N − 1, s/(N − 1))
   (each other replica picks it with probability s/(N − 1), independently): a third of them receive
@@ -21,31 +18,29 @@ Who sends to whom is the round's random directed graph, `outer.topology`, named 
 Realisation with static collectives: the round's N·s edges are split into matchings (each sender and
 each receiver at most once per matching) by a minimal edge colouring of the bipartite sender/receiver
 graph (König: as many matchings as the largest in- or out-degree, found with alternating paths), and
-each matching is one `exchange.route`: a partial permutation sent with ppermutes. Under `oracle` that is
-exactly s matchings, each a permutation without fixed points; under `local`, max(s, largest in-degree).
+each matching is one `exchange.route`: a partial permutation sent with ppermutes (exchange.graph_mean).
+Under `oracle` that is exactly s matchings, each a permutation without fixed points; under `local`, max(s, largest in-degree).
 Replicas that receive nothing in a matching route to themselves, which is a local copy (no bytes) and
 is masked out of the sum. Every edge is sent exactly once, so each replica puts s model copies on the
 wire per round and receives in-degree(i) copies (s under `oracle`).
 
 Graphs are a pure function of (seed, round) computed on the host from the seeded streams of
 parallel/permutations.py, like pairing.py, with the modes `fresh` (a new graph every round: one program
-per graph, compiled one round ahead by outer/ahead.py) and `fixed` (graph 0 every round, the
+per graph, compiled one round ahead by outer/programs.py) and `fixed` (graph 0 every round, the
 ablation). `round_robin` is a pairing of replicas, not a graph with a fan-out, so it does not apply here.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from noloco_jax.config.outer import ORACLE_MAX_DEGREE, TOPOLOGIES
-from noloco_jax.outer import exchange, rules
+from noloco_jax.config.outer import TOPOLOGIES
 from noloco_jax.parallel import permutations
-from noloco_jax.parallel.mesh import REPLICA
 
 Graph = tuple[tuple[int, ...], ...]  # matchings; matching[g] = the replica g receives from, or −1
+# EL-Oracle's graph is drawn exactly (configuration model, rejection) for min(s, N − 1 − s) ≤ this; the
+# acceptance rate falls like exp(−s − (s−1)²/2): ≥ 0.3 % at 3 (12 ms a graph at N = 256), ~0.01 % at 4.
+ORACLE_MAX_DEGREE = 3
 MODES = ("fresh", "fixed")
 _BATCH = 64  # configuration-model tries drawn at once (a constant: the accepted draw depends on it)
 _MAX_TRIES = 10_000_000  # a bound that an allowed (N, s) never reaches (expected tries ≤ 1/0.003)
@@ -105,7 +100,7 @@ def draw_targets(seed: int, draw: int, num_replicas: int, fanout: int, topology:
     return oracle_targets(seed, draw, num_replicas, fanout)
   if topology == "local":
     return local_targets(seed, draw, num_replicas, fanout)
-  raise ValueError(f"config.outer.topology={topology!r} is not valid: one of {' | '.join(TOPOLOGIES)}.")
+  raise ValueError(f"config.outer.rule.topology={topology!r} is not valid: one of {' | '.join(TOPOLOGIES)}.")
 
 
 def matchings(targets: np.ndarray) -> Graph:
@@ -148,7 +143,7 @@ class EpidemicSchedule:
     if mode not in MODES:
       raise ValueError(f"config.outer.pairing={mode!r} is not valid with outer.kind='epidemic': one of {MODES}.")
     if topology not in TOPOLOGIES:
-      raise ValueError(f"config.outer.topology={topology!r} is not valid: one of {' | '.join(TOPOLOGIES)}.")
+      raise ValueError(f"config.outer.rule.topology={topology!r} is not valid: one of {' | '.join(TOPOLOGIES)}.")
     self.seed, self.num_replicas, self.fanout, self.mode = seed, num_replicas, fanout, mode
     self.topology = topology
 
@@ -170,43 +165,3 @@ class EpidemicSchedule:
     """The schedule's parameters, for logs and checkpoint metadata."""
     return {"mode": self.mode, "seed": int(self.seed), "fanout": self.fanout, "topology": self.topology,
             "num_replicas": self.num_replicas}
-
-
-def _local(table_N: np.ndarray, k: int, num_devices: int):
-  """The [k] entries of an [N] host table that belong to this device's replicas."""
-  if num_devices == 1:
-    return jnp.asarray(table_N)
-  return jax.lax.dynamic_slice_in_dim(jnp.asarray(table_N), jax.lax.axis_index(REPLICA) * k, k)
-
-
-def graph_mean(tree, graph: Graph, num_devices: int, message_dtype):
-  """Each replica's average of its own leaves and those it receives along `graph` ([k, ...] leaves)."""
-  k = jax.tree.leaves(tree)[0].shape[0]
-  total = jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-  message = jax.tree.map(lambda x: x.astype(message_dtype), tree)
-  count = jnp.ones((k,), jnp.float32)
-  for matching in graph:
-    src = np.asarray(matching)
-    receives = src >= 0
-    mask_k = _local(receives, k, num_devices)
-    # Non-receivers route to themselves: a local copy that the mask drops, never a message.
-    received = jax.tree.map(lambda x: exchange.route(x, np.where(receives, src, np.arange(len(src))), num_devices),
-                            message)
-    expand = lambda m, x: m.reshape((k,) + (1,) * (x.ndim - 1))
-    total = jax.tree.map(lambda t, r: t + jnp.where(expand(mask_k, r), r.astype(jnp.float32), 0.0), total, received)
-    count = count + mask_k
-  return jax.tree.map(lambda t: t / count.reshape((k,) + (1,) * (t.ndim - 1)), total)
-
-
-def make_round(pool, num_devices: int, message_dtype):
-  (graph,) = pool  # EpidemicSchedule.plan: one static graph per program
-
-  def round_fn(states, route):
-    del route  # the graph is static
-    theta = states.params
-    metrics = {"pseudo_grad_norm": jax.vmap(optax.tree.norm)(rules.pseudo_gradient(theta, states.outer["slow"]))}
-    mean = graph_mean(theta, graph, num_devices, message_dtype)
-    new = jax.tree.map(lambda m, t: m.astype(t.dtype), mean, theta)
-    return states.replace(params=new, outer={"slow": new}), metrics
-
-  return round_fn

@@ -2,9 +2,9 @@
 
 A round's message travels through one `MessageCodec`: `encode` turns a replica's message into the
 payload that crosses the network, `decode` turns a received payload back into float32. The plain codec
-is a cast to `outer.message_dtype`; the compressed codecs (`outer.compression` int8 / int4 / topk, with
+is a cast to `outer.codec.message_dtype`; the compressed codecs (`outer.codec.compression` int8 / int4 / topk, with
 error feedback; docs/compression.md) quantise or sparsify. The codec is a parameter of the exchange,
-not a second round: the same `group_mean` moves any payload, so compression composes with streaming
+not a second round: the same exchange moves any payload, so compression composes with streaming
 overlap and with every pairing plan.
 
 Moving one tensor per replica, inside `shard_map` over the `replica` axis: the primitive is
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from noloco_jax.outer import compression, rules
+from noloco_jax.outer import compression
 from noloco_jax.outer.pairing import Groups, sources_for_shift
 from noloco_jax.parallel import collectives
 from noloco_jax.parallel.mesh import REPLICA
@@ -50,6 +50,13 @@ def route(x_k: jax.Array, src: Sequence[int], num_devices: int) -> jax.Array:
 
 def _f32(tree):
   return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+def message(theta, phi, *, beta: float, gamma: float):
+  """c = β·θ + (γ − β)·φ, in float32: the one tensor a replica of NoLoCo's family sends to its group (since
+  β·mean_G(θ − φ) + γ·mean_G φ = mean_G(c)); the top-k codec sends its parts β·(θ − φ) and γ·φ apart."""
+  return jax.tree.map(lambda t, p: beta * t.astype(jnp.float32) + (gamma - beta) * p.astype(jnp.float32),
+                      theta, phi)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +83,7 @@ class PlainCodec:
 
 
 class CompressedCodec:
-  """`outer.compression` (int8 | int4 | topk) with error feedback (docs/compression.md).
+  """`outer.codec.compression` (int8 | int4 | topk) with error feedback (docs/compression.md).
 
   The message c = β·θ + (γ − β)·φ is written c = β·(θ − φ) + γ·φ: a fresh, small part (the round's
   pseudo-gradient, scaled by β) and a large, slowly moving part (the slow weights). Pairs change every
@@ -84,8 +91,8 @@ class CompressedCodec:
   difference:
   - int8 / int4: the whole message m = c + e is quantised per chunk;
   - topk: only the fresh part m = β·(θ − φ) + e is sparsified (top-k per chunk, b-bit values), as
-    SparseLoCo does with pseudo-gradients; the γ·φ part travels densely with `outer.slow_codec`.
-  e is the error-feedback residual (decayed by `outer.feedback_decay`, 0 = off): what was not sent
+    SparseLoCo does with pseudo-gradients; the γ·φ part travels densely with `outer.codec.slow_codec`.
+  e is the error-feedback residual (decayed by `outer.codec.feedback_decay`, 0 = off): what was not sent
   this round is added to the next round's message, to whichever partner that goes. `encode` takes θ and
   φ beside c, so that top-k can tell the two parts apart.
   """
@@ -127,7 +134,7 @@ def encode_stack(codec, theta_k, phi_k, residual_k, *, beta: float, gamma: float
 
   A replica's own term in its group mean is its exact c (it has it); only what it receives is decoded.
   """
-  own = rules.noloco_message(theta_k, phi_k, beta=beta, gamma=gamma)
+  own = message(theta_k, phi_k, beta=beta, gamma=gamma)
   if isinstance(codec, PlainCodec):
     payload, _ = codec.encode(own, None)
     return own, payload, None
@@ -194,23 +201,63 @@ def receive(payload, pool: Sequence[Groups] | None, route_arg, num_devices: int)
   return jax.lax.switch(route_arg, branches, payload)
 
 
-def mean_of(own_f32, received: tuple, decode):
-  """Each replica's group mean: its own float32 term, then shift 1 … n−1's decoded payloads, summed in
-  float32 in that fixed order, divided by n."""
-  total = own_f32
-  for payload in received:
-    total = jax.tree.map(jnp.add, total, decode(payload))
-  return jax.tree.map(lambda t: t / (len(received) + 1), total)
+def mean_of(own_f32, received, decode, weights=None):
+  """Each replica's group mean: its own float32 term, then each received payload decoded (in the order
+  received: shift 1 … n−1, or the group's members after this one), summed in float32 in that fixed order,
+  divided by n.
 
-
-def group_mean(own_f32, payload, decode, pool: Sequence[Groups] | None, route_arg, num_devices: int):
-  """The group mean of a round program built for `pool`, whatever its plan (`receive`, then `mean_of`)."""
-  return mean_of(own_f32, receive(payload, pool, route_arg, num_devices), decode)
+  `weights` (the asynchronous schedule's staleness weights, own first; NumPy or traced): Σ_k w_k·c_k / Σ_k w_k,
+  summed in the same order. None means all equal: then the sum is divided by the constant n (XLA:CPU turns
+  that into a multiplication by 1/n, so a division by a computed Σ w = n would differ in the last bit).
+  """
+  if weights is None:
+    total = own_f32
+    for payload in received:
+      total = jax.tree.map(jnp.add, total, decode(payload))
+    return jax.tree.map(lambda t: t / (len(received) + 1), total)
+  if len(received) + 1 != len(weights):
+    raise ValueError(f"{len(received) + 1} messages but {len(weights)} weights.")
+  w = jnp.asarray(weights, jnp.float32)
+  total, norm = jax.tree.map(lambda c: w[0] * c, own_f32), w[0]
+  for k, payload in enumerate(received, start=1):
+    total = jax.tree.map(lambda t, c, k=k: t + w[k] * c, total, decode(payload))
+    norm = norm + w[k]
+  return jax.tree.map(lambda t: t / norm, total)
 
 
 def plain_group_mean(tree, pool: Sequence[Groups] | None, route_arg, num_devices: int, message_dtype):
   """Mean over each replica's group of a pytree of [k, ...] leaves, sent in `message_dtype` (the own term
-  stays in float32): group_mean with the plain codec, for rules that average θ itself (epidemic_adam)."""
-  own = _f32(tree)
+  stays in float32): the group mean with the plain codec, for rules that average θ itself (epidemic_adam)."""
   payload, _ = PlainCodec(message_dtype).encode(tree, None)
-  return group_mean(own, payload, _f32, pool, route_arg, num_devices)
+  return mean_of(_f32(tree), receive(payload, pool, route_arg, num_devices), _f32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The mean over a directed graph: a push to a few peers (Epidemic Learning), as a set of matchings.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _local(table_N: np.ndarray, k: int, num_devices: int):
+  """The [k] entries of an [N] host table that belong to this device's replicas."""
+  if num_devices == 1:
+    return jnp.asarray(table_N)
+  return jax.lax.dynamic_slice_in_dim(jnp.asarray(table_N), jax.lax.axis_index(REPLICA) * k, k)
+
+
+def graph_mean(tree, graph: Sequence[Sequence[int]], num_devices: int, message_dtype):
+  """Each replica's average of its own leaves and those it receives along `graph` ([k, ...] leaves): one
+  route per matching (matching[g] = the replica g receives from, or −1), each edge sent once."""
+  k = jax.tree.leaves(tree)[0].shape[0]
+  total = _f32(tree)
+  sent = jax.tree.map(lambda x: x.astype(message_dtype), tree)
+  count = jnp.ones((k,), jnp.float32)
+  for matching in graph:
+    src = np.asarray(matching)
+    receives = src >= 0
+    mask_k = _local(receives, k, num_devices)
+    # Non-receivers route to themselves: a local copy that the mask drops, never a message.
+    received = jax.tree.map(lambda x: route(x, np.where(receives, src, np.arange(len(src))), num_devices), sent)
+    expand = lambda m, x: m.reshape((k,) + (1,) * (x.ndim - 1))
+    total = jax.tree.map(lambda t, r: t + jnp.where(expand(mask_k, r), r.astype(jnp.float32), 0.0), total, received)
+    count = count + mask_k
+  return jax.tree.map(lambda t: t / count.reshape((k,) + (1,) * (t.ndim - 1)), total)

@@ -9,7 +9,7 @@ those of parallel/permutations.py). The modes of `PairingSchedule`:
   groupings is that of independent uniform draws (each pair meets with probability (n−1)/(N−1), a
   round repeats the previous one with probability 1 / #groupings). On a mesh `jax.lax.ppermute`
   needs its routing at trace time, so each grouping is its own program (for NoLoCo and gossip only the
-  grouping's routes: outer/rounds.py); outer/ahead.py compiles round t+1's while round t's inner steps
+  grouping's routes: outer/programs.py), which compiles round t+1's while round t's inner steps
   run, so no compile sits on the critical path. On one device (the
   simulator) the grouping is data (a gather table) and one program serves every round.
 - `round_robin` (n = 2 only): one compiled program for the whole run. The N−1 perfect matchings of a
@@ -82,7 +82,7 @@ class PairingSchedule:
     if mode not in MODES:
       raise ValueError(f"outer.pairing={mode!r} is not valid; choose one of {MODES}.")
     if mode == "round_robin" and group_size != 2:
-      raise ValueError(f"outer.pairing='round_robin' needs outer.group_size=2 (a 1-factorisation pairs "
+      raise ValueError(f"outer.pairing='round_robin' needs outer.rule.group_size=2 (a 1-factorisation pairs "
                        f"replicas), got group_size={group_size}; use 'fresh' for larger groups.")
     self.seed, self.num_replicas, self.group_size, self.mode = seed, num_replicas, group_size, mode
     # The groupings one compiled program covers, selected by `index(t)`: all N−1 for round_robin,

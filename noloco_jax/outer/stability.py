@@ -2,7 +2,7 @@
 
 Pure NumPy. Per coordinate, with x_i = φ_i − mean φ and y_i = δ_i − mean δ (deviations from the replica
 mean) and A the round's averaging matrix (A_ij = 1/n when i and j share a group), the implemented rule
-(outer/rules.py: δ ← α·δ + β·mean_G(θ − φ) + γ·(mean_G φ − φ_i), φ ← φ + δ) gives
+(outer/methods/noloco.py: δ ← α·δ + β·mean_G(θ − φ) + γ·(mean_G φ − φ_i), φ ← φ + δ) gives
 
     y' = γ(A − I)x + αy + βA·u,      x' = x + y',
 
@@ -30,13 +30,9 @@ The cross-replica variance of φ is C_xx·(N − 1)/N; it changes by the factor 
 
 from __future__ import annotations
 
-import logging
 import math
 
 import numpy as np
-
-from noloco_jax import config as config_lib
-from noloco_jax.config.fields import ConfigError
 
 
 def averaging_shrink(group_size: int, num_replicas: int) -> float:
@@ -157,40 +153,8 @@ def instability(alpha: float, gamma: float, group_size: int, num_replicas: int) 
     return None
   low, high = paper_interval(alpha, group_size)
   inside = "inside" if low < gamma < high else "outside"
-  return (f"with outer.outer_momentum={alpha:g} (α), outer.consensus_weight={gamma:g} (γ), group_size={group_size}, "
+  return (f"with outer.rule.outer_momentum={alpha:g} (α), outer.rule.consensus_weight={gamma:g} (γ), "
+          f"group_size={group_size}, "
           f"num_replicas={num_replicas} the cross-replica weight spread is unstable: it grows by "
           f"{100 * (math.sqrt(rho) - 1):.1f}% per round (spectral radius {rho:.3f} ≥ 1; docs/stability.md; "
           f"the paper's interval {low:.3f} < γ < {high:.3f}, which γ is {inside}, does not apply here)")
-
-
-_WARNED: set[str] = set()  # the allow_unstable warnings already given by this process
-
-
-def check_config(config) -> None:
-  """Refuses a NoLoCo config whose spread is unstable (ConfigError, one line) unless outer.allow_unstable.
-
-  Run by training/build.py right after the schema's validation, before anything is compiled. (It is not
-  in config/checks.py only because config/ imports nothing from the rest of the package.)
-  """
-  o = config.outer
-  if o.kind != "noloco":
-    return
-  problem = instability(o.outer_momentum, o.consensus_weight, o.group_size, config.num_replicas)
-  if problem and not o.allow_unstable:
-    raise ConfigError(f"config.outer.consensus_weight={o.consensus_weight!r} is not valid: {problem}. Lower γ "
-                      "or α, or set outer.allow_unstable=True to run it anyway.")
-  if problem and problem not in _WARNED:  # once per process: main.py and training/build.py both check
-    _WARNED.add(problem)
-    logging.warning("outer.allow_unstable=True: %s.", problem)
-
-
-def load_config(config):
-  """The typed config, parsed and checked once: the schema's checks (config/), then the stability of
-  NoLoCo's (α, γ, n, N) (`check_config`; refused unless outer.allow_unstable). A typed config is taken as
-  it is: whoever made it (main.py) has checked it already. Here, not in training/build.py (which
-  re-exports it), so that main.py can check a command line without importing JAX."""
-  if isinstance(config, config_lib.Config):
-    return config
-  config = config_lib.load(config)
-  check_config(config)
-  return config

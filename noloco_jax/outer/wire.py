@@ -17,7 +17,7 @@ network interface, whatever the layout of a run (replicas that share a device in
 by a local copy, but the figure is the method's, not the layout's). `sent` and `received` are the
 mean over replicas (the total on the wire / N): what a replica costs on average. `max_sent` and
 `max_received` are the busiest replica's. An all-reduce is priced under a named algorithm
-(`ALLREDUCE_ALGORITHMS`; config.outer.allreduce_algorithm, `ring` by default): XLA and NCCL choose
+(`ALLREDUCE_ALGORITHMS`; config.outer.rule.allreduce_algorithm, `ring` by default): XLA and NCCL choose
 their own implementation at run time, so this names the one the figures assume.
 
 | exchange | sent = received per replica (mean) | operand per replica | message steps |
@@ -29,9 +29,10 @@ their own implementation at run time, so this names the one the figures assume.
 | all-gather to S, ring | (N−1)/N·S | S/N | N−1 |
 | reduce-scatter of S, ring | (N−1)/N·S | S | N−1 |
 
-Per method: NoLoCo and gossip send n − 1 messages per round (the model copy in
-outer.message_dtype, or the codec's payload); epidemic s; DiLoCo all-reduces its float32
-pseudo-gradient per round; DDP all-reduces its gradients (the parameters' dtype) every inner step;
+Per method (each method's spec says which of these its exchange is: `wire`, noloco_jax/outer/methods/):
+NoLoCo and gossip send n − 1 messages per round (the model copy in outer.codec.message_dtype, or the
+codec's payload); epidemic s; DiLoCo all-reduces its float32 pseudo-gradient per round; DDP all-reduces
+its gradients (the parameters' dtype) every inner step;
 FSDP over N workers (the paper's baseline, `fsdp_step`) all-gathers the parameters for the forward
 pass, again for the backward pass (PyTorch's FULL_SHARD; `gathers=1` keeps them) and reduce-scatters
 the gradients every step: 3(N−1)/N·S sent per worker, 1.5× DDP's ring all-reduce.
@@ -44,12 +45,8 @@ algorithm, and against the collectives of the compiled programs (tools/hlo.py: `
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Iterable, Sequence
 
-ALLREDUCE_ALGORITHMS = ("ring", "tree")  # config.outer.allreduce_algorithm (noloco_jax/config/outer.py)
-# The kinds whose round is a set of point-to-point sends of one message (collective-permutes).
-PERMUTE_KINDS = ("noloco", "gossip", "epidemic_adam")  # (round_traffic's kinds; a run asks its method: OuterMethod.wire)
+ALLREDUCE_ALGORITHMS = ("ring", "tree")  # config.outer.rule.allreduce_algorithm (noloco_jax/config/outer.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +84,6 @@ def check_algorithm(algorithm: str) -> str:
   if algorithm not in ALLREDUCE_ALGORITHMS:
     raise ValueError(f"all-reduce algorithm {algorithm!r} is not valid: one of {' | '.join(ALLREDUCE_ALGORITHMS)}.")
   return algorithm
-
-
-def copy_bytes(shapes: Iterable[Sequence[int]], itemsize: int) -> int:
-  """Bytes of one model copy: every leaf's element count times the element size."""
-  return int(sum(math.prod(shape) for shape in shapes) * itemsize)
 
 
 # ---- One collective ----------------------------------------------------------------------------
@@ -155,25 +147,7 @@ def reduce_scatter(nbytes: int, num_workers: int) -> Traffic:
   return Traffic(sent=b, received=b, operand=nbytes, max_sent=b, max_received=b, messages=n - 1, critical_bytes=b)
 
 
-# ---- Methods -----------------------------------------------------------------------------------
-
-
-def round_traffic(kind: str, message_bytes: int, num_replicas: int, *, group_size: int = 2, fanout: int = 1,
-                  algorithm: str = "ring") -> Traffic:
-  """One outer round of method `kind`; `message_bytes` is its one message (model copy in the message
-  dtype or the codec's payload; DiLoCo: the float32 pseudo-gradient)."""
-  if kind in PERMUTE_KINDS:
-    return permute(message_bytes, group_size - 1)
-  if kind == "epidemic":
-    return push(message_bytes, fanout, num_replicas)
-  if kind == "diloco":
-    return allreduce(message_bytes, num_replicas, algorithm)
-  return NOTHING  # ddp, none: no rounds
-
-
-def step_traffic(kind: str, message_bytes: int, num_replicas: int, algorithm: str = "ring") -> Traffic:
-  """One inner step: DDP's all-reduce of the gradients (`message_bytes`); nothing for the others."""
-  return allreduce(message_bytes, num_replicas, algorithm) if kind == "ddp" else NOTHING
+# ---- FSDP, the paper's baseline ----------------------------------------------------------------
 
 
 def fsdp_step(param_bytes: int, num_workers: int, grad_bytes: int | None = None, gathers: int = 2) -> Traffic:

@@ -26,13 +26,13 @@ Epidemic Learning's graphs (outer/epidemic.py) and the elastic resume's seeded c
 
   ρ is drawn once per run from the seed: a *fresh* ρ per draw would make every draw uniform over all
   permutations again, but then the routing is no longer among the compiled ones.
-- `uniform_indices(key, shape, K)`: the traced counterpart of a host draw, for choices made inside a
-  jitted step (jax.random with typed keys: the same bits on every backend and on the host).
+
+Pure NumPy (the method specs' schedules are read without JAX); the traced counterpart of a host draw,
+for choices made inside a jitted step, is jax.random with typed keys (parallel/routing.py).
 """
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 # Domain separators of the host streams (arbitrary, distinct; changing one changes every run's draws).
@@ -107,8 +107,3 @@ def round_robin_family(num: int, relabel: np.ndarray) -> Family:
 def seeded_relabel(purpose: int, seed: int, num: int) -> np.ndarray:
   """ρ: the one relabelling of a run's family, from (purpose, seed)."""
   return random_permutation(STREAM_RELABEL, seed, purpose, num)
-
-
-def uniform_indices(key: jax.Array, shape: tuple[int, ...], num: int) -> jax.Array:
-  """int32 draws uniform on range(num), traced (inside jit) or eager (host reference): the same bits."""
-  return jax.random.randint(key, shape, 0, num, dtype=jax.numpy.int32)

@@ -79,12 +79,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from noloco_jax.config.pipeline import CLIPS
 from noloco_jax.inner import step as inner
 from noloco_jax.models.base import Model
 from noloco_jax.parallel import routing
@@ -154,12 +152,6 @@ def _manual_specs(tree: Any, num_stages: int, fsdp: int, model: Model) -> Any:
 
 def _stage_dims(tree: Any, num_stages: int, fsdp: int, model: Model) -> Any:
   return jax.tree.map(lambda role, x: _stage_dim(_entries(role, x.shape, num_stages, fsdp)), roles(tree, model), tree)
-
-
-def replicated_leaves(abstract_params: Any, num_stages: int, model: Model, fsdp: int = 1) -> list[str]:
-  """Parameter leaves stored on every stage (no dimension divisible by S): sent S times per round."""
-  dims = _stage_dims(abstract_params, num_stages, fsdp, model)
-  return [jax.tree_util.keystr(p) for p, d in jax.tree_util.tree_flatten_with_path(dims)[0] if d is None]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,26 +261,28 @@ def _clip(grads, roles, group_sq, max_norm: float, mode: str, num_stages: int):
 # ---------------------------------------------------------------------------------------------------
 
 
-def num_microbatches(config: ml_collections.ConfigDict) -> int:
-  return int(config.pipeline.microbatches) or int(config.data.batch_size)
+def num_microbatches(pipeline_cfg, batch_size: int) -> int:
+  """M: config.pipeline.microbatches, or one sequence per micro-batch (0)."""
+  return int(pipeline_cfg.microbatches) or int(batch_size)
 
 
-def route_schedule(config: ml_collections.ConfigDict, mode: str | None = None) -> routing.RouteSchedule:
-  return routing.RouteSchedule(seed=config.seed, num_replicas=config.num_replicas, num_stages=config.num_stages,
-                               num_microbatches=num_microbatches(config), mode=mode or config.pipeline.routing)
+def route_schedule(pipeline_cfg, *, seed: int, num_replicas: int, num_stages: int, batch_size: int,
+                   mode: str | None = None) -> routing.RouteSchedule:
+  """The routes between stages (config.pipeline.routing, or `mode`), a pure function of (seed, step)."""
+  return routing.RouteSchedule(seed=seed, num_replicas=num_replicas, num_stages=num_stages,
+                               num_microbatches=num_microbatches(pipeline_cfg, batch_size),
+                               mode=mode or pipeline_cfg.routing)
 
 
-def make_grads_fn(config: ml_collections.ConfigDict, model: Model, mesh: Mesh,
-                  schedule: routing.RouteSchedule | None = None):
+def make_grads_fn(model: Model, mesh: Mesh, schedule: routing.RouteSchedule):
   """grads_fn(params_k, batch_kxBxL1, step_k) -> (loss_k, grads) inside shard_map(replica, stage).
 
   loss_k is summed over stages (the last stage's loss), grads are this device's shards. Exposed for
   the tests, which compare it with the unpipelined gradients.
   """
   S, F = mesh.shape[STAGE], sharding_lib.fsdp_size(mesh)
-  schedule = schedule or route_schedule(config)
   forward = make_forward(model, S, routing.make_slot_router(schedule, mesh.shape[REPLICA]))
-  M = num_microbatches(config)
+  M = schedule.num_microbatches
 
   def grads_fn(params, batch_kxBxL1, step_k, global_shapes):
     stage_dims, roles_ = _stage_dims(global_shapes, S, F, model), roles(global_shapes, model)
@@ -309,16 +303,18 @@ def make_grads_fn(config: ml_collections.ConfigDict, model: Model, mesh: Mesh,
   return grads_fn
 
 
-def make_inner_step(config: ml_collections.ConfigDict, model: Model, mesh: Mesh,
-                    optimizer: optax.GradientTransformation, reduce_grads: Callable | None = None) -> Callable:
+def make_inner_step(pipeline_cfg, model: Model, mesh: Mesh, optimizer: optax.GradientTransformation,
+                    schedule: routing.RouteSchedule, *, grad_clip: float,
+                    reduce_grads: Callable | None = None) -> Callable:
   """step(state without outer, batch [N, B, L+1]) -> (state, {"loss": [N], "grad_norm": [N]}).
 
-  `optimizer` is inner.make_optimizer(..., clip=False): this step clips the gradients itself, per
-  stage or globally (config.pipeline.clip), before the optimizer's update.
+  `optimizer` is inner.make_optimizer(..., clip=False): this step clips the gradients itself to
+  `grad_clip` (config.inner.grad_clip), per stage or globally (config.pipeline.clip), before the
+  optimizer's update. `schedule`: the routes between stages (`route_schedule`).
   """
   S, F = mesh.shape[STAGE], sharding_lib.fsdp_size(mesh)
-  grads_fn = make_grads_fn(config, model, mesh)
-  max_norm, mode = float(config.inner.grad_clip), config.pipeline.clip
+  grads_fn = make_grads_fn(model, mesh, schedule)
+  max_norm, mode = float(grad_clip), pipeline_cfg.clip
 
   def local(state, batch_kxBxL1, global_shapes):
     roles_ = roles(global_shapes, model)
@@ -346,14 +342,15 @@ def make_inner_step(config: ml_collections.ConfigDict, model: Model, mesh: Mesh,
   return step
 
 
-def make_eval_step(config: ml_collections.ConfigDict, model: Model, mesh: Mesh) -> Callable:
+def make_eval_step(model: Model, mesh: Mesh, schedule: routing.RouteSchedule, batch_size: int) -> Callable:
   """eval(params, batch [B, L+1]) -> loss [N]: every replica scores the batch with its own weights.
 
-  Always fixed routing (each replica's own stages in order), whatever the training routing.
+  `schedule`: fixed routing (each replica's own stages in order: route_schedule(..., mode="fixed")), whatever
+  the training routing; `batch_size`: the training batch, whose micro-batch size evaluation uses too.
   """
   S, F = mesh.shape[STAGE], sharding_lib.fsdp_size(mesh)
-  forward = make_forward(model, S, routing.make_slot_router(route_schedule(config, "fixed"), mesh.shape[REPLICA]))
-  micro = config.data.batch_size // num_microbatches(config)  # sequences per micro-batch, as in training
+  forward = make_forward(model, S, routing.make_slot_router(schedule, mesh.shape[REPLICA]))
+  micro = batch_size // schedule.num_microbatches  # sequences per micro-batch, as in training
 
   def local(params, batch_BxL1, global_shapes):
     k = jax.tree.leaves(params)[0].shape[0]

@@ -20,7 +20,7 @@ one. The schedule draws, per crossing, a uniform index r into a family of N rout
 For every source g, r ↦ π_r(g) is a bijection, so with r uniform each destination has probability
 exactly 1/N, at every boundary and micro-batch; the indices of different crossings (and steps) are
 independent draws. The indices of one step are an [M, S−1] table drawn inside the jitted step with
-`jax.random` from (seed, step) (permutations.uniform_indices): a pure function of (seed, step), the same
+`jax.random` from (seed, step): a pure function of (seed, step), the same
 on every device and process, and the host reference (`indices`) computes the same bits.
 
 What this does not randomise (the joint law within ONE crossing): π is one of N permutations, not one of
@@ -75,7 +75,8 @@ class RouteSchedule:
     shape = (self.num_microbatches, self.num_stages - 1)
     if self.family_size == 1:
       return jnp.zeros(shape, jnp.int32)
-    return permutations.uniform_indices(key, shape, self.family_size)
+    # int32 draws uniform on range(K), traced or eager (the host reference): the same bits on every backend.
+    return jax.random.randint(key, shape, 0, self.family_size, dtype=jnp.int32)
 
   # ---- device side (traced) ----
 

@@ -105,7 +105,7 @@ def offload(shardings: Any, outer: bool) -> Any:
   """The state's shardings with φ and δ (`outer`) homed in pinned host memory when `outer` is True.
 
   Between rounds the outer state is only carried through the inner steps, so it need not take device
-  memory; the round function brings it to the device and sends it back (outer/rounds.py).
+  memory; the round function brings it to the device and sends it back (outer/programs.py).
   """
   if not outer:
     return shardings

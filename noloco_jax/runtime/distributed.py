@@ -60,15 +60,31 @@ def process_coordinates(options: Options) -> tuple[str, int, int]:
   if None in (address, count, pid) and detect_cluster() is not None:
     try:
       from jax._src import clusters  # pylint: disable=g-import-not-at-top  (what jax.distributed uses)
-      address, count, pid, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+      address, count, pid, local_ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
           address, count, pid, None, None, options.initialization_timeout_s)
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("cluster auto-detection failed: %s", e)
+    else:
+      _see_only_local_devices(local_ids)
   if None in (address, count, pid):
     cli.exit_usage(f"config.outer.schedule='async' needs the job's --coordinator_address, --num_processes and "
                    f"--process_id ({ENV['coordinator_address']}, {ENV['num_processes']}, {ENV['process_id']}), or a "
-                   f"cluster JAX can detect (SLURM, Open MPI, TPU); got {address}, {count}, {pid}.")
+                   f"cluster JAX can detect (SLURM, Open MPI, TPU); got {address}, {count}, {pid} (JAX's coordination "
+                   "service holds fixed slots: a process that joins a running job without one needs an etcd control "
+                   "plane, --control=etcd://HOST:PORT,...).")
   return address, int(count), int(pid)
+
+
+def _see_only_local_devices(local_ids) -> None:
+  """Each process uses the GPU of its local index (SLURM_LOCALID), as jax.distributed.initialize does with
+  the same ids. Without it, the processes of an asynchronous job sharing a node (tasks that see every GPU
+  of it: scripts/slurm_gpu.sbatch's --gpus-per-node) would each start JAX on all of that node's GPUs."""
+  if not local_ids:
+    return
+  visible = ",".join(str(i) for i in local_ids)
+  jax.config.update("jax_cuda_visible_devices", visible)
+  jax.config.update("jax_rocm_visible_devices", visible)
+  logging.info("This process uses only the accelerator(s) %s of its node (its local index in the job).", visible)
 
 
 def detect_cluster() -> tuple[str, int] | None:
@@ -203,12 +219,12 @@ def _digest(text: str) -> np.ndarray:
   return np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], dtype=np.uint32)
 
 
-def fingerprint(config, mesh) -> dict[str, str]:
+def fingerprint(config_json: str, seed: int, mesh, num_replicas: int) -> dict[str, str]:
   """What every process of one job must agree on, as text (hashed before it is compared)."""
-  layout = mesh_lib.process_layout(mesh, config.num_replicas)
+  layout = mesh_lib.process_layout(mesh, num_replicas)
   return {
-      "config": config.to_json(sort_keys=True),
-      "seed": str(config.seed),
+      "config": config_json,
+      "seed": str(seed),
       "replica layout": json.dumps({str(p): v for p, v in layout.items()}, sort_keys=True),
       "jax version": jax.__version__,
       "process count": str(jax.process_count()),
@@ -229,7 +245,7 @@ def _describe(row: np.ndarray) -> str:
   return repr(text) if text else "hash " + row[:8].tobytes().hex()
 
 
-def _compare_across_processes(fields: dict[str, str], config) -> list[str]:
+def _compare_across_processes(fields: dict[str, str]) -> list[str]:
   """Collective: one line per fingerprint field on which the processes disagree (empty when they agree)."""
   rows = np.stack([_field_bytes(v) for v in fields.values()])  # [F, 8 + _SHOWN] uint8
   # A host-side all-gather over every device of the job, independent of the training mesh: it works
@@ -243,7 +259,7 @@ def _compare_across_processes(fields: dict[str, str], config) -> list[str]:
       values.setdefault(gathered[p, i].tobytes(), []).append(p)
     if len(values) > 1 and name == "config":
       # Every process saw the same gathered hashes, so all of them run this second gather.
-      problems.append(job_checks.describe_config_mismatch(config))
+      problems.append(job_checks.describe_config_mismatch(json.loads(fields["config"])))
     elif len(values) > 1:
       groups = "; ".join(f"processes {procs} have {_describe(np.frombuffer(v, np.uint8))}" for v, procs in values.items())
       problems.append(f"{name} differs: {groups}")
@@ -291,11 +307,11 @@ def replica_checksums(mesh, state) -> np.ndarray:
   return np.asarray(replica_checksum_fn(mesh)(state))
 
 
-def log_layout(config, mesh) -> None:
+def log_layout(mesh, num_replicas: int, batch_size: int, seq_len: int) -> None:
   """Once, on process 0: how the global batch splits over processes, devices and replicas."""
   if jax.process_index() != 0:
     return
-  n, b, l = config.num_replicas, config.data.batch_size, config.data.seq_len
+  n, b, l = num_replicas, batch_size, seq_len
   layout = mesh_lib.process_layout(mesh, n)
   groups, per_group = mesh.shape[mesh_lib.REPLICA], mesh.devices.size // mesh.shape[mesh_lib.REPLICA]
   lines = [f"Global batch per inner step: {n} replicas × {b} sequences × {l} tokens = {n * b * l} tokens, over "
@@ -309,19 +325,21 @@ def log_layout(config, mesh) -> None:
   logging.info("\n".join(lines))
 
 
-def check_consistency(config, mesh, state, *, identical_replicas: bool = True, workdir: str | None = None) -> np.ndarray:
-  """Raises ConsistencyError unless all processes agree on config, seed and layout, share `workdir`
-  (when given; job_checks.py), and (by default) every replica's state is bit-identical to replica 0's.
-  Returns the [N, 2] replica checksums.
+def check_consistency(config_json: str, mesh, state, *, seed: int, num_replicas: int, batch: tuple[int, int],
+                      identical_replicas: bool = True, workdir: str | None = None) -> np.ndarray:
+  """Raises ConsistencyError unless all processes agree on the config (`config_json`: the whole config as
+  sorted JSON text), seed and layout, share `workdir` (when given; job_checks.py), and (by default) every
+  replica's state is bit-identical to replica 0's. `batch`: (sequences, tokens) per replica, for the layout's
+  log line. Returns the [N, 2] replica checksums.
 
   Call it right after the state is built and before anything (a restore, a step) changes it.
   """
-  log_layout(config, mesh)
-  fields = fingerprint(config, mesh)
+  log_layout(mesh, num_replicas, *batch)
+  fields = fingerprint(config_json, seed, mesh, num_replicas)
   logging.info("Start-up check: process %d has config hash %s, seed %s.", jax.process_index(),
-               _digest(fields["config"]).tobytes().hex(), config.seed)
+               _digest(fields["config"]).tobytes().hex(), seed)
   if jax.process_count() > 1:
-    problems = _compare_across_processes(fields, config)
+    problems = _compare_across_processes(fields)
     if workdir is not None:
       problems.append(job_checks.shared_workdir_problem(workdir))
     problems = [p for p in problems if p]
@@ -335,7 +353,7 @@ def check_consistency(config, mesh, state, *, identical_replicas: bool = True, w
   if identical_replicas:
     differ = [r for r in range(sums.shape[0]) if not np.array_equal(sums[r], sums[0])]
     if differ:
-      owner = {r: p for p, e in mesh_lib.process_layout(mesh, config.num_replicas).items() for r in e["replicas"]}
+      owner = {r: p for p, e in mesh_lib.process_layout(mesh, num_replicas).items() for r in e["replicas"]}
       raise ConsistencyError(
           f"Replicas {differ} (on processes {sorted({owner[r] for r in differ})}) do not start bit-identical "
           f"to replica 0 (on process {owner[0]}): state checksums {[sums[r].tobytes().hex() for r in differ]} "

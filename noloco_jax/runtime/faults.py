@@ -26,7 +26,7 @@ hooks then wait for the state to be computed (so steps no longer overlap with th
 {step, inner_s, round_s, slept_s} to DIR/trace_<process>.jsonl: inner_s from the end of the previous
 step to the end of this inner step, round_s the outer round (its exchange and any wait for partners),
 slept_s the injected delay; at a round step also program_wait_s (how long the round blocked on its
-compiled program, outer/ahead.py), compiles and compile_s (this process's compiles so far, their seconds).
+compiled program, outer/programs.py), compiles and compile_s (this process's compiles so far, their seconds).
 """
 
 from __future__ import annotations

@@ -58,16 +58,18 @@ def flatten_config(config) -> dict[str, str]:
       else:
         flat[f"{prefix}{key}"] = json.dumps(value, sort_keys=True, default=str)
 
-  walk(config.to_dict() if hasattr(config, "to_dict") else config, "")
+  walk(config.to_dict() if hasattr(config, "to_dict") else config, "")  # a typed config, a ConfigDict, or dicts
   return flat
 
 
-def config_differences(flat_configs: list[dict[str, str]]) -> list[str]:
-  """One line per field on which the processes disagree: 'inner.lr: processes [0] have 0.003; ...'."""
+def config_differences(flat_configs: list[dict[str, str]], processes: list[int] | None = None) -> list[str]:
+  """One line per field on which the processes disagree: 'inner.lr: processes [0] have 0.003; ...'.
+  `processes`: the process (slot) of each config (default: their positions)."""
   lines = []
+  processes = list(range(len(flat_configs))) if processes is None else processes
   for field in sorted(set().union(*flat_configs)):
     by_value: dict[str, list[int]] = {}
-    for p, flat in enumerate(flat_configs):
+    for p, flat in zip(processes, flat_configs):
       by_value.setdefault(flat.get(field, "(absent)"), []).append(p)
     if len(by_value) > 1:
       lines.append(f"{field}: " + "; ".join(f"processes {procs} have {value}" for value, procs in by_value.items()))
@@ -75,7 +77,8 @@ def config_differences(flat_configs: list[dict[str, str]]) -> list[str]:
 
 
 def describe_config_mismatch(config) -> str:
-  """Collective: the fields that differ between the processes' configs, as one line."""
+  """Collective: the fields that differ between the processes' configs (`config`: this process's, as nested
+  dicts), as one line."""
   flats = [json.loads(t) for t in gather_texts(json.dumps(flatten_config(config)))]
   lines = config_differences(flats)
   if not lines:  # equal fields, different hashes: the JSON text differs in something else

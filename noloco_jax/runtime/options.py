@@ -25,6 +25,7 @@ ENV = {
     "initialization_timeout_s": "NOLOCO_INITIALIZATION_TIMEOUT_S",
     "shutdown_timeout_s": "NOLOCO_SHUTDOWN_TIMEOUT_S",
     "standalone_service": "NOLOCO_STANDALONE_SERVICE",
+    "control": "NOLOCO_CONTROL",
 }
 MODES = ("auto", "on", "off")
 
@@ -43,6 +44,10 @@ class Options:
   # The asynchronous schedule (docs/async.md): the coordination service runs in a process of its own
   # (python -m noloco_jax.asynchronous.control --port=PORT) at coordinator_address, not in process 0.
   standalone_service: int = 0
+  # The asynchronous schedule's control plane (docs/async.md §5): "jax", JAX's coordination service (in
+  # process 0, or standalone), or "etcd://HOST:PORT[,HOST:PORT...][/JOB]", a replicated etcd cluster that
+  # outlives any one machine and admits processes that were never part of the job (asynchronous/etcd_kv.py).
+  control: str = "jax"
 
 
 def define_flags() -> None:
@@ -61,6 +66,10 @@ def define_flags() -> None:
                        "a process of its own at --coordinator_address (python -m noloco_jax.asynchronous.control "
                        f"--port=PORT --num_processes=P), so that process 0 may die like any other "
                        f"({ENV['standalone_service']}; default 0).")
+  flags.DEFINE_string("control", None, "outer.schedule='async': the control plane, 'jax' (JAX's coordination service "
+                      "at --coordinator_address) or etcd://HOST:PORT[,HOST:PORT...][/JOB] (a replicated etcd cluster: "
+                      "survives the loss of any one member, and a process started without --process_id joins the "
+                      f"running job in a free slot) ({ENV['control']}; default jax).")
 
 
 def resolve_options(environ=None, **given) -> Options:
@@ -72,7 +81,7 @@ def resolve_options(environ=None, **given) -> Options:
     if value is None and environ.get(ENV[field.name], "") != "":
       raw = environ[ENV[field.name]]
       try:
-        value = raw if field.name in ("mode", "coordinator_address") else int(raw)
+        value = raw if field.name in ("mode", "coordinator_address", "control") else int(raw)
       except ValueError:
         raise ValueError(f"{ENV[field.name]}={raw!r} is not valid: an integer is needed.") from None
     if value is not None:
@@ -80,6 +89,9 @@ def resolve_options(environ=None, **given) -> Options:
   options = Options(**values)
   if options.mode not in MODES:
     raise ValueError(f"distributed mode {options.mode!r} is not valid; choose one of {MODES}.")
+  if options.control != "jax" and not options.control.startswith("etcd://"):
+    raise ValueError(f"--control={options.control!r} is not valid: 'jax' (JAX's coordination service) or "
+                     "etcd://HOST:PORT[,HOST:PORT...][/JOB] (an etcd cluster's client URLs).")
   return options
 
 

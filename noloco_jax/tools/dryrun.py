@@ -33,8 +33,7 @@ import numpy as np
 
 from noloco_jax.tools import hlo as hlo_lib
 from noloco_jax.training import build as build_lib
-from noloco_jax.outer import methods as outer_methods
-from noloco_jax.outer import rounds as rounds_lib
+from noloco_jax.outer import programs as programs_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.parallel.mesh import REPLICA
@@ -99,10 +98,6 @@ def program_memory(compiled, host_arguments: int = 0) -> dict[str, int]:
   return out
 
 
-def _abstract(tree, shardings):
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
 def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size: int | None = None,
             include_eval: bool = True) -> dict[str, Any]:
   """Compiles the run's programs on `topology` from shapes only; returns figures (see `report`)."""
@@ -119,7 +114,7 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
   config = setup.config  # validated: every field resolved (the per-kind outer fields included)
   n, b, l1 = config.num_replicas, config.data.batch_size, config.data.seq_len + 1
 
-  state = _abstract(jax.eval_shape(setup.init_state), setup.state_shardings)
+  state = programs_lib.abstract(jax.eval_shape(setup.init_state), setup.state_shardings)
   batch = jax.ShapeDtypeStruct((n, b, l1), jnp.int32, sharding=sharding_lib.batch_sharding(mesh, (n, b, l1)))
   one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
   counted_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(one_replica)))
@@ -133,13 +128,12 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
       "flops_per_token": setup.model.flops_per_token(config.data.seq_len),
       "state_bytes_per_replica": sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)) // n,
       "state_bytes_per_device": sharding_lib.bytes_per_device(state, setup.state_shardings),
-      "bytes_per_round_formula": setup.method.bytes_per_round(one_replica),
-      "bytes_per_step_formula": setup.method.bytes_per_step(one_replica),
       "programs": {}, "compile_s": {},
   }
   # Between replicas, per replica (outer/wire.py), under the config's all-reduce algorithm.
-  per_round, per_step = outer_methods.traffic(setup.method, one_replica, n, config.outer.allreduce_algorithm)
-  result["allreduce_algorithm"] = config.outer.allreduce_algorithm
+  per_round, per_step = setup.method.traffic(one_replica, n)
+  result["bytes_per_round_formula"], result["bytes_per_step_formula"] = per_round.operand, per_step.operand
+  result["allreduce_algorithm"] = config.outer.rule.allreduce_algorithm
   result["wire_per_round_formula"] = dataclasses.asdict(per_round)
   result["wire_per_step_formula"] = dataclasses.asdict(per_step)
   # The devices of one replica group (fsdp × stages) and the replicas each group holds.
@@ -150,7 +144,7 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
     """Per replica: the program's collectives across replica groups (`across`) and within one (`within`:
     fsdp gathers and reductions, pipeline sends), summed over the replica's devices. Replicas that share
     a device exchange by local copies, which no collective shows."""
-    tally = hlo_lib.wire_bytes(text, mesh.devices.size, config.outer.allreduce_algorithm, block=per_group)
+    tally = hlo_lib.wire_bytes(text, mesh.devices.size, config.outer.rule.allreduce_algorithm, block=per_group)
     return {side: {k: float(getattr(w, k).sum()) / n for k in ("sent", "received", "operand")}
             for side, w in tally.items()}
 
@@ -184,7 +178,7 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
     # One round with one grouping (what a `fresh` round compiles; a `pool` round is a switch over
     # such branches of the same size), so the collectives in the program are exactly one round's.
     groups = setup.schedule.groups(0) if setup.schedule is not None else ()
-    round_fn = rounds_lib.make_round_fn(setup.method, mesh, (groups,), setup.state_shardings)
+    round_fn = programs_lib.make_round_fn(setup.method, mesh, (groups,), setup.state_shardings)
     # With offload the round copies φ and δ to the device for its arithmetic, so its device peak is
     # counted with them (nothing subtracted); XLA:CPU's copy to 'device' memory is free and unseen.
     round_compiled = compile_("outer_round", round_fn, state, jax.ShapeDtypeStruct((), jnp.int32))
@@ -195,7 +189,7 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
     # A replica's group of devices each send their own shard: the replica's bytes are the sum over its
     # devices (mesh.devices.size / replica groups of them).
     result["bytes_per_round_counted"] = per_group * per_device.get(
-        "collective-permute" if setup.method.uses_pairing else "all-reduce", 0)
+        "collective-permute" if setup.schedule is not None else "all-reduce", 0)
     result["wire_per_round_counted"] = counted(round_compiled.as_text())["across"]
   if include_eval:
     eval_batch = jax.ShapeDtypeStruct((b, l1), jnp.int32, sharding=mesh_lib.replicated(mesh))

@@ -15,7 +15,8 @@ each device sends and receives under a named algorithm, with the formulas of nol
 program XLA really compiled (tests/test_wire.py) and the dry run can print both.
 
 Caveat: XLA:CPU widens bf16 collectives to f32 after lowering, so a bf16 message shows up as f32
-in the CPU-compiled program; `stablehlo_collective_bytes` reads the lowered (pre-XLA) program instead.
+in the CPU-compiled program (the tests read the lowered, pre-XLA program where that matters:
+tests/hlo_helpers.py).
 """
 
 from __future__ import annotations
@@ -94,15 +95,6 @@ def all_collective_bytes(hlo_text: str) -> dict[str, int]:
   return {op: b for op, b in out.items() if b}
 
 
-def stablehlo_collective_bytes(mlir_text: str, op: str = "collective_permute") -> int:
-  """Operand bytes of `stablehlo.<op>` ops in a lowered program (`jit(f).lower(...).as_text()`)."""
-  sizes = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "ui32": 4}
-  total = 0
-  for dims, dtype in re.findall(r'"stablehlo\.' + op + r'".*?: \(tensor<([\dx]*?)x?(f32|bf16|f16|i32|ui32)>', mlir_text):
-    total += sizes[dtype] * int(np.prod([int(d) for d in dims.split("x") if d] or [1]))
-  return total
-
-
 def bytes_accessed(compiled) -> float:
   """Bytes a compiled program reads and writes (per device for an SPMD program), by XLA's cost analysis:
   every instruction's operands and results; a fusion counts only what enters and leaves it. A program
@@ -130,19 +122,6 @@ def parameter_copies(hlo_text: str) -> int:
 
 
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
-
-
-def permute_pair_bytes(hlo_text: str) -> int:
-  """Σ over collective-permutes of operand bytes × number of (source, target) pairs: the bytes that all
-  devices together put on the wire. A permute whose pairs cover only some devices (epidemic.py's
-  partial matchings) counts only the devices that really send."""
-  total, sizes = 0, iter(collective_ops(hlo_text, "collective-permute"))
-  for line in hlo_text.splitlines():
-    m = _INSTRUCTION.match(line)
-    if m and m.group(3) in ("collective-permute", "collective-permute-start"):
-      pairs = _PAIRS.search(line)
-      total += next(sizes) * (pairs.group(1).count("{") if pairs else 0)
-  return total
 
 
 # ---- Who talks to whom: the device groups of each collective (tests of "no global barrier") ----

@@ -1,6 +1,6 @@
 """Everything a run needs besides its state: the model, the mesh, the jitted and sharded step functions.
 
-`build(config)` returns a `Setup` (a ConfigDict is parsed and checked first, by `load_config`); `train_and_evaluate` (loop.py), the
+`build(config)` returns a `Setup` (a ConfigDict is parsed and checked first, by `config.load`); `train_and_evaluate` (loop.py), the
 tests, the benchmarks, the dry run and the notebooks all start from one. The inner step is chosen
 once: the plain step (inner/step.py mapped over `replica`), or with `num_stages` > 1 the pipelined
 one (parallel/pipeline.py), each with its own state layout and evaluation step.
@@ -23,16 +23,14 @@ from noloco_jax.inner import step as inner
 from noloco_jax.inner.state import TrainState
 from noloco_jax.io import data as data_lib
 from noloco_jax.io import metrics as metrics_lib
-from noloco_jax.outer import methods as outer_lib
-from noloco_jax.outer import rounds as rounds_lib
-from noloco_jax.outer import stability
+from noloco_jax.outer import base as outer_base
+from noloco_jax.outer import methods
+from noloco_jax.outer import programs as programs_lib
+from noloco_jax.outer.pairing import PairingSchedule
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import pipeline
 from noloco_jax.parallel import sharding as sharding_lib
 from noloco_jax.parallel.mesh import REPLICA
-
-
-load_config = stability.load_config  # the typed, checked config (outer/stability.py says why it lives there)
 
 
 @dataclasses.dataclass
@@ -41,13 +39,13 @@ class Setup:
   config: config_lib.Config
   mesh: jax.sharding.Mesh
   model: models.base.Model
-  method: outer_lib.OuterMethod
-  schedule: outer_lib.PairingSchedule | None
+  method: outer_base.OuterMethod
+  schedule: PairingSchedule | None
   init_state: Callable[[], TrainState]  # jitted, returns the [N, ...] replica-sharded state
   inner_step: Callable  # jitted: (state, batch [N, B, L+1]) -> (state, {"loss": [N], "grad_norm": [N]})
   eval_step: Callable  # jitted: (params, batch [B, L+1]) -> loss [N]
   weight_std: Callable  # jitted: params -> scalar
-  rounds: rounds_lib.Rounds  # round r -> (jitted round function, route); .ahead(state) for the loop
+  rounds: programs_lib.RoundPrograms  # round r -> (jitted round function, route); .start(state) for the loop
   # Per-leaf NamedShardings of the state where it lives between steps (replica, fsdp; φ and δ in host
   # memory with outer.offload).
   state_shardings: Any = None
@@ -74,13 +72,16 @@ def build(config, mesh=None, vocab_size: int | None = None,
   for, which decides what inner.replica_map=auto builds (default: the mesh's devices'; the dry run
   compiles on fake CPU devices for accelerators).
   """
-  config = load_config(config)
+  config = config_lib.load(config)  # a typed config is taken as it is
+  spec = tokenizer = None
+  if check_data:  # the data's paths and the tokenizer's file first: a missing one is a ConfigError naming its field
+    spec, tokenizer = data_lib.validate_with_tokenizer(config.data)
   if vocab_size is None:
     from_config = config.model.vocab_size if not check_data else 0
-    vocab_size = from_config or data_lib.make_tokenizer(config.data).vocab_size
+    vocab_size = from_config or (tokenizer or data_lib.make_tokenizer(config.data)).vocab_size
   model = models.get(config.model.arch).resolve(config.model, vocab_size=vocab_size, seq_len=config.data.seq_len)
   if check_data:
-    data_lib.validate(config.data, model_max_seq_len=model.max_seq_len, vocab_size=model.vocab_size)
+    data_lib.check_against_model(spec, tokenizer, model_max_seq_len=model.max_seq_len, vocab_size=model.vocab_size)
   mesh = mesh if mesh is not None else mesh_lib.make_mesh(config.num_replicas, config.num_devices, fsdp=config.fsdp,
                                                          stages=config.num_stages)
   if sharding_lib.fsdp_size(mesh) > 1 and config.num_stages == 1:
@@ -90,12 +91,11 @@ def build(config, mesh=None, vocab_size: int | None = None,
   # With stages, the pipeline clips across stages itself (config.pipeline.clip): the optimizer's
   # clipping slot is then an identity, and the optimizer state keeps the same tree.
   optimizer = inner.make_optimizer(config.inner, config.num_steps, clip=not pipelined)
-  # epidemic_adam's round takes one more step of this optimizer, unclipped (outer/epidemic_adam.py).
-  method = outer_lib.make_method(config.outer, inner.make_optimizer(config.inner, config.num_steps, clip=False),
-                                  seed=config.seed)
+  # epidemic_adam's round takes one more step of this optimizer, unclipped (outer/methods/epidemic_adam.py).
+  method = methods.make(config.outer, inner.make_optimizer(config.inner, config.num_steps, clip=False))
   # The asynchronous schedule pairs processes at run time (asynchronous/): no schedule of groupings.
-  schedule = (outer_lib.make_schedule(config.outer, seed=config.seed, num_replicas=config.num_replicas)
-              if method.uses_pairing and config.outer.schedule == "lockstep" else None)
+  schedule = (methods.schedule(config.outer, seed=config.seed, num_replicas=config.num_replicas)
+              if config.outer.schedule == "lockstep" else None)
   num_replicas = config.num_replicas
 
   def init_all():
@@ -110,9 +110,13 @@ def build(config, mesh=None, vocab_size: int | None = None,
   how = "vmap"
   if pipelined:  # the micro-batched GPipe schedule, manual over `replica` and `stage`
     layout = lambda abstract, mesh_: pipeline.state_shardings(abstract, mesh_, model)
-    step_local = pipeline.make_inner_step(config, model, mesh, optimizer, method.reduce_grads)
+    routes = lambda mode=None: pipeline.route_schedule(config.pipeline, seed=config.seed, num_replicas=num_replicas,
+                                                       num_stages=config.num_stages, batch_size=config.data.batch_size,
+                                                       mode=mode)
+    step_local = pipeline.make_inner_step(config.pipeline, model, mesh, optimizer, routes(),
+                                          grad_clip=config.inner.grad_clip, reduce_grads=method.reduce_grads)
     # Evaluation runs the pipeline with fixed routing (each replica's own stages in order).
-    eval_fn = pipeline.make_eval_step(config, model, mesh)
+    eval_fn = pipeline.make_eval_step(model, mesh, routes("fixed"), config.data.batch_size)
   else:
     layout = sharding_lib.state_shardings
     # A device's k replicas: batched or one after another (inner/replicas.py: `auto` loops on CPU).
@@ -142,7 +146,7 @@ def build(config, mesh=None, vocab_size: int | None = None,
   return Setup(config=config, mesh=mesh, model=model, method=method, schedule=schedule,
                init_state=jax.jit(init_all, out_shardings=state_sh), inner_step=inner_step,
                eval_step=jax.jit(eval_fn), weight_std=jax.jit(metrics_lib.weight_std),
-               rounds=rounds_lib.Rounds(method, mesh, schedule, state_sh), state_shardings=state_sh,
+               rounds=programs_lib.RoundPrograms(method, mesh, schedule, state_sh), state_shardings=state_sh,
                replica_map=how)
 
 

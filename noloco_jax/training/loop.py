@@ -40,7 +40,7 @@ def train_and_evaluate(config, workdir: str, process=None) -> dict[str, Any]:
   os.makedirs(workdir, exist_ok=True)
   with workdir_lock.hold(workdir), contextlib.ExitStack() as cleanup:
     run = run_lib.open_run(setup, workdir, cleanup)
-    driver = rounds_lib.make_driver(setup, run)
+    run.driver = driver = rounds_lib.make_driver(setup, run)
     run_lib.on_exit(cleanup, driver.close)
     run.plugins = plugins_lib.from_config(run)
     driver.start(run)

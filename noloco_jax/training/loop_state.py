@@ -37,9 +37,9 @@ class LoopState:
   pending_steps: list[int] = dataclasses.field(default_factory=list)
   pending_metrics: list[dict] = dataclasses.field(default_factory=list)  # {"loss": [N], "grad_norm": [N]}
   pending_rounds: list[tuple] = dataclasses.field(default_factory=list)  # (round metrics, weight std)
-  # Streaming overlap (training/rounds/overlapped.py): the step whose exchange is in flight, 0 when none.
-  # Its group mean is part of the checkpointed state (the method's in-flight buffer).
-  inflight_step: int = 0
+  # The round driver's own record (RoundDriver.save: e.g. the step whose exchange is in flight, whose group
+  # mean the checkpointed state holds; the asynchronous schedule's progress and counters).
+  driver: dict[str, Any] = dataclasses.field(default_factory=dict)
   # Not checkpointed: the step at which the last round started (its message was sent) and the step at
   # which the last round's update was applied to the state (the same step but with streaming overlap).
   # Plug-ins read them: the pairing log writes a row when a round starts, the job-wide train log takes
@@ -98,13 +98,18 @@ class LoopState:
     """JSON-able host values (fetches the pending device arrays: every process must call it)."""
     return {"step": int(self.step), "round": int(self.round), "comm_bytes": int(self.comm_bytes),
             "bytes_sent": float(self.bytes_sent), "bytes_received": float(self.bytes_received),
-            "history": self.history, "inflight_step": int(self.inflight_step),
+            "history": self.history, "driver": self.driver,
             "pending": records.pending_to_host(self.pending_steps, self.pending_metrics, self.pending_rounds)}
 
   @classmethod
   def from_record(cls, record: dict[str, Any]) -> "LoopState":
     steps, metrics, rounds = records.pending_from_host(record["pending"])
+    history, driver = dict(record["history"]), record.get("driver")
+    if driver is None:  # written before the driver kept its own record: where the drivers kept it then
+      driver = {"sent_at": record["inflight_step"]} if record.get("inflight_step") else {}
+      driver.update(history.pop("async", {}))
+      if "schedule" in history:
+        driver["counts"] = history.pop("schedule")
     return cls(step=record["step"], round=record["round"], comm_bytes=record["comm_bytes"],
                bytes_sent=record.get("bytes_sent"), bytes_received=record.get("bytes_received"),
-               history=record["history"], pending_steps=steps, pending_metrics=metrics, pending_rounds=rounds,
-               inflight_step=record.get("inflight_step", 0))
+               history=history, pending_steps=steps, pending_metrics=metrics, pending_rounds=rounds, driver=driver)

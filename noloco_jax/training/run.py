@@ -22,7 +22,6 @@ from noloco_jax.inner.state import TrainState
 from noloco_jax.io import checkpoint as checkpoint_lib
 from noloco_jax.io import data as data_lib
 from noloco_jax.io import metrics as metrics_lib
-from noloco_jax.outer import methods
 from noloco_jax.outer import wire
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import sharding as sharding_lib
@@ -70,6 +69,7 @@ class Run:
   rate: StepRate | None = None
   phase_seconds: dict = dataclasses.field(default_factory=dict)  # time at barriers, by plug-in
   plugins: Any = None  # training/plugins.Plugins: `flush_logs` reaches every log through it
+  driver: Any = None  # training/rounds.RoundDriver: the round schedule (its logs, its counters, its record)
   stop: bool = False  # a stop was agreed (SIGTERM): save and leave the loop after this step
 
   @property
@@ -84,6 +84,8 @@ class Run:
     """Every log row written so far (every plug-in's, and the writer's) reaches its file and the disk."""
     if self.plugins is not None:
       self.plugins.flush(self)
+    if self.driver is not None:
+      self.driver.flush()
     self.writer.flush()
 
 
@@ -128,7 +130,8 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
   state = setup.init_state()
   # All processes agree on config/seed/layout, share the workdir, and every replica starts bit-identical
   # (before any restore).
-  distributed.check_consistency(config, mesh, state, workdir=workdir)
+  distributed.check_consistency(config.to_json(sort_keys=True), mesh, state, seed=config.seed, num_replicas=n,
+                                batch=(config.data.batch_size, config.data.seq_len), workdir=workdir)
   checkpointer = checkpoint_lib.Checkpointer(setup, workdir)
   # A failed run completes (or, in a multi-process job, abandons after a bounded wait, saying so) the
   # save in flight: never lost silently. A finished run waits for its last save.
@@ -139,12 +142,12 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
       f.write(config.to_json(indent=2))
   # Opened after the restore, which rewrites the logs for a resume (io/checkpoint/logs.py): a writer opened
   # before would append to the file the rewrite replaced.
-  writer = metrics_lib.make_writer(workdir, config)
+  writer = metrics_lib.make_writer(workdir, config.wandb, config.to_dict())
   close(lambda failed: writer.close())
   one_replica = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
-  # Bytes per replica of one round and of one inner step: on the wire, under outer.allreduce_algorithm,
+  # Bytes per replica of one round and of one inner step: on the wire, under outer.rule.allreduce_algorithm,
   # and the collectives' operands (outer/wire.py).
-  per_round, per_step = methods.traffic(setup.method, one_replica, n, config.outer.allreduce_algorithm)
+  per_round, per_step = setup.method.traffic(one_replica, n)
   loop.fill_wire_bytes(per_round, per_step)  # a checkpoint from before the wire was counted
   run = Run(setup=setup, workdir=workdir, state=state, loop=loop, data=data, eval_batches=eval_batches,
             writer=writer, checkpointer=checkpointer, on_exit=close,

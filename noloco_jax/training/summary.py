@@ -16,14 +16,12 @@ from typing import Any
 
 import jax
 
-from noloco_jax.config.outer import FIXED_BY_KIND, GROUPED_KINDS, PAPER_KINDS, PAPER_OUTER, OuterConfig
+from noloco_jax.config.outer import OuterConfig
 from noloco_jax.training.loop_state import LoopState
 
-# How the summary writes each outer hyperparameter (config/outer.py: IN_FORCE).
+# How the summary writes each outer hyperparameter (a method's spec: `reads`, noloco_jax/outer/methods/).
 SYMBOLS = {"outer_momentum": "α", "outer_lr": "β", "consensus_weight": "γ", "group_size": "n", "fanout": "s",
            "inner_steps": "H", "nesterov": "nesterov"}
-# Epidemic Learning's graphs, named as de Vos et al. name them (outer/epidemic.py).
-TOPOLOGY_NAMES = {"oracle": "EL-Oracle", "local": "EL-Local"}
 COMM_KEYS = ("comm/bytes_sent_per_replica", "comm/bytes_received_per_replica",
              "comm/collective_operand_bytes_per_replica")
 
@@ -43,68 +41,64 @@ def last_train_row(workdir: str, step: int) -> dict[str, Any] | None:
   return row if row is not None and row["step"] == step else None
 
 
-def outer_in_force(config) -> dict[str, Any]:
-  """{field: value} of every outer hyperparameter the run's kind uses (none for ddp and none)."""
-  return OuterConfig.parse(config.outer).in_force()
-
-
 def exchange_in_force(config) -> dict[str, Any]:
   """{field: value} of how the run's kind exchanges: what travels and between whom (none for `none`).
 
-  The hyperparameters of `outer_in_force` say what the update computes; these say what a round sends and
-  to whom, which changes the result too (EL-Oracle against EL-Local, a fixed pairing, an overlap window, a
-  codec): message dtype and codec (its parameters where it has them), the pairing mode, the epidemic
-  graph, the overlap window, and for all-reduces the algorithm the wire figures assume. With the
-  asynchronous schedule (docs/async.md) partners are found at run time among the processes that are
-  ready: the schedule and what shapes its pairing and update (wait budget, batching window, staleness
-  decay, odd batches) are named instead of a pairing mode that no longer draws the groups.
+  What its spec says its round reads (message dtype, the epidemic graph, the algorithm the wire figures
+  assume for an all-reduce), the codec and overlap window of a method given in parts, the pairing mode of a
+  method with a schedule, or with the asynchronous schedule (docs/async.md) what shapes its pairing and
+  update at run time (wait budget, batching window, staleness decay, odd batches).
   """
-  o = config.outer
-  if o.kind in ("diloco", "ddp"):
-    return {"allreduce_algorithm": o.allreduce_algorithm}
-  if o.kind not in (*GROUPED_KINDS, "epidemic"):
-    return {}
-  out: dict[str, Any] = {"message_dtype": o.message_dtype}
-  if o.kind in ("noloco", "gossip"):
-    out["compression"] = o.compression
-    if o.compression == "coset":  # no chunks, no feedback: its own fields (outer/coset.py)
-      out.update(coset_mode=o.coset_mode, coset_order=o.coset_order, coset_density=o.coset_density,
-                 coset_bits=o.coset_bits, coset_block=o.coset_block)
-    elif o.compression != "none":
-      out.update(compression_chunk=o.compression_chunk, feedback_decay=o.feedback_decay)
-    if o.compression == "topk":
-      out.update(topk_density=o.topk_density, topk_bits=o.topk_bits, slow_codec=o.slow_codec)
-  if o.kind == "epidemic":
-    out["topology"] = o.topology
-  if o.schedule == "async":
-    out.update(schedule="async", max_wait_s=o.max_wait_s, match_window_s=o.match_window_s,
-               staleness_decay=o.staleness_decay, match_odd=o.match_odd)
-  else:
-    out["pairing"] = o.pairing
-  if o.kind in ("noloco", "gossip"):
-    out["overlap_steps"] = o.overlap_steps
-    if o.overlap_steps:
-      out["overlap_mix"] = o.overlap_mix
+  o = OuterConfig.parse(config.outer)
+  spec, c, a = o.spec, o.codec, o.asynchronous
+  out: dict[str, Any] = {}
+  if "message_dtype" in spec.exchange:
+    out["message_dtype"] = c.message_dtype
+  if spec.parts:
+    out["compression"] = c.compression
+    if c.compression == "coset":  # no chunks, no feedback: its own fields (outer/coset.py)
+      out.update(coset_mode=c.coset_mode, coset_order=c.coset_order, coset_density=c.coset_density,
+                 coset_bits=c.coset_bits, coset_block=c.coset_block)
+    elif c.compression != "none":
+      out.update(compression_chunk=c.chunk, feedback_decay=c.feedback_decay)
+    if c.compression == "topk":
+      out.update(topk_density=c.topk_density, topk_bits=c.topk_bits, slow_codec=c.slow_codec)
+  if "topology" in spec.exchange:
+    out["topology"] = o.rule.topology
+  if spec.schedule is not None:
+    if o.schedule == "async":
+      out.update(schedule="async", max_wait_s=a.max_wait_s, match_window_s=a.match_window_s,
+                 staleness_decay=a.staleness_decay, match_odd=a.match_odd)
+    else:
+      out["pairing"] = o.pairing
+  if spec.parts:
+    out["overlap_steps"] = o.overlap.steps
+    if o.overlap.steps:
+      out["overlap_mix"] = o.overlap.mix
+  if "allreduce_algorithm" in spec.exchange:
+    out["allreduce_algorithm"] = o.rule.allreduce_algorithm
   return out
 
 
 def _outer_line(config, in_force: dict[str, Any]) -> str:
-  kind = config.outer.kind
-  paper, fixed = PAPER_OUTER.get(kind, {}), FIXED_BY_KIND.get(kind, {})
+  """The method's line: its hyperparameters (whose values were its defaults, and whether those are the
+  paper's), what its spec adds, then how it exchanges."""
+  outer = OuterConfig.parse(config.outer)
+  spec = outer.spec
+  kind = spec.kind
   cells = []
   for name, value in in_force.items():
     if name == "nesterov":
       text = "Nesterov" if value else "heavy-ball"
     else:
       text = f"{SYMBOLS[name]}={value:g}"
-    if name in fixed:
+    if name in spec.fixed:
       text += f" (fixed by {kind})"
-    elif paper.get(name) == value:
-      text += " (paper)" if kind in PAPER_KINDS else f" (default for {kind}; not in the paper)"
+    elif spec.defaults.get(name) == value:
+      text += " (paper)" if spec.in_paper else f" (default for {kind}; not in the paper)"
     cells.append(text)
+  cells += spec.cells(outer)
   exchange = exchange_in_force(config)
-  if "topology" in exchange:
-    cells.append(f"graph {TOPOLOGY_NAMES[exchange['topology']]} (topology={exchange['topology']})")
   if "pairing" in exchange:
     cells.append(f"pairing {exchange['pairing']}")
   if exchange.get("schedule") == "async":
@@ -137,6 +131,17 @@ def _start_line(workdir: str, start_step: int, config) -> str:
   return f"workdir     {workdir} ({how})"
 
 
+def _spread_line(config, weight_std: float) -> str:
+  """The cross-replica spread; a run of one replica has none to measure, and says so rather than print a 0
+  that reads as agreement (a process of an asynchronous job: the job's spread is its result's)."""
+  if config.num_replicas > 1:
+    return f"replicas/weight_std  {weight_std:.3e}"
+  if config.outer.schedule == "async":
+    return ("replicas/weight_std  none here (this process holds one replica); the job's spread across its processes "
+            "and its consensus model: the job's summary (python -m noloco_jax.asynchronous.result JOB_WORKDIR)")
+  return "replicas/weight_std  none (one replica: nothing to spread)"
+
+
 def _mib(x: float) -> str:
   return f"{x:,.0f} ({x / 2 ** 20:.1f} MiB)"
 
@@ -155,7 +160,7 @@ def summarize(config, loop: LoopState, num_params: int, seconds: float, workdir:
   loss = float(train.get("train/loss", math.nan))
   comm = {"comm/bytes_sent_per_replica": loop.bytes_sent, "comm/bytes_received_per_replica": loop.bytes_received,
           "comm/collective_operand_bytes_per_replica": loop.comm_bytes}
-  in_force = outer_in_force(config)
+  in_force = OuterConfig.parse(config.outer).in_force()
   rounds_h = f" | H={config.outer.inner_steps}" if "inner_steps" in in_force else ""
   lines = [
       "=" * 72,
@@ -169,7 +174,7 @@ def summarize(config, loop: LoopState, num_params: int, seconds: float, workdir:
          f"eval_consensus={config.eval_consensus}; {last['eval/consensus_loss'] - last['eval/loss']:+.4f} against eval/loss)"]
         if "eval/consensus_loss" in last else []),
       f"train/loss  {loss:.4f} (step {train.get('step', loop.step)}, {over})",
-      f"replicas/weight_std  {last['replicas/weight_std']:.3e}",
+      _spread_line(config, last["replicas/weight_std"]),
       f"comm/bytes_sent_per_replica      {_mib(comm['comm/bytes_sent_per_replica'])} on the wire",
       f"comm/bytes_received_per_replica  {_mib(comm['comm/bytes_received_per_replica'])} on the wire",
       f"comm/collective_operand_bytes_per_replica  {_mib(comm['comm/collective_operand_bytes_per_replica'])}",
@@ -186,7 +191,7 @@ def summarize(config, loop: LoopState, num_params: int, seconds: float, workdir:
           "eval/loss_first": first["eval/loss"], "train/loss": loss, "train/loss_over": over,
           "replicas/weight_std": last["replicas/weight_std"], **comm,
           "outer/kind": config.outer.kind, "outer": in_force, "outer/exchange": exchange_in_force(config),
-          "outer/allreduce_algorithm": config.outer.allreduce_algorithm,
+          "outer/allreduce_algorithm": config.outer.rule.allreduce_algorithm,
           "workdir": os.path.abspath(workdir), "resumed_from_step": start_step,
           "warm_start": config.checkpoint.warm_start or None,
           "wall_time_s": seconds, "model/num_params": num_params, "outer/skipped_rounds": len(skipped)}

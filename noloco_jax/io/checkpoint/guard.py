@@ -91,14 +91,15 @@ class RoundGuard:
     (TooManySkippedRoundsError): a run whose every round diverges is not training, and must not
     end with status 0 as if it were. The last checkpoint (saved before those rounds) is left as is.
 
-  With any other policy the guard does nothing. After resuming in the middle of a round (from a
-  preemption save), a skip returns to the resumed state rather than the round's start.
+  It exists only with that policy (training/rounds wraps the round driver in it). After resuming in the
+  middle of a round (from a preemption save), a skip returns to the resumed state rather than the round's
+  start.
   """
 
-  def __init__(self, config, mesh, history: dict | None = None):
-    self.enabled = config.nan_policy == "skip_round"
-    self._H, self._mesh = config.outer.inner_steps, mesh
-    self._max_in_a_row = config.nan_max_skipped_rounds
+  def __init__(self, inner_steps: int, max_in_a_row: int, mesh, history: dict | None = None):
+    """`inner_steps`: H (a round ends every H steps); `max_in_a_row`: config.nan_max_skipped_rounds."""
+    self._H, self._mesh = inner_steps, mesh
+    self._max_in_a_row = max_in_a_row
     self._snapshot, self._losses, self._first = None, [], 0
     # Skips in a row carry over a resume: count the trailing skipped rounds that end one after another.
     self._in_a_row = 0
@@ -109,18 +110,17 @@ class RoundGuard:
       self._in_a_row += 1
 
   def begin(self, step: int, state: TrainState) -> None:
-    if self.enabled and (self._snapshot is None or (step - 1) % self._H == 0):
+    if self._snapshot is None or (step - 1) % self._H == 0:
       # A real copy, in the leaf's own memory space: the inner step donates `state`, and a copy
       # made inside jit could be forwarded instead of copied.
       self._snapshot = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
       self._losses, self._first = [], step
 
   def observe(self, loss_N) -> None:
-    if self.enabled:
-      self._losses.append(loss_N)
+    self._losses.append(loss_N)
 
   def end(self, step: int, state: TrainState, history: dict) -> TrainState:
-    if not self.enabled or step % self._H:
+    if step % self._H:
       return state
     losses = np.stack([records.host(x) for x in self._losses])
     bad_loss, bad_state = np.argwhere(~np.isfinite(losses)), nonfinite_replicas(state, self._mesh)
@@ -135,7 +135,7 @@ class RoundGuard:
       raise TooManySkippedRoundsError(
           f"nan_policy=skip_round: {self._in_a_row} rounds in a row diverged (the last: steps {self._first}-{step}, "
           f"{why}), more than nan_max_skipped_rounds={self._max_in_a_row}; the run is not training. Lower "
-          "inner.lr or outer.lr (or raise nan_max_skipped_rounds).")
+          "inner.lr or outer.rule.outer_lr (or raise nan_max_skipped_rounds).")
     logging.warning("nan_policy=skip_round: undoing the round of steps %d-%d (%s); training goes on from the "
                     "state at step %d with the next round's batches.", self._first, step, why, self._first - 1)
     history.setdefault("skipped_rounds", []).append([self._first, step])

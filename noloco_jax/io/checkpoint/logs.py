@@ -114,14 +114,15 @@ class Rewrite:
   cut: bool = False  # an incomplete last line, dropped
 
 
-def rewrite_for_resume(path: str, step: int) -> Rewrite:
-  """Keeps each row with "step" ≤ `step` once, and nothing else; says what it dropped."""
+def rewrite_for_resume(path: str, step: int, once: bool = True) -> Rewrite:
+  """Keeps each row with "step" ≤ `step` once, and nothing else; says what it dropped. `once=False`: a log
+  whose rows may share a step and their fields (a membership log's events) keeps those too."""
   log = LogFile.read(path)
   keep, seen, done = [], set(), Rewrite(damaged=log.damaged, cut=log.cut is not None)
   for row, line in log.rows:
     if row["step"] > step:
       done.late += 1
-    elif _row_key(row) in seen:
+    elif once and _row_key(row) in seen:
       done.repeats += 1
     else:
       seen.add(_row_key(row))

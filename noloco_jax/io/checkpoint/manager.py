@@ -111,7 +111,7 @@ class Checkpointer:
       self.wait_until_finished()
       raise guard.NonFiniteStateError(
           f"the state after step {step} holds NaN or Inf on replica(s) {bad}; it was not saved. First change "
-          "what diverged (e.g. a lower inner.lr or outer.lr).")
+          "what diverged (e.g. a lower inner.lr or outer.rule.outer_lr).")
     meta = checksum.with_digest({  # the digest covers every field: an edit sets the step aside (checksum.py)
         "format": records.FORMAT, **record,
         "num_replicas": self._config.num_replicas, "process_count": jax.process_count(),
@@ -320,7 +320,7 @@ class Checkpointer:
     """The resize.Plan for resuming this checkpoint, None for a plain resume (config.checkpoint.elastic)."""
     config, where = self._config, f"checkpoint step {step} in {self.directory}"
     try:
-      mode = resize.mode_for(meta, config)
+      mode = resize.mode_for(meta, config.num_replicas, config.checkpoint)
       plan = None if mode is None else resize.make_plan(
           mode=mode, elastic_replicas=config.checkpoint.elastic_replicas, old_n=int(meta["num_replicas"]),
           new_n=config.num_replicas, held=resize.held_by_process(data), process_count=jax.process_count(),

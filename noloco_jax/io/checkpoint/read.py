@@ -8,6 +8,14 @@ laptop's CPU, in the layout it was saved in (every leaf stacked over the N repli
 and fsdp shards are logical [N, ...] arrays on disk, checkpoint/manager.py). The config is the one the
 checkpoint's meta item recorded when it was saved (WORKDIR/config.json may have been rewritten by a
 later resume), validated by the schema like any config.
+
+Everything read is verified exactly as a resume verifies it (io/checkpoint/manager.py `_read`, with the
+same functions of checksum.py): the meta record and every process's data file against their digests,
+and the whole state (every leaf, the optimizer's included, read for this) against the checksums stored
+at save time. A step that fails is set aside, never used: without `--step` the newest valid step is
+read instead and the skipped ones are named (`Snapshot.skipped`, which the tools print as a warning);
+a step asked for that fails, or a workdir with no valid step, is one CheckpointReadError. Unlike a
+resume, nothing is moved: a reader never changes the workdir (a resumed run quarantines the step).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from typing import Any
 
 import jax
@@ -25,14 +34,21 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from noloco_jax import config as config_schema
+from noloco_jax.io.checkpoint import checksum
 from noloco_jax.io.checkpoint import records
+from noloco_jax.io.checkpoint.data_item import PerProcessJsonRestore
 from noloco_jax.outer import consensus as consensus_lib
+from noloco_jax.runtime import failures
 
 CHECKPOINT_DIR = "checkpoints"  # the same folder as manager.CHECKPOINT_DIR (not imported: no orbax manager needed)
 
 
 class CheckpointReadError(ValueError):
   """The workdir, step or checkpoint asked for cannot be read; the message is one line naming it."""
+
+
+class InvalidStepError(ValueError):
+  """One checkpoint step fails what a resume verifies (unreadable, or not what was saved)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +64,7 @@ class Snapshot:
   params: Any
   slow: Any | None
   meta: dict
+  skipped: tuple[tuple[int, str], ...] = ()  # newer steps that failed verification: (step, why), newest first
 
   @property
   def num_replicas(self) -> int:
@@ -81,7 +98,9 @@ def checkpoint_root(workdir: str) -> str:
 
 @contextlib.contextmanager
 def _quiet_orbax():
-  """orbax warns about every read-only manager it opens (through absl); a reader wants none of that."""
+  """orbax warns about every read-only manager it opens (through absl); a reader wants none of that, nor the
+  closed-event-loop tracebacks of an abandoned read of a damaged step (the step's warning says what failed)."""
+  failures.quiet_orbax_noise()
   logger = logging.getLogger("absl")
   level = logger.level
   logger.setLevel(logging.ERROR)
@@ -103,30 +122,73 @@ def steps(workdir: str) -> list[int]:
 
 
 def read(workdir: str, step: int | None = None, *, slow: bool = True) -> Snapshot:
-  """Step `step` (default: the latest) of WORKDIR's checkpoints; θ always, φ too when `slow`."""
+  """Step `step` of WORKDIR's checkpoints, verified; without `step` the newest step that verifies (the
+  newer ones that do not are in `Snapshot.skipped`). θ always, φ too when `slow`."""
   root = checkpoint_root(workdir)
   available = steps(workdir)
   if not available:
     raise CheckpointReadError(f"WORKDIR={workdir!r}: {root} holds no complete checkpoint.")
-  if step is None:
-    step = available[-1]
-  elif step not in available:
-    raise CheckpointReadError(f"--step={step}: not a checkpoint of {workdir!r}; its steps are {available}.")
-  with _quiet_orbax():
-    manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True))
+  if step is not None:
+    if step not in available:
+      raise CheckpointReadError(f"--step={step}: not a checkpoint of {workdir!r}; its steps are {available}.")
     try:
-      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    finally:
-      manager.close()
-  if meta.get("format") != records.FORMAT:
-    raise CheckpointReadError(f"checkpoint step {step} in {root}: meta format {meta.get('format')!r}, this "
-                              f"code reads {records.FORMAT!r}.")
+      return _read_step(workdir, root, step, slow)
+    except InvalidStepError as e:
+      raise CheckpointReadError(f"--step={step}: checkpoint step {step} in {root} fails verification ({e}); "
+                                "without --step the newest valid step is read.") from None
+  skipped = []
+  for candidate in reversed(available):
+    try:
+      return dataclasses.replace(_read_step(workdir, root, candidate, slow), skipped=tuple(skipped))
+    except InvalidStepError as e:
+      skipped.append((candidate, str(e)))
+  raise CheckpointReadError(f"WORKDIR={workdir!r}: no valid checkpoint in {root}: step(s) "
+                            f"{', '.join(str(s) for s, _ in skipped)} all fail verification (step {skipped[0][0]}: "
+                            f"{skipped[0][1]}).")
+
+
+def skipped_warning(snap: Snapshot) -> str | None:
+  """One line naming the newer steps that failed verification and the step read instead (None: none failed)."""
+  if not snap.skipped:
+    return None
+  bad = "; ".join(f"step {s}: {why}" for s, why in snap.skipped)
+  return (f"checkpoint step(s) {', '.join(str(s) for s, _ in snap.skipped)} of {snap.workdir} fail verification "
+          f"({bad}); read step {snap.step} instead, the newest valid one (nothing was moved: a resumed run sets "
+          "the bad steps aside).")
+
+
+def _first_line(e: BaseException, limit: int = 240) -> str:
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  text = f"{type(e).__name__}: {lines[0] if lines else ''}"
+  return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _read_step(workdir: str, root: str, step: int, slow: bool) -> Snapshot:
+  """One step, verified as a resume verifies it (InvalidStepError when it fails)."""
+  try:
+    with _quiet_orbax():
+      manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True))
+      try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        data = manager.restore(step, args=ocp.args.Composite(data=PerProcessJsonRestore()))["data"]
+      finally:
+        manager.close()
+    # The checks of the resume (Checkpointer._read): the JSON items' digests, then format and step.
+    old_format = isinstance(meta, dict) and meta.get("format") == records.FORMAT_WITHOUT_DIGESTS
+    checksum.verify_items(meta, data, step, digests_required=not old_format)
+    if meta.get("format") not in (records.FORMAT, records.FORMAT_WITHOUT_DIGESTS) or meta.get("step") != step:
+      raise ValueError(f"meta item: format {meta.get('format')!r}, step {meta.get('step')!r}")
+    with _quiet_orbax():
+      state = _read_state(os.path.join(root, str(step), "state"))
+    _verify_state(meta, state)
+  except Exception as e:  # pylint: disable=broad-except  (any failure to read or verify sets the step aside)
+    raise InvalidStepError(_first_line(e)) from e
   config = _config(workdir, meta)
-  with _quiet_orbax():
-    params, phi = _read_state(os.path.join(root, str(step), "state"), slow)
-  return Snapshot(workdir=os.path.abspath(workdir), step=int(step), config=config, params=params, slow=phi, meta=meta)
-
-
+  key = consensus_lib.SLOW_KEY  # where the outer method keeps φ (noloco_jax/outer/methods/), if it keeps one
+  outer = state.get("outer")
+  phi = outer[key] if slow and isinstance(outer, dict) and key in outer else None
+  return Snapshot(workdir=os.path.abspath(workdir), step=int(step), config=config, params=state["params"], slow=phi,
+                  meta=meta)
 def _config(workdir: str, meta: dict) -> ml_collections.ConfigDict:
   """The checkpoint's config (meta), else WORKDIR/config.json; validated by the schema."""
   saved = meta.get("config")
@@ -139,17 +201,40 @@ def _config(workdir: str, meta: dict) -> ml_collections.ConfigDict:
   return config_schema.validate(ml_collections.ConfigDict(saved))
 
 
-def _read_state(path: str, slow: bool):
-  """(θ, φ or None) as NumPy arrays: orbax restores only those subtrees of the state item."""
+def _read_state(path: str) -> dict:
+  """The whole state item as NumPy arrays, in orbax's own tree (dicts and lists: a NamedTuple of the
+  optimizer state is a dict of its fields): every leaf, since the checksums cover every leaf."""
   checkpointer = ocp.PyTreeCheckpointer()
-  tree = checkpointer.metadata(path).item_metadata.tree  # {step, params, opt_state, outer}: shapes, dtypes
-  item = {"params": tree["params"]}
-  key = consensus_lib.SLOW_KEY  # where the outer method keeps φ (outer/methods.py), if it keeps one
-  has_slow = isinstance(tree.get("outer"), dict) and key in tree["outer"]
-  if slow and has_slow:
-    item["outer"] = {key: tree["outer"][key]}
+  item = checkpointer.metadata(path).item_metadata  # {step, params, opt_state, outer}: shapes, dtypes
+  if item is None:  # orbax logs why and returns nothing
+    raise ValueError("state/: orbax cannot read the item's tree metadata (a file of the step is damaged or missing)")
   # restore_type=np.ndarray: whole arrays in host memory, no devices, no shardings.
-  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-  out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
-                                                                partial_restore=True))
-  return out["params"], (out["outer"][key] if "outer" in item else None)
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item.tree)
+  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=item.tree, restore_args=restore_args))
+
+
+_PATH_PART = re.compile(r"\.(\w+)|\[(\d+)\]|\['((?:[^'\\]|\\.)*)'\]")
+
+
+def _path_parts(keystr: str) -> tuple[str, ...]:
+  """`.opt_state[1][0].mu['embed']['embedding']` (a TrainState path, records.shapes) -> its parts."""
+  return tuple(a or b or c for a, b, c in _PATH_PART.findall(keystr))
+
+
+def _verify_state(meta: dict, state: dict) -> None:
+  """Raises unless `state` matches the checksums saved in `meta`: the resume's own check (checksum.verify),
+  on the leaves in the order the saved TrainState had them (meta's `state_shapes`, written in that order)."""
+  if meta.get("state_checksums") is None:  # written before checksums were stored: nothing to compare
+    return
+  found = {_path_parts(jax.tree_util.keystr(p)): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+  leaves = []
+  for key, (shape, dtype) in meta["state_shapes"].items():
+    x = found.get(_path_parts(key))
+    if x is None or list(np.shape(x)) != list(shape) or np.asarray(x).dtype.name != dtype:
+      raise checksum.StateChecksumError(f"state leaf {key}: saved as {shape} {dtype}, read "
+                                        f"{None if x is None else (list(np.shape(x)), np.asarray(x).dtype.name)}")
+    leaves.append(x)
+  if len(leaves) != len(found):
+    raise checksum.StateChecksumError(f"the state holds {len(found)} leaves, the meta record lists {len(leaves)}")
+  # The resume's function, on one device of this host (the sums do not depend on the layout, checksum.py).
+  checksum.verify(meta, leaves, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("replica",)))

@@ -119,9 +119,9 @@ def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
 def loop_record(meta: dict) -> dict[str, Any]:
   """The loop state's part of a meta record (what `LoopState.from_record` reads)."""
   record = {k: meta[k] for k in ("step", "round", "comm_bytes", "history", "pending")}
-  # Absent from older checkpoints: streaming overlap's step in flight (outer/overlap.py), the wire counts
-  # (outer/wire.py; the loop then fills them: LoopState.fill_wire_bytes).
-  for key in ("inflight_step", "bytes_sent", "bytes_received"):
+  # Absent from older checkpoints: the round driver's record (before it, streaming overlap's step in flight),
+  # the wire counts (outer/wire.py; the loop then fills them: LoopState.fill_wire_bytes).
+  for key in ("driver", "inflight_step", "bytes_sent", "bytes_received"):
     if key in meta:
       record[key] = meta[key]
   return record

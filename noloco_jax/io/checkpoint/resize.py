@@ -22,7 +22,7 @@ replicas nothing here is needed (the checkpoint reshards onto fewer devices). Wi
   optimizer's state copied from the peer (its step count keeps the learning-rate schedule in step
   with the others, and zero Adam moments under that count would leave bias correction off: a first
   update of (1−β₁)/√(1−β₂) × lr per coordinate instead of about lr). With streaming overlap
-  (outer.overlap_steps) a checkpoint inside a window holds each replica's in-flight group mean; a new
+  (outer.overlap.steps) a checkpoint inside a window holds each replica's in-flight group mean; a new
   replica's is set to the message it would have sent itself, γ·φ_p (θ = φ), so that its pending
   merge leaves φ and δ as they are (δ ← α·0 + γφ − γφ = 0) and only mixes θ with φ, by λ.
 
@@ -98,15 +98,16 @@ class Plan:
 # ---- Whether the checkpoint is resumed elastically ----
 
 
-def mode_for(meta: dict, config) -> str | None:
-  """The elastic mode of this resume, None for a plain one; a ResizeError (one line naming
-  config.checkpoint.elastic) when the replica count changed and the config does not say how."""
-  old_n, new_n, mode = int(meta["num_replicas"]), config.num_replicas, config.checkpoint.elastic
+def mode_for(meta: dict, num_replicas: int, checkpoint_cfg) -> str | None:
+  """The elastic mode of this resume with `num_replicas` and config.checkpoint (`checkpoint_cfg`), None for
+  a plain one; a ResizeError (one line naming config.checkpoint.elastic) when the replica count changed and
+  the config does not say how."""
+  old_n, new_n, mode = int(meta["num_replicas"]), num_replicas, checkpoint_cfg.elastic
   if old_n == new_n:
     if mode != "recreate":
       return None
     saved = meta.get("config", {}).get("checkpoint", {})
-    named = config.checkpoint.elastic_replicas
+    named = checkpoint_cfg.elastic_replicas
     if named and saved.get("elastic") == "recreate" and saved.get("elastic_replicas") == named:
       return None  # saved by the run that re-created them: resumed as it is
     return "recreate"
@@ -247,7 +248,7 @@ def _rows(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
 def resize_state(state, plan: Plan, new_replica=None):
   """The host state [N, ...] -> [N', ...]: rows by `plan.source`; then each new replica of "grow" is made
   from its peer's row by `new_replica(params, outer) -> (params, outer)`, the outer method's rule
-  (outer/methods.OuterMethod.new_replica: NoLoCo's gives θ = φ, δ = 0, no residual, an in-flight mean of
+  (outer/base.OuterMethod.new_replica: NoLoCo's gives θ = φ, δ = 0, no residual, an in-flight mean of
   its own message; the module docstring says why). The inner optimizer's state stays the peer's.
   Leaves are NumPy arrays."""
   source = np.asarray(plan.source, np.int64)

@@ -4,6 +4,8 @@ The trainer's interface:
 
     tok = data.make_tokenizer(config.data)
     data.validate(config.data, model_max_seq_len, vocab_size)      # before compiling anything
+    spec, tok = data.validate_with_tokenizer(config.data)           # paths and tokenizer, before the model
+    data.check_against_model(spec, tok, model_max_seq_len, vocab_size)
     it = data.make_train_iterator(config.data, seed=..., replica_ids=..., num_replicas=...,
                                   vocab_size=...)                   # next(it): [R_local, B, L+1] int32
     state = it.get_state(); it.set_state(state); it.close()
@@ -21,8 +23,10 @@ from noloco_jax.io.data.iterator import make_eval_batches
 from noloco_jax.io.data.iterator import make_train_iterator
 from noloco_jax.io.data.iterator import TrainIterator
 from noloco_jax.io.data.spec import DataSpec
+from noloco_jax.io.data.spec import check_against_model
 from noloco_jax.io.data.spec import validate
+from noloco_jax.io.data.spec import validate_with_tokenizer
 from noloco_jax.io.data.tokenizer import make_tokenizer
 
-__all__ = ["DataSpec", "TrainIterator", "make_eval_batches", "make_train_iterator",
-           "make_tokenizer", "validate"]
+__all__ = ["DataSpec", "TrainIterator", "check_against_model", "make_eval_batches", "make_train_iterator",
+           "make_tokenizer", "validate", "validate_with_tokenizer"]

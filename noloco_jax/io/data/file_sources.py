@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from noloco_jax.config import ConfigError
 from noloco_jax.io.data import documents
 
 
@@ -35,17 +36,19 @@ class C4JsonSource(_FileSource):
   """
 
   def __init__(self, path: str, split: str, text_field: str):
+    # ConfigError: one line naming the field (main.py and train_spm print it and exit 2).
     if not path:
-      raise ValueError("config.data.path is empty; source 'c4_json' needs the directory holding "
-                       "c4-train.*.json.gz and c4-validation.*.json.gz.")
+      raise ConfigError("config.data.path is empty; source 'c4_json' needs the directory holding "
+                        "c4-train.*.json.gz and c4-validation.*.json.gz.")
     path = os.path.expanduser(path)
     if not os.path.isdir(path):
-      raise ValueError(f"config.data.path={path!r} is not a directory (source 'c4_json').")
+      raise ConfigError(f"config.data.path={path!r} is not a directory (source 'c4_json'); valid: the directory "
+                        "holding c4-train.*.json.gz and c4-validation.*.json.gz.")
     self._files = sorted(glob.glob(os.path.join(path, f"c4-{split}.*.json.gz")) +
                          glob.glob(os.path.join(path, f"c4-{split}.*.json")))
     if not self._files:
-      raise ValueError(f"config.data.path={path!r} holds no c4-{split}.*.json.gz (or .json) file; "
-                       "check the directory and config.data.train_split / eval_split.")
+      raise ConfigError(f"config.data.path={path!r} holds no c4-{split}.*.json.gz (or .json) file; "
+                        "check the directory and config.data.train_split / eval_split.")
     self._field = text_field
     self.name = f"c4_json/{split}"
     self.log = documents.InputLog(self.name)

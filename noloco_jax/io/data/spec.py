@@ -15,8 +15,8 @@ from noloco_jax.io.data import tokenizer as tokenizer_lib
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "noloco_jax", "tensorflow_datasets")
 
-__all__ = ["DEFAULT_DATA_DIR", "DataSpec", "resolve_data_dir", "to_spec", "validate", "validate_with_tokenizer",
-           "validate_workers"]
+__all__ = ["DEFAULT_DATA_DIR", "DataSpec", "check_against_model", "check_source_paths", "resolve_data_dir", "to_spec", "validate",
+           "validate_with_tokenizer", "validate_workers"]
 
 
 def resolve_data_dir(data_dir: str) -> str:
@@ -41,15 +41,20 @@ def validate(config_data, model_max_seq_len: int = 0, vocab_size: int = 0) -> Da
 def validate_with_tokenizer(config_data, model_max_seq_len: int = 0, vocab_size: int = 0):
   """`validate`, also returning the tokenizer it opened (so callers need not load it twice)."""
   spec = to_spec(config_data)
-  if model_max_seq_len and spec.seq_len > model_max_seq_len:
-    fail("data.seq_len", spec.seq_len, f"at most the model's max_seq_len, {model_max_seq_len}")
   _check_paths(spec)
   tok = tokenizer_lib.make_tokenizer(spec)  # Raises for a missing model file or a bad eos_id.
+  check_against_model(spec, tok, model_max_seq_len, vocab_size)
+  return spec, tok
+
+
+def check_against_model(spec: DataSpec, tok, model_max_seq_len: int = 0, vocab_size: int = 0) -> None:
+  """The sequence length and the tokenizer's vocabulary fit the model (0: not checked); ConfigError."""
+  if model_max_seq_len and spec.seq_len > model_max_seq_len:
+    fail("data.seq_len", spec.seq_len, f"at most the model's max_seq_len, {model_max_seq_len}")
   if vocab_size and tok.vocab_size > vocab_size:
     raise ConfigError(f"config.data.tokenizer={spec.tokenizer!r} has vocab_size {tok.vocab_size}, "
                       f"more than the model's vocab_size {vocab_size}; valid: a model vocab_size >= "
                       f"{tok.vocab_size} (config.model.vocab_size = 0 takes the tokenizer's).")
-  return spec, tok
 
 
 def validate_workers(spec: DataSpec, mode: str) -> None:
@@ -59,7 +64,10 @@ def validate_workers(spec: DataSpec, mode: str) -> None:
          "one process); any count >= 0 in array mode")
 
 
-def _check_paths(spec: DataSpec) -> None:
+def check_source_paths(config_data) -> DataSpec:
+  """The source's own paths exist (not the tokenizer's: train_spm checks this before it makes one);
+  ConfigError naming the field otherwise. Returns the DataSpec."""
+  spec = to_spec(config_data)
   if spec.source == "c4_json":
     if not spec.path or not os.path.isdir(os.path.expanduser(spec.path)):
       fail("data.path", spec.path, "an existing directory holding c4-train.*.json.gz files")
@@ -68,5 +76,10 @@ def _check_paths(spec: DataSpec) -> None:
       documents.expand_globs(spec[name], name)  # Raises naming the pattern that matches nothing.
   if spec.source == "tfds" and not spec.tfds_name:
     fail("data.tfds_name", spec.tfds_name, "a TFDS dataset name such as 'c4/en'")
+  return spec
+
+
+def _check_paths(spec: DataSpec) -> None:
+  check_source_paths(spec)  # the source first: a run missing both names the data before the tokenizer
   if spec.tokenizer == "sentencepiece" and not os.path.isfile(os.path.expanduser(spec.spm_model)):
     fail("data.spm_model", spec.spm_model, "the path of an existing SentencePiece .model file")

@@ -96,7 +96,7 @@ class TfdsSource(documents.Source):
     if not builder.is_prepared():
       raise ValueError(f"config.data.tfds_name={name!r} is not prepared in {data_dir!r}; nothing is "
                        "downloaded at run time: prepare it first (e.g. `tfds build c4/en "
-                       f"--data_dir={data_dir}`, see README.md), or set config.data.data_dir.")
+                       f"--data_dir={data_dir}`, see docs/data.md), or set config.data.data_dir.")
     if split not in builder.info.splits:
       raise ValueError(f"split {split!r} (config.data.train_split / eval_split) not in {name!r}; "
                        f"valid: {sorted(builder.info.splits)}.")

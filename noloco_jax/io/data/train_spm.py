@@ -18,8 +18,14 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from noloco_jax.config import ConfigError
+from noloco_jax.config import cli
 from noloco_jax.io.data import sources
 from noloco_jax.io.data import spec as spec_lib
+
+class UsageError(ValueError):
+  """A flag of this program out of its range; the message is one line naming it."""
+
 
 _MAX_LINE = 4096  # SentencePiece skips longer "sentences"; cut them instead, at this many characters.
 
@@ -47,9 +53,9 @@ def train_sentencepiece(config_data, vocab_size: int, output: str, max_chars: in
   """Trains on `config_data`'s training split; returns the path of the written .model file."""
   import sentencepiece as spm  # pylint: disable=g-import-not-at-top
 
-  spec = spec_lib.to_spec(config_data)
+  spec = spec_lib.check_source_paths(config_data)  # the tokenizer's own file is what this makes: not checked
   if vocab_size < 260:  # 256 byte-fallback pieces + unk + eos + a few real pieces.
-    raise ValueError(f"--vocab_size={vocab_size}: must be at least 260 (byte fallback uses 256 ids).")
+    raise UsageError(f"--vocab_size={vocab_size} is not valid: at least 260 (byte fallback uses 256 ids).")
   source = sources.make_source(spec, "train")
   os.makedirs(os.path.dirname(os.path.abspath(output)) or ".", exist_ok=True)
   spm.SentencePieceTrainer.train(
@@ -86,10 +92,13 @@ def _define_flags():
 def main(config_flag, argv):
   del argv
   f = flags.FLAGS
-  path = train_sentencepiece(config_flag.value.data, f.vocab_size, f.output, f.max_chars, f.model_type)
+  try:  # bad input is one line naming the field or flag, exit status 2, as for the trainer (main.py)
+    path = train_sentencepiece(config_flag.value.data, f.vocab_size, f.output, f.max_chars, f.model_type)
+  except (ConfigError, UsageError) as e:
+    cli.exit_usage(str(e))
   print(path)
 
 
 if __name__ == "__main__":
   _config_flag = _define_flags()
-  app.run(lambda argv: main(_config_flag, argv))
+  app.run(lambda argv: main(_config_flag, argv), flags_parser=cli.parse_flags)

@@ -3,7 +3,7 @@
 A save is a job-wide barrier (every process writes its shards of one step). Every log row up to the
 step is flushed to disk before the save starts (io/checkpoint/logs.py): a checkpoint never covers a
 row that a crash could lose. With streaming overlap the round driver has settled first, so the state
-saved holds the group mean in flight. (Restoring is part of the run's set-up: training/run.py.)
+saved holds the group mean in flight; the driver's own record goes into the loop state saved with it. (Restoring is part of the run's set-up: training/run.py.)
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ class Checkpointing(Plugin):
     if not (run.checkpointer.due(step) or run.stop):
       return
     run.flush_logs()
+    if run.driver is not None:
+      run.loop.driver = run.driver.save()
     # checks the pending losses and the state first; with overlap, the mean in flight is in the state
     run.checkpointer.save(step, run.state, run.loop, run.data)
     if run.stop:

@@ -56,8 +56,3 @@ class DispatchWindow:
     self._queue.append(marker)
     while len(self._queue) > self.depth:
       jax.block_until_ready(self._queue.popleft())
-
-  def drain(self) -> None:
-    """Waits for every pushed step (e.g. before timing or before handing the state away)."""
-    while self._queue:
-      jax.block_until_ready(self._queue.popleft())

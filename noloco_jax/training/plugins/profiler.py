@@ -3,7 +3,7 @@
 `Profiler(workdir, first, last)` records steps first..last (inclusive) into WORKDIR/profile/: the
 trace starts just before step `first` runs and stops once step `last`'s work is finished on the
 device. Choose a range that contains a multiple of H (outer.inner_steps) to capture an outer round
-as well as inner steps (`covers_round` says whether it does). The files are what `jax.profiler`
+as well as inner steps. The files are what `jax.profiler`
 writes: `plugins/profile/<time>/<host>.xplane.pb` (TensorBoard's profile plugin:
 `tensorboard --logdir WORKDIR/profile`) and, with `perfetto=True` (the default), a
 `perfetto_trace.json.gz` beside it, which ui.perfetto.dev opens.
@@ -31,11 +31,6 @@ PROFILE_DIR = "profile"
 
 
 parse_steps = run_schema.parse_steps  # config.profile_steps: checked with the config (config/run.py)
-
-
-def covers_round(first: int, last: int, inner_steps: int) -> bool:
-  """Whether steps first..last include one that ends an outer round (a multiple of H)."""
-  return last // inner_steps > (first - 1) // inner_steps
 
 
 class Profiler(Plugin):

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from absl import logging
+import jax
 import numpy as np
 
 from noloco_jax.io import checkpoint as checkpoint_lib
+from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.io import process_metrics
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.training.plugins.base import Plugin
@@ -41,6 +44,9 @@ class TrainLog(Plugin):
     run.on_exit(lambda failed: self._plog.close())
     if not run.loop.resumed:
       run.writer.write_scalars(0, {"model/num_params": run.setup.model.num_params()})
+    if jax.process_index() == 0:  # what the model is, at every start (io/metrics.py: clu's parameter overview)
+      logging.info("Parameters of one replica (the state holds %d, stacked on a leading replica axis):\n%s",
+                   config.num_replicas, metrics_lib.parameter_table(run.state.params))
 
   def _log_step(self, run, step: int) -> bool:
     return step % max(run.config.log_every, 1) == 0 or step == run.config.num_steps
@@ -86,7 +92,7 @@ class TrainLog(Plugin):
     scalars = {
         "train/loss": float(losses.mean()),
         "train/grad_norm": float(np.mean([np.asarray(m["grad_norm"]) for m in metrics])),
-        # Cumulative, per replica (outer/wire.py): on the wire under outer.allreduce_algorithm, and the
+        # Cumulative, per replica (outer/wire.py): on the wire under outer.rule.allreduce_algorithm, and the
         # compiled collectives' operands.
         "comm/bytes_sent_per_replica": loop.bytes_sent,
         "comm/bytes_received_per_replica": loop.bytes_received,
@@ -96,7 +102,8 @@ class TrainLog(Plugin):
     }
     # The round schedule's own cumulative counters, if it keeps any (the asynchronous schedule's exchanged,
     # skipped and failed rounds, its waits: training/rounds/asynchronous.py).
-    scalars.update(loop.history.get("schedule", {}))
+    if run.driver is not None:
+      scalars.update(run.driver.scalars())
     if config.nan_policy == "skip_round":
       scalars["outer/skipped_rounds"] = len(loop.history.get("skipped_rounds", []))
     if rounds:

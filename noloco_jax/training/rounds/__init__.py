@@ -24,17 +24,18 @@ def make_driver(setup, run) -> RoundDriver:
     driver = NoRounds()
   elif o.schedule == "async":  # one process of an asynchronous job (asynchronous/job.py)
     driver = AsyncRounds(setup, setup.process)
-  elif o.overlap_steps:
+  elif o.overlap.steps:
     threaded = threaded_exchange_is_safe(fsdp=config.fsdp, num_stages=config.num_stages)
-    logging.info("Streaming overlap: τ=%d steps, λ=%s; the exchange is called %s.", o.overlap_steps, o.overlap_mix,
+    logging.info("Streaming overlap: τ=%d steps, λ=%s; the exchange is called %s.", o.overlap.steps, o.overlap.mix,
                  "on a second thread" if threaded else "in order on the main thread")
     driver = OverlappedRounds(method, setup.mesh, setup.schedule, setup.state_shardings, inner_steps=o.inner_steps,
-                              tau=o.overlap_steps, mix=o.overlap_mix, last_step=config.num_steps,
+                              tau=o.overlap.steps, mix=o.overlap.mix, last_step=config.num_steps,
                               traffic=run.traffic_per_round, threaded=threaded)
   else:
     driver = LockstepRounds(setup.rounds, o.inner_steps, run.traffic_per_round, last_step=config.num_steps)
   if config.nan_policy == "skip_round":
-    driver = wrappers.Guarded(driver, guard_lib.RoundGuard(config, setup.mesh, run.loop.history))
+    driver = wrappers.Guarded(driver, guard_lib.RoundGuard(o.inner_steps, config.nan_max_skipped_rounds, setup.mesh,
+                                                           run.loop.history))
   if run.faults is not None and run.faults.tracing:
     driver = wrappers.Traced(driver, run.faults)
   return driver

@@ -1,54 +1,40 @@
 """Asynchronous rounds (`outer.schedule='async'`, docs/async.md): partners found at run time.
 
-Each process holds one replica and trains it at its own pace. After every H inner steps its round is:
+Each process holds one replica and trains it at its own pace. After every H inner steps its round is the
+method's message; `Session.round` (asynchronous/session.py), which finds a partner among the processes
+ready now (waiting at most outer.asynchronous.max_wait_s) and exchanges the message with it (bounded by
+exchange_timeout_s), nobody else waited for; if it exchanged, the staleness-weighted mean of the group's
+messages (outer/async_rules.py) and the method's merge, i.e. the lock-step rule with a weighted group mean
+(bit for bit the lock-step round at equal progress: tests/test_async_driver.py); a skipped or failed round
+leaves the state as it was. Then it serves any process that asked it for its state (a (re)start).
 
-1. **message**: the method's own message program (outer/methods.RoundParts.message: c = β·θ + (γ − β)·φ,
-   cast to outer.message_dtype), on this process's devices;
-2. **pairing**: `Session.round` (asynchronous/session.py) asks the matchmaker for a partner among the
-   processes ready now, waiting at most outer.max_wait_s, and exchanges the message with it over
-   jax.experimental.transfer, bounded by outer.exchange_timeout_s. Nobody else is waited for;
-3. **update**, if the exchange happened: the staleness-weighted mean of the group's messages
-   (outer/async_rules.py: each weighted by exp(−λ · its lag in rounds)), then the method's own merge
-   program (RoundParts.merge: δ ← α·δ + m − γ·φ; φ ← φ + δ; θ ← φ), exactly the lock-step rule with
-   the group mean replaced by the weighted one. With equal progress the mean is the lock-step group
-   mean, summed in the lock-step order (own, then the group's members cyclically after it), so the
-   round is the lock-step round bit for bit (tests/test_async_driver.py).
-   If no partner came (skipped) or the exchange failed, the state stays as it was and the replica
-   trains on: its next message carries both rounds' progress;
-4. **serving joiners**: a process that (re)started into the running job may have asked this one for
-   its state (one store read per round).
+Message, mean and merge are the round layer's programs (outer/programs.RoundPrograms, where="host"), all
+compiled before the first step, for groups of two and (outer.asynchronous.match_odd='triple') of three: a
+compile inside a round would keep the partners waiting (`async/round_compiles` counts any).
 
-Training while waiting (`outer.overlap_steps` = τ > 0). Steps 2 and 3 block the process until its
-partner is ready and the exchange is done: with P processes whose ready times spread over a round, the
-first of each pair waits for the next arrival (docs/async.md §3). With τ > 0 the round (2 and 3) runs on
-a second host thread while the inner steps go on, and its update is applied after the first step by
-which it is done, at the latest after step tH + τ (the process then waits for it), with streaming
-overlap's delayed merge: φ and δ from the group mean as in step 4 (they did not change meanwhile),
-θ ← λ·θ_local + (1 − λ)·φ_new (λ = `outer.overlap_mix`, docs/method.md §13); the steps taken meanwhile
-count on top of the group's merged progress. A round in flight is not part of a checkpoint (nor waited
-for by an evaluation, which sees θ as it is): a resume from that checkpoint goes on as if the round
-had been skipped; at the run's last step the round in flight is merged.
+Training while waiting (`outer.overlap.steps` = τ > 0, docs/async.md §3): the round runs on a second host
+thread (base.InFlight, as streaming overlap's) while the inner steps go on; its update is applied after
+the first step by which it is done, at the latest after step tH + τ, with streaming overlap's delayed merge
+(λ = outer.overlap.mix). A round in flight is not part of a checkpoint (a resume goes on as if it had been
+skipped); the run's last step merges it.
 
-Progress (the staleness rule's unit, async_rules.py): inner steps behind the replica's weights; it
-grows by one per inner step and after an exchange becomes the group's weighted mean. It is kept, with
-the round counters, in the loop state's history, so a checkpoint restores it.
+Progress (the staleness rule's unit) and the round counters are the driver's record (`save`, `restore`),
+which a checkpoint keeps. Its logs, every round (WORKDIR/pairings_<slot>.jsonl) and every membership event
+it sees (WORKDIR/membership_<slot>.jsonl), are the run's kind of log (io/checkpoint/logs.JsonlLog, rows
+keyed by the step): on disk before the checkpoint that covers them (`flush`), the rows after the restored
+step dropped on a resume.
 
-Joining. A process whose slot was used before in this job (asynchronous/job.py: a restart, or a slot
-reserved at start-up) takes its weights from a live peer at `start`, by checkpoint.elastic=grow's rule:
-the peer's φ as θ and φ, δ = 0 (the method's `new_replica`), the peer's inner optimiser state and step
-(so the learning-rate schedule continues where the job is). It keeps its own data position (from its
-own checkpoint, else the start of its shard). It does not join when its own checkpoint is further
-along than the peer, or when no peer is alive (then it trains on from its own state).
-
-No job-wide collective exists in this schedule, so `settle` has nothing to wait for: every exchange
-has completed (or failed) inside `after_step`, or (τ > 0) runs on its own thread, touching no state.
+Joining. A process whose slot was used before in this job (asynchronous/job.py) takes its weights from a
+live peer at `start`, by the method's `new_replica` (checkpoint.elastic=grow's rule), and the peer's inner
+optimiser state and step, unless its own checkpoint is further along or no peer is alive. No job-wide
+collective exists in this schedule, so `settle` has nothing to wait for.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import logging
+import os
+import threading
 import time
 
 import jax
@@ -56,24 +42,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from noloco_jax.asynchronous import job as job_lib
-from noloco_jax.config import fields as config_fields
 from noloco_jax.asynchronous import session as session_lib
-from noloco_jax.outer import async_rules
-from noloco_jax.outer import wire
-from noloco_jax.training.rounds.base import RoundDriver
+from noloco_jax.config import fields as config_fields
+from noloco_jax.io.checkpoint import logs as logs_lib
+from noloco_jax.outer import async_rules, wire
+from noloco_jax.outer import programs as programs_lib
+from noloco_jax.training.rounds.base import InFlight, RoundDriver
 
-@dataclasses.dataclass
-class _Pending:
-  """A round sent: its result (a Future, with τ > 0), own float32 message, payload, step and metrics."""
-  future: concurrent.futures.Future | None
-  own: object
-  payload: object
-  sent_at: int
-  round_metrics: dict
+COUNTERS = ("exchanged_rounds", "skipped_rounds", "failed_rounds", "wait_s", "exchange_s", "round_compiles")
+_COMPILES = threading.local()  # `counter`: the compiles of this thread while it does round work
 
 
-SCALARS = "schedule"  # loop.history[SCALARS]: cumulative counters every training row carries (train_log.py)
-PRIVATE = "async"  # loop.history[PRIVATE]: this driver's own record (progress)
+def _on_compile(event: str, duration_s: float, **kwargs) -> None:
+  del duration_s, kwargs
+  counter = getattr(_COMPILES, "counter", None)
+  if counter is not None and event == "/jax/core/compile/backend_compile_duration":  # jax._src.dispatch
+    counter[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_compile)
 
 
 class AsyncRounds(RoundDriver):
@@ -84,62 +71,70 @@ class AsyncRounds(RoundDriver):
     if process is None:  # e.g. train_and_evaluate called directly: there are no other processes to pair with
       config_fields.fail("outer.schedule", "async", "'lockstep' outside a job of several processes started by "
                          "python -m noloco_jax.main (each process is a run of its own: docs/async.md)")
-    self._method, self._process, self._H = setup.method, process, config.outer.inner_steps
-    self._decay = config.outer.staleness_decay
+    o = config.outer
+    self._method, self._process, self._H = setup.method, process, o.inner_steps
+    self._decay = o.asynchronous.staleness_decay
     self._options = job_lib.session_options(config)
     self.session: session_lib.Session | None = None
-    parts = setup.method.parts
-    # Training while the round finds its partner (outer.overlap_steps = τ > 0, module docstring): the round
+    # Training while the round finds its partner (outer.overlap.steps = τ > 0, module docstring): the round
     # runs on a second thread and is merged with the delayed rule θ ← λ·θ_local + (1 − λ)·φ_new.
-    self._tau = config.outer.overlap_steps
-    mix = config.outer.overlap_mix if self._tau else None
-    self._executor = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="async-round")
-                      if self._tau else None)
-    self._pending: _Pending | None = None  # the round in flight (τ > 0)
+    self._tau = o.overlap.steps
+    sizes = (2, 3) if o.asynchronous.match_odd == "triple" else (2,)
+    self.programs = programs_lib.RoundPrograms(setup.method, setup.mesh, None, setup.state_shardings, where="host",
+                                               mix=o.overlap.mix if self._tau else None, group_sizes=sizes)
+    self._compiled: dict = {}
+    self._inflight = InFlight(threaded=self._tau > 0, name="async-round")
     self._merge_at = 0  # the step whose after_step merges it (decided before the step: `due` must agree)
     self._last = config.num_steps
+    self._record: dict = {}  # progress, progress_step (and where it joined from)
+    self._counts: dict = {}
+    self._logs: list = []
 
-    def message(states):
-      states, own, payload, metrics = parts.message(states)
-      # The plain float32 payload is the own term bit for bit: returned once (XLA gives every output a buffer
-      # of its own, so returning it twice would copy a model).
-      return states, (None if parts.own_is_payload else own), payload, metrics
+  # ---- its record ----
 
-    # The message donates the state it returns: undonated, XLA copied every leaf of it (θ, φ, δ and the inner
-    # optimizer's moments) into new buffers, 10 of the program's 17 model copies of memory traffic.
-    self._message_fn = jax.jit(message, donate_argnums=0)
-    # The merge donates the state it replaces (as the lock-step round does).
-    self._merge_fn = jax.jit(lambda states, mean: parts.merge(states, mean, mix), donate_argnums=0)
-    self._equal_mean_fn = jax.jit(lambda messages: async_rules.weighted_mean(messages, None))
-    self._weighted_mean_fn = jax.jit(async_rules.weighted_mean)
-    # Groups of three (outer.match_odd='triple'): compiled on first use (a triple is rarer than a pair).
-    self._equal_mean_any = jax.jit(lambda messages: async_rules.weighted_mean(messages, None))
-    self._weighted_mean_any = jax.jit(async_rules.weighted_mean)
+  def save(self) -> dict:
+    return {**self._record, "counts": dict(self._counts)}
 
-  # ---- start: the session, a join, the programs ----
+  def restore(self, record: dict) -> None:
+    self._record = {k: v for k, v in record.items() if k != "counts"}
+    self._counts = {f"async/{k}": 0 for k in COUNTERS}
+    self._counts.update(record.get("counts", {}))
+
+  def scalars(self) -> dict:
+    return dict(self._counts)
+
+  # ---- start: its logs, the session, a join, the programs ----
 
   def start(self, run) -> None:
-    self.session = session_lib.Session.from_connection(self._process, self._options, log_dir=run.workdir)
-    record = run.loop.history.setdefault(PRIVATE, {"progress": float(run.loop.step), "progress_step": run.loop.step})
-    run.loop.history.setdefault(SCALARS, {f"async/{k}": 0 for k in ("exchanged_rounds", "skipped_rounds",
-                                                                     "failed_rounds", "wait_s", "exchange_s")})
+    super().start(run)
+    if not self._record:
+      self._record = {"progress": float(run.loop.step), "progress_step": run.loop.step}
+    slot, step = self._process.slot, run.loop.step
+    pairings, events = (os.path.join(run.workdir, f"{name}_{slot}.jsonl") for name in ("pairings", "membership"))
+    for path in (pairings, events):  # the rows after the restored step (all of a fresh start's): the earlier run's
+      if (dropped := logs_lib.rewrite_for_resume(path, step, once=False).late):
+        logging.warning("%s: dropped %d row(s) after step %d, written by the earlier run; this run writes its own.",
+                        path, dropped, step)
+    self._logs = [logs_lib.JsonlLog(pairings), logs_lib.JsonlLog(events)]
+    self.session = session_lib.Session.from_connection(self._process, self._options, pairings=self._logs[0],
+                                                       events=self._logs[1])
+    self.session.step = step
     if self._process.rejoining:
-      self._join(run, record)
+      self._join(run)
     self._compile_ahead(run.state)
 
   def _compile_ahead(self, state) -> None:
-    """The round's programs, compiled before the first step: a compile inside a round would keep the
-    partner waiting (seen: seconds on a loaded CPU, more than outer.max_wait_s)."""
+    """Every program a round can need (groups of three included), compiled before the first step: a compile
+    inside a round would keep the partner waiting (seen: seconds on a loaded CPU, more than
+    outer.asynchronous.max_wait_s)."""
     start = time.monotonic()
-    _, own, payload, _ = jax.eval_shape(self._message_fn, state)
-    own = payload if own is None else own
-    self._message_fn = self._message_fn.lower(state).compile()
-    self._merge_fn = self._merge_fn.lower(state, own).compile()
-    self._equal_mean_fn = self._equal_mean_fn.lower([own, payload]).compile()
-    self._weighted_mean_fn = self._weighted_mean_fn.lower([own, payload], jax.ShapeDtypeStruct((2,), jnp.float32)).compile()
-    logging.info("Asynchronous rounds: programs compiled in %.1f s.", time.monotonic() - start)
+    self.programs.start(state)
+    self._compiled = dict(zip(self.programs.fixed, self.programs.get(*self.programs.fixed)))
+    # The copy of the state a joiner is served (the inner steps donate the state it would read).
+    self._compiled["copy"] = jax.jit(lambda s: jax.tree.map(jnp.copy, s)).lower(state).compile()
+    logging.info("Asynchronous rounds: %d programs compiled in %.1f s.", len(self._compiled), time.monotonic() - start)
 
-  def _join(self, run, record) -> None:
+  def _join(self, run) -> None:
     """Takes this replica's state from a live peer (module docstring)."""
     try:
       state, donor, progress = self.session.join(run.state)
@@ -161,64 +156,68 @@ class AsyncRounds(RoundDriver):
     logging.info("Slot %d joined the running job from slot %d: its state at step %d (progress %d); the loop "
                  "continues from there%s.", self._process.slot, donor, donor_step, progress,
                  f" ({dropped} steps of this process's unlogged metrics dropped)" if dropped else "")
-    run.loop.step = donor_step
-    record.update(progress=float(progress), progress_step=donor_step, joined_from=donor, joined_at_step=donor_step)
+    run.loop.step = self.session.step = donor_step
+    self._record.update(progress=float(progress), progress_step=donor_step, joined_from=donor, joined_at_step=donor_step)
     run.rate.restart(step=donor_step)
 
   # ---- every round ----
 
   def before_step(self, run, step: int) -> None:
-    pending = self._pending
-    if pending is not None and (pending.future.done() or step >= pending.sent_at + self._tau):
+    self.session.step = step
+    if self._inflight.pending and (self._inflight.done() or step >= self._inflight.sent_at + self._tau):
       self._merge_at = step
 
   def due(self, step: int) -> bool:
     return step % self._H == 0 or step == self._merge_at
 
-  def _progress(self, record, step: int) -> float:
-    return record["progress"] + (step - record["progress_step"])
+  def _progress(self, step: int) -> float:
+    return self._record["progress"] + (step - self._record["progress_step"])
 
   def after_step(self, run, step: int, metrics: dict) -> None:
-    if step == self._merge_at:
-      self._finish(run, step)
-    if step % self._H == 0:
-      self._send(run, step)
-    if step == self._last and self._pending is not None:  # the run's state includes every round it sent
-      self._finish(run, step)
+    _COMPILES.counter = counter = [0]
+    try:
+      if step == self._merge_at:
+        self._finish(run, step)
+      if step % self._H == 0:
+        self._send(run, step)
+      if step == self._last and self._inflight.pending:  # the run's state includes every round it sent
+        self._finish(run, step)
+    finally:
+      _COMPILES.counter = None
+      self._counts["async/round_compiles"] += counter[0]
+      if counter[0]:
+        logging.warning("Step %d: %d program(s) compiled inside the round (its partners waited).", step, counter[0])
 
   def _send(self, run, step: int) -> None:
-    states, own, payload, round_metrics = self._message_fn(run.state)
-    own = payload if own is None else own
-    # The state's buffers went to the message program (donated): the state it returned is the state now.
-    run.state = states
-    progress = self._progress(run.loop.history[PRIVATE], step)
-    if self._executor is None:
-      self._pending = _Pending(None, own, payload, step, round_metrics)
-      self._finish(run, step, states, self.session.round(payload, progress=int(round(progress))))
-    else:
-      self._pending = _Pending(self._executor.submit(self.session.round, payload, int(round(progress))), own, payload,
-                               step, round_metrics)
+    # The state's buffers go to the message program (donated): the state it returns is the state now.
+    run.state, sent, round_metrics = self._compiled["message"](run.state)
+    own, payload = sent[0], sent[-1]  # the plain float32 payload is the own term itself, handed on once
+    progress = int(round(self._progress(step)))
+    self._inflight.send(step, self.session.round, payload, progress, step, own=own, payload=payload,
+                        metrics=round_metrics)
+    if not self._tau:  # the round at once: the exchange has happened (or not) inside `send`
+      self._finish(run, step)
     # A joiner may be waiting for this process: it is offered a copy (the inner steps donate the state).
-    record = run.loop.history[PRIVATE]
-    self.session.serve_joins(lambda: jax.tree.map(jnp.copy, run.state), progress=int(round(self._progress(record, step))))
+    self.session.serve_joins(lambda: self._compiled["copy"](run.state), progress=int(round(self._progress(step))))
 
-  def _finish(self, run, step: int, states=None, result=None) -> None:
-    """The round sent at pending.sent_at, at `step`: its update if it exchanged, its counts and bytes."""
-    pending, self._pending, self._merge_at = self._pending, None, 0
-    if result is None:
-      result = pending.future.result()  # re-raises the round's error on the loop's thread
-    record, counts = run.loop.history[PRIVATE], run.loop.history[SCALARS]
+  def _finish(self, run, step: int) -> None:
+    """The round sent at InFlight.sent_at, at `step`: its update if it exchanged, its counts and bytes."""
+    sent_at, info = self._inflight.sent_at, self._inflight.info
+    result = self._inflight.result()  # re-raises the round's error on the loop's thread
+    self._inflight.clear()
+    self._merge_at = 0
     traffic = wire.NOTHING
     if result.exchanged:
-      run.state, merged = self._apply(run.state if states is None else states, pending.own, result)
+      run.state, merged = self._apply(run.state, info["own"], result)
       # The τ inner steps since the message are this replica's own, on top of the group's progress.
-      record.update(progress=merged + (step - pending.sent_at), progress_step=step)
-      traffic = wire.permute(sum(x.nbytes for x in jax.tree.leaves(pending.payload)), len(result.group) - 1)
+      self._record.update(progress=merged + (step - sent_at), progress_step=step)
+      traffic = wire.permute(sum(x.nbytes for x in jax.tree.leaves(info["payload"])), len(result.group) - 1)
+    counts = self._counts
     counts[f"async/{result.status}_rounds"] += 1
     counts["async/wait_s"] += result.waited_s
     counts["async/exchange_s"] += result.exchange_s
-    counts["async/progress"] = self._progress(record, step)
-    run.loop.add_round(step, pending.round_metrics, traffic)
+    counts["async/progress"] = self._progress(step)
+    run.loop.add_round(step, info["metrics"], traffic)
 
   def _apply(self, states, own, result):
     """(new state, merged progress) after an exchange: the weighted mean in the lock-step order, the merge."""
@@ -228,26 +227,26 @@ class AsyncRounds(RoundDriver):
     progress_of = dict(zip([me] + [s for s in group if s != me], result.progress))
     j = group.index(me)
     order = [me] + [group[(j + shift) % len(group)] for shift in range(1, len(group))]  # as outer/exchange.py
-    messages = [own] + [received[s] for s in order[1:]]
+    others = tuple(received[s] for s in order[1:])
     progress = [progress_of[s] for s in order]
     weights = async_rules.staleness_weights(progress, inner_steps=self._H, decay=self._decay)
     if async_rules.equal(weights):
-      mean = self._call(self._equal_mean_fn, messages, None)
+      mean = self._compiled[f"combine{len(group)}"](own, others)
     else:
-      mean = self._call(self._weighted_mean_fn, messages, weights)
-    return self._merge_fn(states, mean), async_rules.merged_progress(progress, weights)
+      mean = self._compiled[f"combine{len(group)}w"](own, others, np.asarray(weights, np.float32))  # no jnp: a compile
+    return self._compiled["merge"](states, mean), async_rules.merged_progress(progress, weights)
 
-  def _call(self, compiled, messages, weights):
-    """The pair's program compiled at start, or (a triple) the one jitted for three on first use."""
-    if len(messages) != 2:
-      compiled = self._equal_mean_any if weights is None else self._weighted_mean_any
-    return compiled(messages) if weights is None else compiled(messages, jnp.asarray(weights))
+  def flush(self) -> None:
+    for log in self._logs:
+      log.sync()
 
   def close(self, failed: bool) -> None:
     """Leaves the job: the others see it gone at their next poll (never paired with it again)."""
-    if self._executor is not None:
-      self._executor.shutdown(wait=not failed, cancel_futures=True)
+    self._inflight.close(failed)
+    self.programs.close()
     if self.session is not None:
       # Still beating until the process exits (asynchronous/job.Process.finish): it saves and logs meanwhile.
       self.session.close(linger_s=0.0, keep_beating=True)
       self.session = None
+    for log in self._logs:
+      log.close()

@@ -1,14 +1,15 @@
 """Lock-step rounds: every H inner steps, one outer round on every replica.
 
-The round's programs come from outer/rounds.Rounds: for NoLoCo and gossip a message and a merge
-program compiled once, and the round's routes (its grouping's ppermutes), compiled on a background
-thread during round r's inner steps (outer/ahead.py), so that no compile sits at the round boundary:
-the boundary waits only if the compile took longer than the H inner steps (`compile_stats` records it).
+The round's programs come from outer/programs.RoundPrograms (where="merge"): for a method given in parts a
+message and a merge program compiled once, and the round's routes (its grouping's ppermutes), compiled on
+a background thread during round r's inner steps, so that no compile sits at the round boundary: the
+boundary waits only if the compile took longer than the H inner steps (`compile_stats` records it).
 Nothing is compiled for a round after the run's last step.
 """
 
 from __future__ import annotations
 
+from noloco_jax.outer import programs as programs_lib
 from noloco_jax.training.rounds.base import RoundDriver
 
 
@@ -20,24 +21,25 @@ def last_round(next_round: int, step: int, last_step: int, inner_steps: int) -> 
 
 class LockstepRounds(RoundDriver):
 
-  def __init__(self, rounds, inner_steps: int, traffic, last_step: int | None = None):
+  def __init__(self, programs: programs_lib.RoundPrograms, inner_steps: int, traffic, last_step: int | None = None):
     """`traffic`: the bytes of one round (outer/wire.Traffic), counted in the loop state; `last_step`:
     the run's last step (None: no end, every next round is compiled ahead)."""
-    self._rounds, self._H, self._traffic, self._last_step = rounds, inner_steps, traffic, last_step
-    self._programs = None
+    self._programs, self._H, self._traffic, self._last_step = programs, inner_steps, traffic, last_step
+    self._started = False
 
   def start(self, run) -> None:
+    super().start(run)
     last = None
     if self._last_step is not None:
       last = last_round(run.loop.round, run.loop.step, self._last_step, self._H)
       if last < run.loop.round:  # no round left to run: compile nothing
         return
-    self._programs = self._rounds.ahead(run.state, last_round=last)
-    self._programs.prefetch(run.loop.round)
+    self._programs.start(run.state, last_round=last, first_round=run.loop.round)
+    self._started = True
 
   @property
   def compile_stats(self):
-    return self._programs.compiler.stats if self._programs is not None else None
+    return self._programs.stats if self._started else None
 
   def due(self, step: int) -> bool:
     return step % self._H == 0
@@ -45,10 +47,10 @@ class LockstepRounds(RoundDriver):
   def after_step(self, run, step: int, metrics: dict) -> None:
     if not self.due(step):
       return
-    round_fn, route = self._programs.program(run.loop.round)  # also starts compiling the next round's
-    run.state, round_metrics = round_fn(run.state, route)
+    compiled, route = self._programs.program(run.loop.round)  # also starts compiling the next round's
+    run.state, round_metrics = programs_lib.lockstep_round(compiled)(run.state, route)
     run.loop.add_round(step, round_metrics, self._traffic)
 
   def close(self, failed: bool) -> None:
-    if self._programs is not None:
+    if self._started:
       self._programs.close()

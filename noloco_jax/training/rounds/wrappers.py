@@ -13,33 +13,14 @@ from __future__ import annotations
 from noloco_jax.training.rounds.base import RoundDriver
 
 
-class _Wrapper(RoundDriver):
-  """Forwards everything to `inner`; subclasses add their part around it."""
+class _Wrapper:
+  """Forwards every call of the driver interface to `inner`; subclasses add their part around it."""
 
   def __init__(self, inner: RoundDriver):
     self.inner = inner
 
-  @property
-  def compile_stats(self):
-    return self.inner.compile_stats
-
-  def start(self, run) -> None:
-    self.inner.start(run)
-
-  def due(self, step: int) -> bool:
-    return self.inner.due(step)
-
-  def before_step(self, run, step: int) -> None:
-    self.inner.before_step(run, step)
-
-  def after_step(self, run, step: int, metrics: dict) -> None:
-    self.inner.after_step(run, step, metrics)
-
-  def settle(self, run) -> None:
-    self.inner.settle(run)
-
-  def close(self, failed: bool) -> None:
-    self.inner.close(failed)
+  def __getattr__(self, name):  # what a subclass does not define itself
+    return getattr(self.inner, name)
 
 
 class Guarded(_Wrapper):

@@ -1,6 +1,7 @@
-"""The data plane of the asynchronous schedule, measured before choosing: three ways to swap two messages.
+"""The asynchronous schedule's two planes, measured: `--part=transport` (default) the data plane, three ways
+to swap two messages; `--part=control` the etcd control plane beside JAX's coordination service.
 
-Runs a job of three processes over loopback (one CPU device each) and measures, side by side in that
+**--part=transport.** Runs a job of three processes over loopback (one CPU device each) and measures, side by side in that
 one job, for each message size (float32, MB each way):
 
   ppermute   a jitted `jax.shard_map` + `lax.ppermute` program over the pair's two-process sub-mesh
@@ -17,10 +18,27 @@ one job, for each message size (float32, MB each way):
 Every steady figure is the median (and min, max) of --reps swaps, each started by a store barrier of
 the two processes; a swap's time is the caller's, from the call to the partner's message on the host.
 
-    python experiments/bench_async_transport.py --json
-    python experiments/bench_async_transport.py --sizes_mb=4,40 --reps=8 --json
+    python experiments/bench_async.py --json
+    python experiments/bench_async.py --sizes_mb=4,40 --reps=8 --json
 
-Prints one JSON object (the last line with --json); load_avg_1min says how busy the machine was.
+**--part=control.** Starts its own 3-member etcd cluster on 127.0.0.1 (scripts/etcd_local.py: data in
+/dev/shm where it exists) and JAX's coordination service in this process, and measures, side by side:
+
+  store_ops    p50/p90 of each store operation the protocol uses (set, get, increment, create, a wait on
+               a key that exists, dir) from one client, on each store;
+  matchmaking  `Matchmaker.ready` (window 0) for a pair of threads at equal speed (each its own client on
+               etcd; one shared client on JAX's service), over --rounds rounds: every round pairs them;
+  leader_loss  etcd only: the leader SIGKILLed, then how long the next increment takes from a client whose
+               member was the leader (the election and the failover), and whether the data written before
+               is there;
+  lease        etcd only: a client stops renewing its lease (a crash): how long until another client sees
+               its heartbeat key gone (the lease's TTL is ⌈--lease_s⌉ s).
+
+    python experiments/bench_async.py --part=control --json
+
+Everything runs on one machine: the etcd members' Raft traffic crosses loopback, not a network.
+
+Prints one JSON object (the last line with --json); its "machine" says how busy the machine was.
 """
 
 from __future__ import annotations
@@ -36,15 +54,7 @@ import time
 
 import numpy as np
 
-
-def _parse(argv):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--sizes_mb", default="4,40", help="comma-separated message sizes, MB each way")
-  parser.add_argument("--reps", type=int, default=8, help="steady swaps per size and method")
-  parser.add_argument("--late_s", type=float, default=5.0, help="how late the partner calls in the late-partner case")
-  parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-  parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # OUT_DIR: run as one process of the job
-  return parser.parse_args(argv)
+from experiments.lib import harness
 
 
 def _summary(times):
@@ -250,11 +260,127 @@ def child(args) -> None:
   os._exit(0)  # pylint: disable=protected-access
 
 
-def main(argv=None) -> int:
-  args = _parse(sys.argv[1:] if argv is None else argv)
+# ---- --part=control: the etcd control plane ----
+
+
+def _etcd_local():
+  """scripts/etcd_local.py (a script, not a package module), loaded by path."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location("etcd_local", os.path.join(root, "scripts", "etcd_local.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _pct(times):
+  return {"p50_ms": 1e3 * float(np.median(times)), "p90_ms": 1e3 * float(np.percentile(times, 90)), "n": len(times)}
+
+
+def store_ops(kv, ops: int) -> dict:
+  kv.set("bench/present", "x")
+  calls = {"set": lambda i: kv.set("bench/k", str(i)), "get": lambda i: kv.get("bench/k"),
+           "increment": lambda i: kv.increment("bench/n", 1), "create": lambda i: kv.create(f"bench/c/{i}", "x"),
+           "wait_present": lambda i: kv.wait("bench/present", 5.0), "dir": lambda i: kv.dir("bench/c/")}
+  out = {}
+  for name, call in calls.items():
+    times = []
+    for i in range(ops):
+      start = time.perf_counter()
+      call(i)
+      times.append(time.perf_counter() - start)
+    out[name] = _pct(times)
+  return out
+
+
+def matchmaking_rounds(kvs, rounds: int) -> dict:
+  from noloco_jax.asynchronous import matchmaking  # pylint: disable=g-import-not-at-top
+  """`ready` at equal speed: the threads start each round together (a barrier); p50/p90 and the skips."""
+  live = {slot: slot + 1 for slot in range(len(kvs))}
+  barrier = threading.Barrier(len(kvs))
+  times, skipped = [], [0]
+  lock = threading.Lock()
+
+  def run(slot):
+    mm = matchmaking.Matchmaker(kvs[slot], slot, slot + 1, seed=0, window_s=0.0, max_wait_s=10.0,
+                                live=lambda: live)
+    for r in range(rounds):
+      barrier.wait(timeout=60)
+      start = time.perf_counter()
+      match = mm.ready(progress=r)
+      with lock:
+        times.append(time.perf_counter() - start)
+        skipped[0] += match is None
+
+  threads = [threading.Thread(target=run, args=(s,)) for s in range(len(kvs))]
+  [t.start() for t in threads]
+  [t.join(timeout=600) for t in threads]
+  return {**_pct(times), "skipped": skipped[0]}
+
+
+def control_main(bench, args) -> dict:
+  """--part=control: the etcd control plane beside JAX's coordination service."""
+  from noloco_jax.asynchronous import control, etcd_kv, matchmaking  # pylint: disable=g-import-not-at-top
+  etcd_local = _etcd_local()
+  etcd, why = etcd_local.ensure_etcd()
+  if etcd is None:
+    harness.usage_error(f"--part=control needs etcd: {why}")
+  report = {"ops": args.ops, "rounds": args.rounds}
+  # JAX's coordination service, in this process (one slot): the baseline.
+  port = control._spare_port("127.0.0.1")  # pylint: disable=protected-access
+  connection = control.connect(f"127.0.0.1:{port}", 1, 0, heartbeat_timeout_s=30, initialization_timeout_s=60)
+  report["jax_service"] = {"store_ops": store_ops(connection.kv, args.ops),
+                           "matchmaking": matchmaking_rounds([connection.kv] * 2, args.rounds)}
+  with etcd_local.Cluster(3, etcd, tempfile.mkdtemp(prefix="bench_etcd_")).start() as cluster:
+    endpoints = etcd_kv.parse_url(cluster.url())[0]
+    make = lambda first=0, job="bench", lease_s=args.lease_s: etcd_kv.EtcdKV(
+        endpoints[first:] + endpoints[:first], prefix=f"{control.NAMESPACE}{job}/", lease_s=lease_s)
+    kv = make()
+    kvs = [make(i, "mm") for i in range(2)]
+    report["etcd"] = {"store_ops": store_ops(kv, args.ops), "matchmaking": matchmaking_rounds(kvs, args.rounds)}
+    # A crash: the heartbeat key goes a TTL after the last renewal.
+    crashed, observer = make(job="lease"), make(1, "lease")
+    crashed.set("live/0", "1:1")
+    crashed._stop.set()  # pylint: disable=protected-access  (no more renewals, no revoke)
+    start = time.monotonic()
+    gone = observer.wait_absent("live/0", 60.0)
+    report["etcd"]["lease"] = {"ttl_s": crashed.ttl, "gone": gone, "seen_gone_after_s": time.monotonic() - start}
+    # The leader dies, under a client that talks to it.
+    kv.set("bench/before", "kept")
+    leader = cluster.leader()
+    on_leader = make(leader)
+    on_leader.increment("bench/after", 1)
+    cluster.kill(leader)
+    start = time.monotonic()
+    on_leader.increment("bench/after", 1)
+    took = time.monotonic() - start
+    report["etcd"]["leader_loss"] = {"next_increment_s": took, "kept": on_leader.get("bench/before") == "kept",
+                                     "request_timeout_s": on_leader.request_timeout_s}
+    for h in [kv, *kvs, observer, on_leader]:
+      h.close()
+  connection.client.shutdown()
+  connection.service.shutdown()
+  return bench.finish(report, text=lambda r: json.dumps(r, indent=2))
+
+
+
+def main(argv=None) -> dict | None:
+  bench = harness.Bench(__doc__)
+  bench.add_argument("--part", choices=("transport", "control"), default="transport",
+                     help="transport: the data plane (three ways to swap); control: etcd beside JAX's service")
+  bench.add_argument("--ops", type=int, default=200, help="--part=control: calls per store operation")
+  bench.add_argument("--rounds", type=int, default=50, help="--part=control: matchmaking rounds")
+  bench.add_argument("--lease_s", type=float, default=3.0, help="--part=control: the etcd lease's TTL")
+  bench.add_argument("--sizes_mb", default="4,40", help="comma-separated message sizes, MB each way")
+  bench.add_argument("--reps", type=int, default=8, help="steady swaps per size and method")
+  bench.add_argument("--late_s", type=float, default=5.0, help="how late the partner calls in the late-partner case")
+  bench.add_argument("--child", default=None, help=argparse.SUPPRESS)  # OUT_DIR: run as one process of the job
+  args = bench.parse(argv)
   if args.child:
     child(args)
-    return 0
+    return None
+  if args.part == "control":
+    return control_main(bench, args)
   from noloco_jax.runtime import launch_local  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as out:
     forwarded = [f"--sizes_mb={args.sizes_mb}", f"--reps={args.reps}", f"--late_s={args.late_s}", f"--child={out}"]
@@ -269,15 +395,13 @@ def main(argv=None) -> int:
           results[slot] = json.load(f)
     if 0 not in results:
       for name in sorted(os.listdir(os.path.join(out, "logs"))):
-        print(open(os.path.join(out, "logs", name)).read()[-4000:])
-      print(f"bench_async_transport: process 0 wrote no result (exit statuses {codes}).")
-      return 1
-  report = {"bench": "async_transport", "exit_statuses": codes, "wall_s": time.time() - start,
-            "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0], "process_0": results[0],
+        with open(os.path.join(out, "logs", name)) as f:
+          print(f.read()[-4000:], file=sys.stderr)
+      raise SystemExit(f"bench_async: process 0 wrote no result (exit statuses {codes}).")
+  report = {"exit_statuses": codes, "wall_s": time.time() - start, "process_0": results[0],
             "process_1": results.get(1), "process_2": results.get(2)}
-  print(json.dumps(report, indent=None if args.json else 2))
-  return 0
+  return bench.finish(report, text=lambda r: json.dumps(r, indent=2))
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  harness.run(main)
