@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
       seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
       harness.usage_error(f"--seeds={args.seeds!r}: comma-separated integers, e.g. 0,1")
-    result = train(names, seeds, quick=args.quick, hlo=args.hlo, note=bench.note)
+    result = train(names, seeds, quick=args.quick, hlo=args.hlo, note=bench.note, save=args.out or None)
     if args.plot:
       plot(result, args.plot)
     return bench.finish(result, text=lambda r: "\n".join(json.dumps({k: v for k, v in s.items() if k != "seeds"})
@@ -150,7 +150,7 @@ def message_bytes(preset: str, hlo: bool) -> list[dict]:
     base.model.d_model = base.model.num_layers = base.model.num_heads = base.model.mlp_dim = 0
   dense, rows = None, []
   for name, codec in SETTINGS.items():
-    row = {"setting": name, **_bytes(experiment.method_config(base, "noloco", **codec), hlo)}
+    row = {"setting": name, **_bytes(experiment.method_config(base, "noloco", codec=codec), hlo)}
     dense = dense or row["bytes_per_round"]
     row["vs_float32"] = round(row["bytes_per_round"] / dense, 5)
     if hlo:
@@ -159,8 +159,9 @@ def message_bytes(preset: str, hlo: bool) -> list[dict]:
   return rows
 
 
-def train(names, seeds, *, quick: bool, hlo: bool, note) -> dict:
-  """The --train part: each setting on the default job (the smoke job with `quick`), every seed."""
+def train(names, seeds, *, quick: bool, hlo: bool, note, save: str | None = None) -> dict:
+  """The --train part: each setting on the default job (the smoke job with `quick`), every seed. `save`:
+  a file the results so far are written to after every run (an interrupted sweep keeps what it ran)."""
   from experiments.lib import experiment  # pylint: disable=g-import-not-at-top
 
   experiment.enable_compile_cache()
@@ -189,6 +190,10 @@ def train(names, seeds, *, quick: bool, hlo: bool, note) -> dict:
              "load_end": round(os.getloadavg()[0], 1), "error": run.error}
       note(json.dumps({"setting": name, **{k: row[k] for k in ("seed", "eval_loss", "weight_std", "wall_s")}}))
       per_seed.append(row)
+      if save:
+        with open(save, "w") as f:
+          json.dump(summarise({"job": "smoke" if quick else "default", "seeds": seeds,
+                               "settings": [*out, {"setting": name, **counted, "seeds": per_seed}]}), f, indent=1)
     out.append({"setting": name, **counted, "seeds": per_seed})
   return summarise({"job": "smoke" if quick else "default", "seeds": seeds, "settings": out})
 
@@ -211,20 +216,21 @@ def summarise(result: dict) -> dict:
 
 
 def merge(parts: list[dict]) -> dict:
-  """--train results of the same job and settings over other seeds, joined (`summarise`d again)."""
-  first = parts[0]
-  names = [s["setting"] for s in first["settings"]]
-  for other in parts[1:]:
-    if other["job"] != first["job"] or [s["setting"] for s in other["settings"]] != names:
-      harness.usage_error("--merge: the results are of different jobs or settings")
-  settings = []
-  for i, name in enumerate(names):
-    entry = {k: v for k, v in first["settings"][i].items() if k not in ("eval_loss", "consensus_loss", "weight_std")}
-    entry["seeds"] = [row for part in parts for row in part["settings"][i]["seeds"]]
-    settings.append(entry)
-  runs = [part.get("machine") for part in parts]
-  return summarise({"job": first["job"], "seeds": [s for part in parts for s in part["seeds"]], "settings": settings,
-                    "runs_machine": runs})
+  """--train results of one job, joined by setting (runs of the same setting over other seeds, or other
+  settings), in the order of SETTINGS; `summarise`d again."""
+  if len({part["job"] for part in parts}) != 1:
+    harness.usage_error("--merge: the results are of different jobs")
+  by_name: dict[str, dict] = {}
+  for part in parts:
+    for s in part["settings"]:
+      entry = by_name.setdefault(s["setting"], {k: v for k, v in s.items() if k not in (
+          "eval_loss", "consensus_loss", "weight_std", "vs_float32", "loss_vs_float32", "seeds")} | {"seeds": []})
+      entry["seeds"] += s["seeds"]
+  order = [*SETTINGS, NO_EXCHANGE]
+  settings = sorted(by_name.values(), key=lambda s: order.index(s["setting"]) if s["setting"] in order else len(order))
+  seeds = sorted({row["seed"] for s in settings for row in s["seeds"]})
+  return summarise({"job": parts[0]["job"], "seeds": seeds, "settings": settings,
+                    "runs_machine": [part.get("machine") for part in parts]})
 
 
 def plot(result: dict, path: str) -> None:
