@@ -67,7 +67,7 @@ PAIRS = ((0, 1), (2, 3), (4, 5), (6, 7), (1, 2), (3, 6))  # --capture's pairs of
 def main(argv=None) -> dict:
   bench = harness.Bench(__doc__, cpu_devices=8, cpu_only=True, out=True,
                         quick={"seeds": "0", "settings": "float32,coset 30% 2-bit", "steps": 12},
-                        quick_help="--train / --capture on the smoke job, one seed, float32 and coset 30%")
+                        quick_help="--train / --capture on the smoke job, one seed, float32 and coset 30%%")
   bench.add_argument("--hlo", action="store_true", help="also compile each round and read its collectives")
   bench.add_argument("--preset", default="", help="bytes: model.preset instead of the mini model")
   bench.add_argument("--train", action="store_true", help="train each setting on the default job")
