@@ -243,12 +243,13 @@ def plot(result: dict, path: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   rows = sorted(result["settings"], key=lambda s: s["vs_float32"])
+  color = {s["setting"]: f"C{i}" for i, s in enumerate(result["settings"])}  # one colour per setting, every panel
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
   floor = min([s["vs_float32"] for s in rows if s["vs_float32"] > 0] or [1.0]) / 4  # 0 bytes on a log axis
   x = lambda s: max(s["vs_float32"], floor)
   for ax, key, label in ((axes[0], "eval_loss", "final eval/loss"), (axes[1], "weight_std", "final replicas/weight_std")):
     for s in rows:
-      ax.scatter(x(s), s[key], s=25)
+      ax.scatter(x(s), s[key], s=25, color=color[s["setting"]])
       ax.annotate(s["setting"], (x(s), s[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
     front, best = [], float("inf")
     for s in rows:
@@ -264,7 +265,8 @@ def plot(result: dict, path: str) -> None:
   for s in result["settings"]:  # the spread over the run, mean over seeds
     curves = [dict(r["weight_std_curve"]) for r in s["seeds"]]
     steps = sorted(set.intersection(*(set(c) for c in curves)))
-    axes[2].plot(steps, [sum(c[t] for c in curves) / len(curves) for t in steps], marker=".", label=s["setting"])
+    axes[2].plot(steps, [sum(c[t] for c in curves) / len(curves) for t in steps], marker=".", label=s["setting"],
+                 color=color[s["setting"]])
   axes[2].set_yscale("symlog", linthresh=1e-4)
   axes[2].set_xlabel("inner step")
   axes[2].set_ylabel("replicas/weight_std (mean over seeds)")
