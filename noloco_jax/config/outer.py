@@ -360,8 +360,8 @@ class OuterConfig(Section):
     if self.overlap.steps and not s.parts:
       fail("outer.overlap.steps", self.overlap.steps,
            f"0 with outer.kind={self.kind!r} (the overlapped exchange exists for {in_parts})")
+    self._check_coset()  # before the schedule's checks: its own reason names the schedule
     self._check_schedule(s, in_parts)
-    self._check_coset()
 
   def _check_coset(self) -> None:
     """The coset codec (outer/coset.py) is built for pairs in lock-step: its scale estimate reads a pair's
