@@ -42,7 +42,11 @@ PAIRINGS = ("fresh", "round_robin", "fixed")
 SCHEDULES = ("lockstep", "async")
 MATCH_ODD = ("triple", "leave_out")  # an odd batch of ready processes (noloco_jax/asynchronous/law.py)
 # Compressed messages (noloco_jax/outer/compression.py, docs/compression.md).
-COMPRESSIONS = ("none", "int8", "int4", "topk")
+COMPRESSIONS = ("none", "int8", "int4", "topk", "coset")
+COSET_BITS = (2, 3, 4, 5, 6, 7, 8, 16, 32)  # coset codes of 2..8 bits; 16 / 32: the fragment's values as they are
+COSET_ORDERS = ("cyclic", "random", "fixed", "fisher", "mixed", "damage")  # how a coset fragment is chosen (outer/coset.py)
+COSET_MODES = ("fragment", "sum", "global")  # which values a coset message codes (outer/coset.py)
+COSET_SCALES = ("leaf", "block")  # one lattice step per leaf, or per block of a fragment
 TOPK_BITS = (2, 3, 4, 5, 6, 7, 8)  # bits per kept top-k value (packed); int8 / int4 imply 8 / 4
 SLOW_CODECS = ("float32", "bfloat16", "int8", "int4")  # how the γ·φ part of a top-k message travels
 MAX_CHUNK = 65536  # top-k offsets within a chunk travel as uint16
@@ -117,6 +121,25 @@ class CodecConfig(Section):
   # Error feedback: what a compressed message did not carry, times this decay, is added to the next
   # round's message (to whichever partner that goes). 0 = no feedback (and no residual in the state).
   feedback_decay: float = 1.0
+  # compression='coset' (outer/coset.py; docs/compression.md): NoLoCo's whole message c = β·θ + (γ − β)·φ, a
+  # shared fragment of coset_density of each leaf's blocks of coset_block values, in coset_bits-bit codes that
+  # the receiver decodes against its own message. Pairs (rule.group_size 2), lock-step, no overlap.
+  coset_density: float = 0.25  # fraction of each leaf's blocks sent per round, in (0, 1]
+  coset_bits: int = 2  # bits per value: 2..8 (coset codes), 16 / 32 (bfloat16 / float32 values)
+  coset_block: int = 256  # values per block of the fragment (≥ 8)
+  # cyclic (every block once per ceil(1/density) rounds) | random (a new subset per round) | fixed (the same
+  # random blocks every round) | fisher (the sender's blocks of largest Adam second moment; indices sent) |
+  # mixed (half fisher, half cyclic) | damage (largest second moment × (rounds since last averaged + 1))
+  coset_order: str = "cyclic"
+  coset_kappa: float = 0.0  # lattice step / the estimated rms of the partners' difference; 0 = coset_bits' default
+  # fragment: coset_density of the blocks, the rest not sent | sum: every group of 1/coset_density values as one
+  # signed sum (1/coset_density a power of two) | global: coset_density of the whole message's blocks, those of
+  # largest expected damage (the sender's Adam second moment × its spread estimate)
+  coset_mode: str = "fragment"
+  coset_scale: str = "leaf"  # leaf: one lattice step per leaf | block: one per block (coset_mode='fragment')
+  # The key of the pair's shared randomness (which blocks, the dither), the same on every replica. The
+  # run's config.seed does not change it: a sweep over seeds sets it too (experiments/bench_compression.py).
+  coset_seed: int = 0
 
   def check(self) -> None:
     one_of("outer.codec.message_dtype", self.message_dtype, MESSAGE_DTYPES)
@@ -129,6 +152,27 @@ class CodecConfig(Section):
     one_of("outer.codec.slow_codec", self.slow_codec, SLOW_CODECS)
     if not 0 <= self.feedback_decay <= 1:
       fail("outer.codec.feedback_decay", self.feedback_decay, "a number in [0, 1] (0 turns error feedback off)")
+    self._check_coset()
+
+  def _check_coset(self) -> None:
+    if not 0 < self.coset_density <= 1:
+      fail("outer.codec.coset_density", self.coset_density, "a number in (0, 1]")
+    one_of("outer.codec.coset_bits", self.coset_bits, COSET_BITS)
+    at_least("outer.codec.coset_block", self.coset_block, 8)
+    one_of("outer.codec.coset_order", self.coset_order, COSET_ORDERS)
+    one_of("outer.codec.coset_mode", self.coset_mode, COSET_MODES)
+    one_of("outer.codec.coset_scale", self.coset_scale, COSET_SCALES)
+    if self.coset_scale == "block" and self.coset_mode != "fragment":
+      fail("outer.codec.coset_scale", self.coset_scale, f"'leaf' with coset_mode={self.coset_mode!r} ('block' is "
+           "fragment mode's)")
+    g = round(1 / self.coset_density)
+    if self.coset_mode == "sum" and (g & (g - 1) or abs(g * self.coset_density - 1) > 1e-9):
+      fail("outer.codec.coset_density", self.coset_density, "1/g with g a power of two (1, 0.5, 0.25, ...) with "
+           "coset_mode='sum'")
+    if self.coset_mode == "global" and self.coset_bits > 8:
+      fail("outer.codec.coset_bits", self.coset_bits, "2..8 with coset_mode='global' (it sends coset codes only)")
+    if not self.coset_kappa >= 0:
+      fail("outer.codec.coset_kappa", self.coset_kappa, "a number ≥ 0 (0 = the default for coset_bits)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +365,21 @@ class OuterConfig(Section):
     if self.overlap.steps and not s.parts:
       fail("outer.overlap.steps", self.overlap.steps,
            f"0 with outer.kind={self.kind!r} (the overlapped exchange exists for {in_parts})")
+    self._check_coset()  # before the schedule's checks: its own reason names the schedule
     self._check_schedule(s, in_parts)
+
+  def _check_coset(self) -> None:
+    """The coset codec (outer/coset.py) is built for pairs in lock-step: its scale estimate reads a pair's
+    mean, and it decodes against the receiver's own message of the same step."""
+    if self.codec.compression != "coset":
+      return
+    needs = lambda value, why: f"{value} with outer.codec.compression='coset' ({why})"
+    if self.rule.group_size != 2:
+      fail("outer.rule.group_size", self.rule.group_size, needs("2", "its scale estimate reads a pair's mean"))
+    if self.overlap.steps:
+      fail("outer.overlap.steps", self.overlap.steps, needs("0", "not with streaming overlap"))
+    if self.schedule != "lockstep":
+      fail("outer.schedule", self.schedule, needs("'lockstep'", "not in the asynchronous schedule"))
 
   def _check_schedule(self, s, in_parts: str) -> None:
     one_of("outer.schedule", self.schedule, SCHEDULES)

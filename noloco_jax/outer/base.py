@@ -21,11 +21,12 @@ import optax
 
 from noloco_jax.inner.state import TrainState
 from noloco_jax.models.base import DTYPES
-from noloco_jax.outer import exchange
+from noloco_jax.outer import coset, exchange
 from noloco_jax.outer.pairing import Groups
 from noloco_jax.parallel.mesh import REPLICA
 
 INFLIGHT = "inflight"  # the key of streaming overlap's in-flight group mean in a method's state
+CODEC = "codec"  # the key of a side-information codec's own state (coset.CosetCodec's scale estimate)
 # The dtypes of config.outer.codec.message_dtype (noloco_jax/config/outer.py: MESSAGE_DTYPES).
 MESSAGE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -128,8 +129,15 @@ def round_of(parts: RoundParts) -> Callable:
   return make_round
 
 
-def make_codec(codec_cfg):
-  """How a message travels (config.outer.codec): a cast to message_dtype, or the compression codec."""
+def make_codec(codec_cfg, *, inner_steps: int = 1, beta: float = 1.0):
+  """How a message travels (config.outer.codec): a cast to message_dtype, or the compression codec.
+  `inner_steps` (H) and `beta` (β): the round's, read by the coset codec (its round index is step // H; its
+  first scale estimate is the fresh part β·(θ − φ))."""
+  if codec_cfg.compression == "coset":
+    c = codec_cfg
+    return coset.CosetCodec(density=c.coset_density, bits=c.coset_bits, block=c.coset_block, order=c.coset_order,
+                            kappa=c.coset_kappa, inner_steps=inner_steps, seed=c.coset_seed, mode=c.coset_mode,
+                            scale=c.coset_scale, beta=beta)
   if codec_cfg.compression == "none":
     return exchange.PlainCodec(MESSAGE_DTYPES[codec_cfg.message_dtype])
   return exchange.CompressedCodec(kind=codec_cfg.compression, chunk=codec_cfg.chunk, density=codec_cfg.topk_density,
@@ -143,13 +151,21 @@ def group_rule(kind: str, *, beta: float, gamma: float, update: Callable, codec,
   m = mean_G(c), updates its slow weights φ and momentum δ per parameter leaf: `update(φ, δ, m) -> (φ, δ)`
   in float32 (NoLoCo's family). θ ← φ, or with streaming overlap the delayed merge. Messages travel through
   `codec` (exchange.PlainCodec or CompressedCodec). `inflight`: the state also holds streaming overlap's
-  in-flight group mean (lock-step overlap: INFLIGHT)."""
+  in-flight group mean (lock-step overlap: INFLIGHT).
+
+  A codec with side information (coset.CosetCodec) decodes a partner's payload against the receiver's own
+  message, keeps a small state of its own (CODEC: its scale estimate) instead of a residual, reads the step
+  (its round index) and the inner optimizer's second moment (its sender-chosen fragments), and learns the
+  replicas' spread from each round's mean (`observe`, in the merge)."""
+  side_info = getattr(codec, "side_info", False)
 
   def init(params):
     outer = {"slow": params, "momentum": jax.tree.map(jnp.zeros_like, params)}
-    residual = codec.init_residual(params)
+    residual = None if side_info else codec.init_residual(params)
     if residual is not None:
       outer["residual"] = residual
+    if side_info:
+      outer[CODEC] = codec.init_state(params)
     if inflight:  # the group mean of the exchange in flight (meaningful while one is: the round driver's record)
       outer[INFLIGHT] = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     return outer
@@ -157,6 +173,12 @@ def group_rule(kind: str, *, beta: float, gamma: float, update: Callable, codec,
   def message(states: TrainState):
     metrics = {"pseudo_grad_norm": pseudo_grad_norm(states)}
     outer = states.outer
+    if side_info:
+      own = exchange.message(states.params, outer["slow"], beta=beta, gamma=gamma)
+      importance = adam_second_moment(states.opt_state) if codec.informed else None
+      payload, codec_state = jax.vmap(codec.encode)(own, states.params, outer["slow"], outer[CODEC], states.step,
+                                                    importance)
+      return states.replace(outer={**outer, CODEC: codec_state}), own, payload, metrics
     own, payload, residual = exchange.encode_stack(codec, states.params, outer["slow"], outer.get("residual"),
                                                    beta=beta, gamma=gamma)
     if residual is not None:
@@ -167,6 +189,8 @@ def group_rule(kind: str, *, beta: float, gamma: float, update: Callable, codec,
     return exchange.message(states.params, states.outer["slow"], beta=beta, gamma=gamma)
 
   def decode(payload, own_k):
+    if side_info:  # each replica decodes against its own message
+      return jax.vmap(codec.decode)(payload, own_k)
     return exchange.decoder(codec, own_k)(payload)
 
   def codec_state(states: TrainState):
@@ -181,6 +205,8 @@ def group_rule(kind: str, *, beta: float, gamma: float, update: Callable, codec,
 
   def merge(states: TrainState, mean_c, mix):
     outer = states.outer
+    if side_info:  # the codec learns the replicas' spread from what it decoded (from the state the message came from)
+      outer = {**outer, CODEC: jax.vmap(codec.observe)(outer[CODEC], own(states), mean_c)}
     new = jax.tree.map(update, f32(outer["slow"]), f32(outer["momentum"]), mean_c)  # (φ, δ) per leaf
     phi = jax.tree.map(lambda p, n: n[0].astype(p.dtype), outer["slow"], new)
     delta = jax.tree.map(lambda d, n: n[1].astype(d.dtype), outer["momentum"], new)
@@ -208,6 +234,16 @@ def group_rule(kind: str, *, beta: float, gamma: float, update: Callable, codec,
                      codec_state=codec_state, commit=commit)
   return OuterMethod(kind=kind, init=init, make_round=round_of(parts), parts=parts, new_replica=new_replica,
                      message_bytes=codec.payload_bytes)
+
+
+def adam_second_moment(opt_state):
+  """The inner Adam's second-moment tree (ν) in an optax state (the first ScaleByAdamState found)."""
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+           if isinstance(x, optax.ScaleByAdamState)]
+  if not found:
+    raise ValueError("outer.codec.coset_order='fisher' / 'mixed' / 'damage' and coset_mode='global' read the inner "
+                     "optimizer's second moment: use adam or adamw")
+  return found[0].nu
 
 
 def mean_over_replicas(x_k):

@@ -89,6 +89,57 @@ def stationary_second_moments(*, alpha: float, beta: float, gamma: float, group_
   return np.linalg.solve(np.eye(4) - L, noise).reshape(2, 2)
 
 
+# ---- Compressed messages that reach part of the model (outer.compression='coset', outer/coset.py) ----
+#
+# A round whose message reaches each value with probability p (a fragment drawn at random each round, or
+# one random direction per group of g = 1/p values: the same second moments) is, per value, the group
+# map above with probability p and otherwise a local step (A = I: y' = αy − βλx + βξ, x' = x + y').
+# Where it arrives, the decoded message carries an independent error of variance r·E[D²], D = c_j − c_i
+# the pair's difference (a coset code's dither: r = κ²/12, κ = ε / rms D); it enters the receiver's
+# mean with weight 1/n = 1/2, so C gains (r/4)·E[D²]·[[1, 1], [1, 1]] with E[D²] = 2(γ − βλ)²·C_xx + 2β²σ².
+# The map stays linear in C: ρ < 1 is again the condition. What it leaves out: wrap errors of the coset
+# code (|D| beyond its range), and the step ε tracking E[D²] only through the codec's running estimate.
+
+
+def _local_block(alpha: float, beta: float, gamma: float, inner_contraction: float) -> np.ndarray:
+  B0, B1 = _blocks(alpha, beta, gamma, inner_contraction)
+  return B0 + B1  # the group map with A = I: nothing received, x' = x + y', y' = αy − βλx
+
+
+def coded_second_moment_map(alpha: float, gamma: float, group_size: int, num_replicas: int, *, coverage: float,
+                            relative_noise: float = 0.0, beta: float = 0.0, inner_contraction: float = 0.0) -> np.ndarray:
+  """[4, 4]: vec(C) ↦ vec(C') of one round of a message reaching a fraction `coverage` of the values (at
+  random), decoded with an error of variance relative_noise·E[D²]; without the inner-step noise. group_size 2."""
+  if group_size != 2:
+    raise ValueError("the coded map is derived for pairs (group_size 2)")
+  B = _local_block(alpha, beta, gamma, inner_contraction)
+  c = gamma - beta * inner_contraction
+  noise = np.zeros((4, 4))
+  noise[:, 0] = relative_noise / 4 * 2 * c * c  # C_xx -> every entry of C
+  group = second_moment_map(alpha, gamma, group_size, num_replicas, beta=beta, inner_contraction=inner_contraction)
+  return coverage * (group + noise) + (1 - coverage) * np.kron(B, B)
+
+
+def coded_spectral_radius(alpha: float, gamma: float, group_size: int, num_replicas: int, **kwargs) -> float:
+  """ρ of `coded_second_moment_map`: the long-run factor per round of the cross-replica variance."""
+  return float(np.max(np.abs(np.linalg.eigvals(coded_second_moment_map(alpha, gamma, group_size, num_replicas,
+                                                                         **kwargs)))))
+
+
+def coded_second_moments(rounds: int, C0: np.ndarray, *, alpha: float, beta: float, gamma: float, num_replicas: int,
+                         coverage: float, relative_noise: float = 0.0, noise_var: float = 0.0,
+                         inner_contraction: float = 0.0) -> np.ndarray:
+  """[rounds + 1, 2, 2]: C after 0 … rounds coded rounds (pairs), from C0, with inner-step noise σ² = noise_var."""
+  L = coded_second_moment_map(alpha, gamma, 2, num_replicas, coverage=coverage, relative_noise=relative_noise,
+                              beta=beta, inner_contraction=inner_contraction)
+  a = averaging_shrink(2, num_replicas)
+  drive = beta ** 2 * noise_var * (coverage * (a + relative_noise / 2) + (1 - coverage)) * np.ones(4)
+  out = [np.asarray(C0, np.float64)]
+  for _ in range(rounds):
+    out.append((L @ out[-1].reshape(4) + drive).reshape(2, 2))
+  return np.stack(out)
+
+
 def paper_interval(alpha: float, group_size: int) -> tuple[float, float]:
   """The NoLoCo paper's bound (noisy quadratic model): √(n/(2(n−1)))·α < γ < √(n(2+α²)/(2(n−1)))."""
   n = group_size

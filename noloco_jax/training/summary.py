@@ -56,7 +56,10 @@ def exchange_in_force(config) -> dict[str, Any]:
     out["message_dtype"] = c.message_dtype
   if spec.parts:
     out["compression"] = c.compression
-    if c.compression != "none":
+    if c.compression == "coset":  # no chunks, no feedback: its own fields (outer/coset.py)
+      out.update(coset_mode=c.coset_mode, coset_order=c.coset_order, coset_density=c.coset_density,
+                 coset_bits=c.coset_bits, coset_block=c.coset_block)
+    elif c.compression != "none":
       out.update(compression_chunk=c.chunk, feedback_decay=c.feedback_decay)
     if c.compression == "topk":
       out.update(topk_density=c.topk_density, topk_bits=c.topk_bits, slow_codec=c.slow_codec)
@@ -105,7 +108,8 @@ def _outer_line(config, in_force: dict[str, Any]) -> str:
   if "message_dtype" in exchange:
     codec = exchange.get("compression", "none")
     details = [f"{k}={exchange[k]:g}" if isinstance(exchange[k], float) else f"{k}={exchange[k]}"
-               for k in ("topk_density", "topk_bits", "slow_codec", "compression_chunk", "feedback_decay") if k in exchange]
+               for k in ("topk_density", "topk_bits", "slow_codec", "compression_chunk", "feedback_decay", "coset_mode",
+                         "coset_order", "coset_density", "coset_bits", "coset_block") if k in exchange]
     text = f"messages {exchange['message_dtype']}"
     if codec != "none":
       text += f", {codec}" + (f" ({', '.join(details)})" if details else "")

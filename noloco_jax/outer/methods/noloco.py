@@ -40,7 +40,7 @@ def build(outer, optimizer=None, *, alpha=None, beta=None, gamma=None):
   alpha, beta, gamma = (r.outer_momentum if alpha is None else alpha, r.outer_lr if beta is None else beta,
                         r.consensus_weight if gamma is None else gamma)
   return base.group_rule(outer.kind, beta=beta, gamma=gamma, update=functools.partial(update, alpha=alpha, gamma=gamma),
-                         codec=base.make_codec(outer.codec),
+                         codec=base.make_codec(outer.codec, inner_steps=outer.inner_steps, beta=beta),
                          # lock-step overlap holds the mean in flight in the state (the asynchronous schedule
                          # merges it from the round driver)
                          inflight=outer.overlap.steps > 0 and outer.schedule == "lockstep")
