@@ -225,7 +225,11 @@ def test_a_process_the_runtime_ends_says_so_last_and_keeps_its_checkpoints(tmp_p
       if p.poll() is None:
         p.kill()
   own = os.path.join(workdir, "process_1")
-  assert codes == [0, -signal.SIGABRT], "\n\n".join("\n".join(_lines(l)[-15:]) for l in logs)
+  # JAX's runtime ends process 1 with SIGABRT; once in a fresh-clone suite (load ~5) the abort's teardown
+  # crashed in orbax's save thread first (SIGSEGV, "Fatal Python error: Segmentation fault" after the
+  # abort began). Either is the runtime ending it; what this test pins is the line after it and the saves.
+  assert codes[0] == 0 and codes[1] in (-signal.SIGABRT, -signal.SIGSEGV), "\n\n".join(
+      "\n".join(_lines(l)[-15:]) for l in logs)
   saved = _committed(own)
   last = _sidecars_line(logs[1])
   assert last.startswith("noloco_jax: error: process 1 of the asynchronous job "), last
