@@ -205,6 +205,8 @@ def test_a_partner_killed_or_stopped_mid_exchange_leaves_the_survivors_state_bit
   assert again, pairings[1][-5:]  # paired again with slot 0 after it resumed
 
 
+# A real component (libfaketime, preloaded into a process): the real tier, whose script installs it as root.
+@pytest.mark.real
 @pytest.mark.skipif(not os.path.exists(FAKETIME), reason=f"libfaketime is not installed ({FAKETIME}: apt-get install "
                     "libfaketime)")
 def test_a_process_whose_clock_jumps_mid_exchange_corrupts_no_state(tmp_path):
