@@ -358,7 +358,10 @@ def test_the_asynchronous_schedule_trains_on_when_one_task_dies(submission, clus
   --kill-on-bad-exit=0 for this schedule; before, SLURM ended them with it); they see it lost (its lease,
   3 s, runs out) and train to the end without it, pairing in the rounds after that only with each other."""
   s = submission(request=["--ntasks-per-node=3"], args=["--config.outer.schedule=async", "--config.outer.asynchronous.lease_s=3"],
-                 env={"NOLOCO_FAULTS": "delay:seconds=1;kill:process=2,step=3"})
+                 # The service's host (task 0) waits for a silent process up to the runtime's heartbeat timeout
+                 # before it exits (issue 33 item 2): the tests' 1200 s would outlast the job's bound, so 60 s
+                 # here (task 2 is dead; a live task beats every few seconds).
+                 env={"NOLOCO_FAULTS": "delay:seconds=1;kill:process=2,step=3", "NOLOCO_HEARTBEAT_TIMEOUT_S": "60"})
   job_id = s.submit()
   job = s.wait(job_id)
   log = s.log(job_id)
