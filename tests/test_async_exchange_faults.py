@@ -133,6 +133,26 @@ DEMO = "experiments.async_demo"
 FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
 
+
+def _run_demo(out, port, common, per_slot, env_of) -> list:
+  """The async demo's processes, one per slot of `per_slot` (its own flags; `env_of(slot)`: extra
+  environment), logs in OUT/logs; their exit codes (a process still running after the bound is killed)."""
+  n, procs, logs = len(per_slot), [], []
+  try:
+    for slot in range(n):
+      log = open(os.path.join(out, "logs", f"process_{slot}.log"), "w")
+      logs.append(log)
+      procs.append(subprocess.Popen([sys.executable, "-m", DEMO, *common, *per_slot[slot]],
+                                    env=launch_local.process_env(slot, n, 1, port, env_of(slot)),
+                                    stdout=log, stderr=subprocess.STDOUT))
+    return [p.wait(timeout=400) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+    for log in logs:
+      log.close()
+
 def _jsonl(path):
   if not os.path.exists(path):
     return []
@@ -160,21 +180,7 @@ def test_a_partner_killed_or_stopped_mid_exchange_leaves_the_survivors_state_bit
   per_slot = {0: ["--run_s", "300", "--until_file", os.path.join(out, "result_1.json"), "--rounds", "1"],
               1: ["--rounds", "16"], 2: ["--rounds", "16"]}
   fault = "xkill:process=2,round=3,at=announced;xstop:process=1,round=6,at=offered,seconds=7"
-  procs, logs = [], []
-  try:
-    for slot in range(3):
-      log = open(os.path.join(out, "logs", f"process_{slot}.log"), "w")
-      logs.append(log)
-      procs.append(subprocess.Popen([sys.executable, "-m", DEMO, *common, *per_slot[slot]],
-                                    env=launch_local.process_env(slot, 3, 1, port, {"NOLOCO_FAULTS": fault}),
-                                    stdout=log, stderr=subprocess.STDOUT))
-    codes = [p.wait(timeout=400) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-    for log in logs:
-      log.close()
+  codes = _run_demo(out, port, common, per_slot, lambda slot: {"NOLOCO_FAULTS": fault})
   assert codes == [0, 0, -9], _logs(out)
   rounds = {s: _jsonl(os.path.join(out, f"rounds_{s}.jsonl")) for s in range(3)}
   pairings = {s: _jsonl(os.path.join(out, f"pairings_{s}.jsonl")) for s in range(3)}
@@ -227,21 +233,7 @@ def test_a_process_whose_clock_jumps_mid_exchange_corrupts_no_state(tmp_path):
   # libfaketime's "real monotonic clock" mode breaks Python's sleeps (EINVAL), so both clocks jump.
   jump = {"NOLOCO_FAULTS": "xclock:process=1,round=3,at=announced,seconds=60", "LD_PRELOAD": FAKETIME,
           "FAKETIME_TIMESTAMP_FILE": clock, "FAKETIME_NO_CACHE": "1"}
-  procs, logs = [], []
-  try:
-    for slot in range(2):
-      log = open(os.path.join(out, "logs", f"process_{slot}.log"), "w")
-      logs.append(log)
-      procs.append(subprocess.Popen([sys.executable, "-m", DEMO, *common, *per_slot[slot]],
-                                    env=launch_local.process_env(slot, 2, 1, port, jump if slot == 1 else {}),
-                                    stdout=log, stderr=subprocess.STDOUT))
-    codes = [p.wait(timeout=400) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-    for log in logs:
-      log.close()
+  codes = _run_demo(out, port, common, per_slot, lambda slot: jump if slot == 1 else {})
   assert codes == [0, 0], _logs(out)
   rounds = {s: _jsonl(os.path.join(out, f"rounds_{s}.jsonl")) for s in range(2)}
   for slot in (0, 1):
