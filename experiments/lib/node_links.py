@@ -211,7 +211,13 @@ class Fabric:
       inside("tc", "qdisc", "add", "dev", f"d{i}", "root", *tbf_args(link.up_bit_s, self.queue_ms))
 
   def close(self) -> None:
-    """Ends every node (its namespaces and veth pairs go with its last process) and removes the bridges."""
+    """Removes every veth pair and bridge, then ends every node (its namespaces go with its last process)."""
+    # The pairs are deleted by name, not left to the namespaces' end: the kernel tears a dead namespace
+    # down in a work queue, so its veth peers may outlive the holder by a while on a loaded machine (a
+    # fresh-clone CI run found b1 and k1 still listed after close).
+    for i in range(len(self.holders)):
+      for bridge_end in (f"b{i}", f"k{i}"):
+        subprocess.run(["ip", "link", "del", bridge_end], capture_output=True)
     for holder in self.holders:
       if holder.poll() is None:
         holder.kill()
