@@ -68,13 +68,16 @@ def main(argv=None) -> None:
   bench.add_argument("--join", action="store_true", help="take the state from a live peer first")
   bench.add_argument("--standalone_service", action="store_true")
   bench.add_argument("--linger_s", type=float, default=120.0)
+  bench.add_argument("--heartbeat_timeout_s", type=int, default=30,
+                     help="the coordination service holds a process silent this long dead (a stop past it ends it)")
   opts = bench.parse(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
   slot = int(os.environ["NOLOCO_PROCESS_ID"])
   # The control plane only (as the trainer's asynchronous schedule): this process's JAX sees its own devices.
   connection = control.connect(os.environ["NOLOCO_COORDINATOR_ADDRESS"], int(os.environ["NOLOCO_NUM_PROCESSES"]),
-                               slot, heartbeat_timeout_s=30, standalone_service=opts.standalone_service)
+                               slot, heartbeat_timeout_s=opts.heartbeat_timeout_s,
+                               standalone_service=opts.standalone_service)
   options = session_lib.Options(seed=opts.seed, window_s=opts.window_s, max_wait_s=opts.max_wait_s,
                                 exchange_timeout_s=opts.exchange_timeout_s, lease_s=opts.lease_s,
                                 beat_s=min(0.5, opts.lease_s / 4), odd=opts.odd, join_timeout_s=30.0,

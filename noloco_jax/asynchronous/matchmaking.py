@@ -102,10 +102,11 @@ class Matchmaker:
   def __init__(self, kv: KV, slot: int, incarnation: int, *, seed: int, window_s: float, max_wait_s: float,
                live: Callable[[], Mapping[int, int]], odd: str = "triple", close_grace_s: float = 5.0,
                ticket_grace_s: float = 2.0, keep_batches: int = 64, clock: Callable[[], float] = time.monotonic,
-               silent: Callable[[int], float | None] | None = None, check_s: float = 0.25):
+               silent: Callable[[int], float | None] | None = None, check_s: float = 0.25, hook=None):
     """`silent(slot)`: how long that process's heartbeat has been silent, when past the bound
     (liveness.Liveness.silent_past), else None; a member asks it of a batch's opener every `check_s`
-    while it waits for the close, and a closer leaves out every member it names (module docstring)."""
+    while it waits for the close, and a closer leaves out every member it names (module docstring). `hook`:
+    faults placed in its pairing (runtime/faults.ExchangeFaults, `at=ticketed`; tests and benchmarks)."""
     if window_s < 0:
       raise ValueError(f"window_s={window_s} is not valid: a number of seconds ≥ 0.")
     if max_wait_s <= 0:
@@ -115,7 +116,7 @@ class Matchmaker:
     self.kv, self.slot, self.incarnation, self.seed = kv, slot, incarnation, seed
     self.window_s, self.max_wait_s, self.odd = window_s, max_wait_s, odd
     self.close_grace_s, self.ticket_grace_s, self.keep_batches = close_grace_s, ticket_grace_s, keep_batches
-    self._live, self._clock, self._silent, self.check_s = live, clock, silent, check_s
+    self._live, self._clock, self._silent, self.check_s, self.hook = live, clock, silent, check_s, hook
     self._batch, self._last = 0, 0  # cursor: the first batch not yet read, the last ticket before it
     self.stats = Stats()
     self.history: collections.deque[dict] = collections.deque(maxlen=1000)  # the last rounds' outcomes
@@ -133,6 +134,8 @@ class Matchmaker:
       ticket = self.kv.increment(TICKET, 1)
       tickets += 1
       self.kv.set(_ticket_key(ticket), json.dumps([self.slot, self.incarnation, int(progress)]))
+      if self.hook is not None:
+        self.hook.at("ticketed")
       record = self._find_batch(ticket, deadline)
       group = _group_of(record, ticket, self.slot)
       if group is not None:

@@ -12,10 +12,11 @@ The driver's calls (training/rounds/asynchronous.py), in a process that trains a
 
 `round` answers exchanged (the group's messages, own first, with their progress), skipped (no partner
 within max_wait_s) or failed (a partner did not deliver within exchange_timeout_s, or its heartbeat was
-silent for partner_silence_s: stopped); the last two leave the state as it was. A message is any pytree of arrays (a codec's payload). Every round goes to the
-`pairings` log, every membership event (joined, left, lost, returned; a join served or taken) to the
-`events` log, per process (whoever reads them merges them: asynchronous/logs.py); their rows carry the
-step the driver is at (`step`), as the run's other logs do.
+silent for partner_silence_s: stopped); the last two leave the state as it was. A message is any
+pytree of arrays (a codec's payload). Every round goes to the `pairings` log, every membership event
+(joined, left, lost, returned; a join served or taken) to the `events` log, per process (whoever reads
+them merges them: asynchronous/logs.py); their rows carry the step the driver is at (`step`), as the
+run's other logs do.
 """
 
 from __future__ import annotations
@@ -105,10 +106,11 @@ class Session:
     # Every wait on a partner ends once its heartbeat has been silent past the bound (checked a few times a beat).
     silent = lambda peer: heartbeat.silent_past(peer, options.partner_silence_s)
     check_s = min(0.25, options.partner_silence_s / 8)
+    self.transport = transport_lib.Transport(kv, slot, incarnation, silent=silent, check_s=check_s)
     self.matchmaker = matchmaking.Matchmaker(
         kv, slot, incarnation, seed=options.seed, window_s=options.window_s, max_wait_s=options.max_wait_s,
-        live=self.liveness.poll, odd=options.odd, close_grace_s=options.close_grace_s, silent=silent, check_s=check_s)
-    self.transport = transport_lib.Transport(kv, slot, incarnation, silent=silent, check_s=check_s)
+        live=self.liveness.poll, odd=options.odd, close_grace_s=options.close_grace_s, silent=silent, check_s=check_s,
+        hook=self.transport.hook)
     self.donor = churn.Donor(kv, self.transport, slot)
     self.failed = 0
 
