@@ -1,5 +1,6 @@
 """Faults inside an exchange of the asynchronous schedule (issue 38.3): a partner killed or stopped in the
-middle of a transfer, a transfer that times out, a process whose clock jumps.
+middle of a transfer, a transfer that times out, a process whose clock jumps; and a partner whose heartbeat
+goes silent, given up on after outer.asynchronous.partner_silence_s rather than the timeout (issue 33.7).
 
 What must hold: the survivor's state is bit for bit what it was before that exchange, the exchange is
 logged as failed, and the process that was late or stopped, when it goes on, is either paired again or

@@ -45,7 +45,7 @@ Any failure is an `ExchangeFailed` naming the partner and the reason, raised at 
 after the call (plus a few store calls), or once the partner has been silent past the bound (plus
 `check_s`): the caller skips the exchange and trains on, its state as it was. Faults can be placed
 inside an exchange for tests (runtime/faults.py: xkill, xstop, xdelay, xclock at offered | announced |
-pulled).
+pulled; matchmaking.py's pairing before it: ticketed).
 
 Where the server listens: the address this host's name resolves to (`data_host`), as JAX's CPU
 collectives (gloo) bind theirs in the lock-step schedule: 127.0.0.1 on a machine whose name maps there,
