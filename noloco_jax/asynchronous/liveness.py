@@ -223,10 +223,10 @@ class Liveness:
     """How long `slot`'s heartbeat has not moved, if longer than `bound_s`, else None (reads every lease
     first: one store call). What an exchange or a batch waiting on a partner asks (transport.py,
     matchmaking.py: outer.asynchronous.partner_silence_s), so that a stopped partner costs its peers
-    about `bound_s`, not a whole timeout. Never a false alarm for a partner that is only slow: its
-    heartbeat is this daemon thread, which beats while the process computes, compiles or saves (module
-    docstring). And the answer is as fresh as this read: an observer that was itself stopped sees the
-    values that moved meanwhile as moved now."""
+    about `bound_s`, not a whole timeout. A partner that is only slow is not silent: its heartbeat is this
+    daemon thread, which beats while the process computes, compiles or saves (module docstring); a host so
+    starved that the thread cannot run for `bound_s` is taken for stopped. And the answer is as fresh as
+    this read: an observer that was itself stopped sees the values that moved meanwhile as moved now."""
     with self._lock:
       self.poll()
       silent = self.table.silent_s(slot, self._clock())

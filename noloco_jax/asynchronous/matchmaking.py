@@ -207,7 +207,7 @@ class Matchmaker:
     # With us in it the batch holds two members, so a live opener closes it within window_s; a silent one
     # (stopped) is not waited for past the silence bound.
     grace_s = self.window_s + self.close_grace_s
-    why = "in time"
+    why = "in time"  # else: why it was not waited for
     if self._silent is None:
       raw = self.kv.wait(_batch_key(b), grace_s)
     else:
@@ -219,12 +219,12 @@ class Matchmaker:
         if opener is None and (entry := self.kv.get(_ticket_key(self._last + 1))) is not None:
           opener = int(json.loads(entry)[0])
         if opener is not None and (silent_s := self._silent(opener)) is not None:
-          why = f"(slot {opener}, its opener, has been silent for {silent_s:.3g} s)"
+          why = f"slot {opener}: its heartbeat has been silent for {silent_s:.3g} s"
           break
     if raw is not None:
       return json.loads(raw)
     self.stats.fallback_closes += 1
-    logging.warning("Matchmaking: batch %d was not closed by its opener %s; slot %d closes it.", b, why, self.slot)
+    logging.warning("Matchmaking: batch %d was not closed by its opener (%s); slot %d closes it.", b, why, self.slot)
     return self._close(b, self._last + 1)
 
   def _close(self, b: int, first: int) -> dict:

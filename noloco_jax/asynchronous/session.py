@@ -103,7 +103,7 @@ class Session:
     if events is not None:
       heartbeat.attach(self._event)  # what it has seen since it started, then every new event
     self.liveness = heartbeat
-    # Every wait on a partner ends once its heartbeat has been silent past the bound (checked a few times a beat).
+    # Every wait on a partner ends once its heartbeat has been silent past the bound (asked every check_s).
     silent = lambda peer: heartbeat.silent_past(peer, options.partner_silence_s)
     check_s = min(0.25, options.partner_silence_s / 8)
     self.transport = transport_lib.Transport(kv, slot, incarnation, silent=silent, check_s=check_s)
