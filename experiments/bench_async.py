@@ -46,7 +46,9 @@ exchange, as the opener of the batch its partner joins (which waits for the open
 exchange). Per job: the survivor's (process 0's) round while it is stopped (status, reason, match wait,
 time in the exchange, its state as before the round) and `lost_s`: mid-exchange, its time in that
 exchange less its median exchange's; as the opener, that round's time (pairing and exchange) less its
-median exchanged round's.
+median exchanged round's. Meanwhile, at the same load, the longest gap of a thread ticking every 0.05 s
+(as the heartbeat beats) while this process traces and compiles a large program: a partner that compiles
+is slow, not silent.
 
     python experiments/bench_async.py --part=silence --json
 
@@ -437,6 +439,32 @@ def _survivor(out: str, case: str) -> dict:
           "lost_s": counted(hit) - median}
 
 
+def _tick_gap_during_compile(ops: int = 1500, tick_s: float = 0.05) -> dict:
+  """While this thread traces and compiles a program of `ops` elementwise steps, how long a thread that ticks
+  every `tick_s` (as the heartbeat beats: liveness.Liveness._run) goes at most without a tick."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  ticks, stop = [time.monotonic()], threading.Event()
+
+  def tick():
+    while not stop.wait(tick_s):
+      ticks.append(time.monotonic())
+
+  def program(x):
+    for i in range(ops):
+      x = jnp.sin(x) * 1.0001 + jnp.cos(x * i)
+    return x
+
+  ticker = threading.Thread(target=tick, daemon=True)
+  ticker.start()
+  start = time.monotonic()
+  jax.jit(program).lower(jnp.ones((64, 64))).compile()
+  compile_s = time.monotonic() - start
+  stop.set()
+  ticker.join()
+  return {"compile_s": compile_s, "tick_s": tick_s, "max_gap_s": float(np.max(np.diff(ticks)))}
+
+
 def silence_main(bench, args) -> dict:
   """--part=silence: the survivor's loss with the default partner_silence_s beside the bound off, per case."""
   from noloco_jax.config.outer import AsyncConfig  # pylint: disable=g-import-not-at-top
@@ -445,6 +473,8 @@ def silence_main(bench, args) -> dict:
   with tempfile.TemporaryDirectory() as out:
     # Every job at once: each arm sees the same load.
     jobs = {run: _stopped_partner_job(os.path.join(out, *run), arms[run[1]], args.stop_s, run[0]) for run in runs}
+    # Meanwhile, at the same load: is a thread starved while its process compiles (a slow, not a silent, partner)?
+    gap = _tick_gap_during_compile()
     codes = {}
     for run, procs in jobs.items():
       codes["/".join(run)] = []
@@ -455,7 +485,8 @@ def silence_main(bench, args) -> dict:
           if proc.poll() is None:
             proc.kill()
           log.close()
-    report = {"stop_s": args.stop_s, "defaults": dataclasses.asdict(AsyncConfig()), "exit_statuses": codes}
+    report = {"stop_s": args.stop_s, "defaults": dataclasses.asdict(AsyncConfig()), "exit_statuses": codes,
+              "heartbeat_thread_during_compile": gap}
     for case, arm in runs:
       try:
         report.setdefault(case, {})[arm] = {"partner_silence_s": arms[arm], **_survivor(os.path.join(out, case, arm), case)}
