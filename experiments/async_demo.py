@@ -61,21 +61,27 @@ def main(argv=None) -> None:
   bench.add_argument("--max_wait_s", type=float, default=3.0)
   bench.add_argument("--exchange_timeout_s", type=float, default=20.0)
   bench.add_argument("--lease_s", type=float, default=6.0)
+  bench.add_argument("--partner_silence_s", type=float, default=3.0,
+                     help="give up on a partner whose heartbeat is silent this long (stopped)")
   bench.add_argument("--decay", type=float, default=float(np.log(2.0)), help="staleness decay per round of lag")
   bench.add_argument("--odd", default="triple")
   bench.add_argument("--join", action="store_true", help="take the state from a live peer first")
   bench.add_argument("--standalone_service", action="store_true")
   bench.add_argument("--linger_s", type=float, default=120.0)
+  bench.add_argument("--heartbeat_timeout_s", type=int, default=30,
+                     help="the coordination service holds a process silent this long dead (a stop past it ends it)")
   opts = bench.parse(argv)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
   slot = int(os.environ["NOLOCO_PROCESS_ID"])
   # The control plane only (as the trainer's asynchronous schedule): this process's JAX sees its own devices.
   connection = control.connect(os.environ["NOLOCO_COORDINATOR_ADDRESS"], int(os.environ["NOLOCO_NUM_PROCESSES"]),
-                               slot, heartbeat_timeout_s=30, standalone_service=opts.standalone_service)
+                               slot, heartbeat_timeout_s=opts.heartbeat_timeout_s,
+                               standalone_service=opts.standalone_service)
   options = session_lib.Options(seed=opts.seed, window_s=opts.window_s, max_wait_s=opts.max_wait_s,
                                 exchange_timeout_s=opts.exchange_timeout_s, lease_s=opts.lease_s,
-                                beat_s=min(0.5, opts.lease_s / 4), odd=opts.odd, join_timeout_s=30.0)
+                                beat_s=min(0.5, opts.lease_s / 4), odd=opts.odd, join_timeout_s=30.0,
+                                partner_silence_s=opts.partner_silence_s)
   os.makedirs(opts.log_dir, exist_ok=True)
   logs = [JsonlLog(os.path.join(opts.log_dir, f"{name}_{slot}.jsonl")) for name in ("pairings", "membership", "rounds")]
   session = session_lib.Session(connection.kv, slot, connection.incarnation, options, pairings=logs[0], events=logs[1])

@@ -36,6 +36,22 @@ the two processes; a swap's time is the caller's, from the call to the partner's
 
     python experiments/bench_async.py --part=control --json
 
+**--part=silence.** What a partner stopped in the middle of an exchange costs its survivor (issue 33 item 7):
+two jobs of experiments/async_demo.py (two processes each, the config's defaults of outer.asynchronous:
+max_wait_s 5, exchange_timeout_s 30, lease_s 10), side by side at once, one with the default
+`partner_silence_s` and one with the bound off (1e9 s: the behaviour before it). In each, process 1 is
+SIGSTOPped in its 3rd exchange right after announcing its message (`xstop ... at=announced`) for --stop_s
+seconds; and, as a second case (`opener`), right after taking its ticket in the pairing before that
+exchange, as the opener of the batch its partner joins (which waits for the opener's close: 5 s, then the
+exchange). Per job: the survivor's (process 0's) round while it is stopped (status, reason, match wait,
+time in the exchange, its state as before the round) and `lost_s`: mid-exchange, its time in that
+exchange less its median exchange's; as the opener, that round's time (pairing and exchange) less its
+median exchanged round's. Meanwhile, at the same load, the longest gap of a thread ticking every 0.05 s
+(as the heartbeat beats) while this process traces and compiles a large program: a partner that compiles
+is slow, not silent.
+
+    python experiments/bench_async.py --part=silence --json
+
 Everything runs on one machine: the etcd members' Raft traffic crosses loopback, not a network.
 
 Prints one JSON object (the last line with --json); its "machine" says how busy the machine was.
@@ -44,9 +60,11 @@ Prints one JSON object (the last line with --json); its "machine" says how busy 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -364,10 +382,131 @@ def control_main(bench, args) -> dict:
 
 
 
+# ---- --part=silence: what a stopped partner costs its survivor ----
+
+# Where process 1 is stopped: in its 3rd exchange right after announcing its message, or in the pairing
+# before it, right after its ticket, as the opener of the batch (process 0 is 5x slower, so it always
+# arrives second: a member, which waits for the opener's close).
+SILENCE_CASES = {"mid_exchange": ("announced", 0.02), "opener": ("ticketed", 0.1)}
+
+
+def _stopped_partner_job(out: str, silence_s: float, stop_s: float, case: str):
+  """experiments/async_demo.py on two processes (the config's asynchronous defaults, `silence_s` as the bound),
+  process 1 stopped for `stop_s` at SILENCE_CASES[case]; returns its processes (started) and their logs."""
+  from noloco_jax.config.outer import AsyncConfig  # pylint: disable=g-import-not-at-top
+  from noloco_jax.runtime import launch_local  # pylint: disable=g-import-not-at-top
+  d, (at, slow_step_s) = AsyncConfig(), SILENCE_CASES[case]
+  os.makedirs(os.path.join(out, "logs"))
+  common = ["--log_dir", out, "--max_wait_s", str(d.max_wait_s), "--window_s", str(d.match_window_s),
+            "--exchange_timeout_s", str(d.exchange_timeout_s), "--lease_s", str(d.lease_s),
+            "--partner_silence_s", str(silence_s), "--dim", "1024", "--linger_s", str(stop_s + 120),
+            "--heartbeat_timeout_s", str(int(stop_s) + 60)]  # the service must not hold the stopped process dead
+  per_slot = [["--run_s", str(stop_s + 300), "--until_file", os.path.join(out, "result_1.json"), "--rounds", "1",
+               "--step_s", str(slow_step_s)], ["--rounds", "6", "--step_s", "0.02"]]
+  env = {"NOLOCO_FAULTS": f"xstop:process=1,round=3,at={at},seconds={stop_s:g}"}
+  port, procs = launch_local.free_port(), []
+  for slot, flags in enumerate(per_slot):
+    log = open(os.path.join(out, "logs", f"process_{slot}.log"), "w")
+    procs.append((subprocess.Popen([sys.executable, "-m", "experiments.async_demo", *common, *flags],
+                                   env=launch_local.process_env(slot, 2, 1, port, env), cwd=harness.REPO,
+                                   stdout=log, stderr=subprocess.STDOUT), log))
+  return procs
+
+
+def _jsonl(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _survivor(out: str, case: str) -> dict:
+  """Process 0's round while process 1 was stopped (the first it ended after process 1's last round before
+  the stop, in another batch), against its exchanged rounds. Its loss: mid-exchange, the exchange's time
+  (the stop came after the pairing) less a normal exchange's; stopped as the opener, the whole round's
+  (the pairing, then any exchange) less a normal round's."""
+  rows = {slot: _jsonl(os.path.join(out, f"pairings_{slot}.jsonl")) for slot in (0, 1)}
+  tried = [i for i, p in enumerate(rows[1]) if p["status"] in ("exchanged", "failed")]
+  before, stopped = rows[1][tried[1]], rows[1][tried[1] + 1]  # its 2nd exchange; the round of the stop
+  hit = next(p for p in rows[0] if p["time"] > before["time"] and p["batch"] != before["batch"])
+  counted = (lambda p: p["exchange_s"]) if case == "mid_exchange" else (lambda p: p["waited_s"] + p["exchange_s"])
+  normal = [counted(p) for p in rows[0] if p["status"] == "exchanged"]
+  median = float(np.median(normal))
+  [state] = [r for r in _jsonl(os.path.join(out, "rounds_0.jsonl")) if r["step"] == hit["step"]]
+  return {"round": {k: hit[k] for k in ("status", "reason", "waited_s", "exchange_s")},
+          "state_as_before_round": state["after"] == state["before"],
+          "stopped_process_round": {k: stopped[k] for k in ("status", "reason")},
+          "normal_s": {"median": median, "rounds": len(normal),
+                       "of": "exchange_s" if case == "mid_exchange" else "waited_s + exchange_s"},
+          "lost_s": counted(hit) - median}
+
+
+def _tick_gap_during_compile(ops: int = 1500, tick_s: float = 0.05) -> dict:
+  """While this thread traces and compiles a program of `ops` elementwise steps, how long a thread that ticks
+  every `tick_s` (as the heartbeat beats: liveness.Liveness._run) goes at most without a tick."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  ticks, stop = [time.monotonic()], threading.Event()
+
+  def tick():
+    while not stop.wait(tick_s):
+      ticks.append(time.monotonic())
+
+  def program(x):
+    for i in range(ops):
+      x = jnp.sin(x) * 1.0001 + jnp.cos(x * i)
+    return x
+
+  ticker = threading.Thread(target=tick, daemon=True)
+  ticker.start()
+  start = time.monotonic()
+  jax.jit(program).lower(jnp.ones((64, 64))).compile()
+  compile_s = time.monotonic() - start
+  stop.set()
+  ticker.join()
+  return {"compile_s": compile_s, "tick_s": tick_s, "max_gap_s": float(np.max(np.diff(ticks)))}
+
+
+def silence_main(bench, args) -> dict:
+  """--part=silence: the survivor's loss with the default partner_silence_s beside the bound off, per case."""
+  from noloco_jax.config.outer import AsyncConfig  # pylint: disable=g-import-not-at-top
+  arms = {"partner_silence_s_default": AsyncConfig().partner_silence_s, "bound_off": 1e9}
+  runs = [(case, arm) for case in args.cases for arm in arms]
+  with tempfile.TemporaryDirectory() as out:
+    # Every job at once: each arm sees the same load.
+    jobs = {run: _stopped_partner_job(os.path.join(out, *run), arms[run[1]], args.stop_s, run[0]) for run in runs}
+    # Meanwhile, at the same load: is a thread starved while its process compiles (a slow, not a silent, partner)?
+    gap = _tick_gap_during_compile()
+    codes = {}
+    for run, procs in jobs.items():
+      codes["/".join(run)] = []
+      for proc, log in procs:
+        try:
+          codes["/".join(run)].append(proc.wait(timeout=args.stop_s + 600))
+        finally:
+          if proc.poll() is None:
+            proc.kill()
+          log.close()
+    report = {"stop_s": args.stop_s, "defaults": dataclasses.asdict(AsyncConfig()), "exit_statuses": codes,
+              "heartbeat_thread_during_compile": gap}
+    for case, arm in runs:
+      try:
+        report.setdefault(case, {})[arm] = {"partner_silence_s": arms[arm], **_survivor(os.path.join(out, case, arm), case)}
+      except (OSError, ValueError, IndexError, StopIteration) as e:
+        for log in sorted(os.listdir(os.path.join(out, case, arm, "logs"))):
+          with open(os.path.join(out, case, arm, "logs", log)) as f:
+            print(f.read()[-3000:], file=sys.stderr)
+        raise SystemExit(f"bench_async --part=silence: job {case}/{arm} left no round with the stopped process ({e}).")
+  return bench.finish(report, text=lambda r: json.dumps(r, indent=2))
+
+
 def main(argv=None) -> dict | None:
   bench = harness.Bench(__doc__)
-  bench.add_argument("--part", choices=("transport", "control"), default="transport",
-                     help="transport: the data plane (three ways to swap); control: etcd beside JAX's service")
+  bench.add_argument("--part", choices=("transport", "control", "silence"), default="transport",
+                     help="transport: the data plane (three ways to swap); control: etcd beside JAX's service; "
+                     "silence: a partner stopped mid-exchange, with and without partner_silence_s")
+  bench.add_argument("--stop_s", type=float, default=40.0,
+                     help="--part=silence: how long the partner is stopped (past exchange_timeout_s: 30)")
+  bench.add_argument("--cases", nargs="+", choices=tuple(SILENCE_CASES), default=list(SILENCE_CASES),
+                     help="--part=silence: where the partner is stopped")
   bench.add_argument("--ops", type=int, default=200, help="--part=control: calls per store operation")
   bench.add_argument("--rounds", type=int, default=50, help="--part=control: matchmaking rounds")
   bench.add_argument("--lease_s", type=float, default=3.0, help="--part=control: the etcd lease's TTL")
@@ -381,6 +520,8 @@ def main(argv=None) -> dict | None:
     return None
   if args.part == "control":
     return control_main(bench, args)
+  if args.part == "silence":
+    return silence_main(bench, args)
   from noloco_jax.runtime import launch_local  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as out:
     forwarded = [f"--sizes_mb={args.sizes_mb}", f"--reps={args.reps}", f"--late_s={args.late_s}", f"--child={out}"]

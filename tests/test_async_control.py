@@ -87,6 +87,28 @@ def test_this_process_is_never_lost_to_itself():
   assert table.observe({3: "1:1"}, now=100.0) == [] and 3 in table.alive()
 
 
+def test_silence_is_counted_from_the_last_change_seen_and_a_stopped_observer_sees_beats_it_missed():
+  """liveness.Liveness.silent_past (the bound of issue 33 item 7) on a fake clock: a peer whose value stops
+  moving is silent from the last read that saw it move; an observer that was itself stopped for long (its
+  clock jumps 50 s) does not take a peer that beat meanwhile for silent: it reads the leases first."""
+  now = [0.0]
+  kv = memory_kv.MemoryKV()
+  me = liveness.Liveness(kv, 0, 1, beat_s=0.5, lease_s=100.0, clock=lambda: now[0])
+  peer = liveness.Liveness(kv, 1, 2, beat_s=0.5, lease_s=100.0, clock=lambda: now[0])
+  me.beat(), peer.beat()
+  assert me.silent_past(1, 2.0) is None and me.silent_past(0, 0.0) is None  # never silent to itself
+  now[0] = 1.0
+  peer.beat()
+  assert me.silent_past(1, 2.0) is None
+  now[0] = 3.5  # no beat since 1.0: 2.5 s
+  assert me.silent_past(1, 2.0) == pytest.approx(2.5) and me.silent_past(1, 3.0) is None
+  now[0] = 60.0  # this observer was stopped meanwhile; the peer beat
+  peer.beat()
+  assert me.silent_past(1, 2.0) is None
+  now[0] = 63.0
+  assert me.silent_past(1, 2.0) == pytest.approx(3.0)
+
+
 def test_liveness_over_memory_kv_sees_a_silent_thread_lost():
   kv = memory_kv.MemoryKV()
   a = liveness.Liveness(kv, 0, 1, beat_s=0.02, lease_s=0.3).start()
@@ -123,7 +145,8 @@ def test_bad_lease_settings_name_the_value(kwargs, field):
 @pytest.mark.parametrize("field,value,named", [
     ("max_wait_s", 0.0, "outer.asynchronous.max_wait_s=0.0 is not valid"), ("window_s", -1.0, "outer.asynchronous.match_window_s=-1.0"),
     ("exchange_timeout_s", 0.0, "outer.asynchronous.exchange_timeout_s=0.0"), ("odd", "pairs", "outer.asynchronous.match_odd='pairs'"),
-    ("lease_s", 0.1, "outer.asynchronous.lease_s=0.1")])
+    ("lease_s", 0.1, "outer.asynchronous.lease_s=0.1"),
+    ("partner_silence_s", 0.4, "outer.asynchronous.partner_silence_s=0.4 is not valid with a heartbeat every 0.5 s")])
 def test_bad_session_options_are_one_line_naming_the_field(field, value, named):
   with pytest.raises(ValueError, match=named.replace("(", r"\(")) as e:
     session.Options(**{field: value}).check()

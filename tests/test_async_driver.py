@@ -68,6 +68,8 @@ def _smoke(**overrides):
     ({"outer.rule.group_size": 4}, "config.outer.rule.group_size=4 is not valid"),
     ({"nan_policy": "skip_round"}, "config.nan_policy='skip_round' is not valid"),
     ({"outer.asynchronous.max_wait_s": 0.0}, "config.outer.asynchronous.max_wait_s=0.0 is not valid"),
+    ({"outer.asynchronous.partner_silence_s": 0.5}, "config.outer.asynchronous.partner_silence_s=0.5 is not valid: "
+     "a number of seconds ≥ 1"),
     ({"outer.schedule": "eventually"}, "config.outer.schedule='eventually' is not valid"),
 ])
 def test_unsupported_combinations_are_one_line_naming_the_field(overrides, field):

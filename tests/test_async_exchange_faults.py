@@ -1,5 +1,6 @@
 """Faults inside an exchange of the asynchronous schedule (issue 38.3): a partner killed or stopped in the
-middle of a transfer, a transfer that times out, a process whose clock jumps.
+middle of a transfer, a transfer that times out, a process whose clock jumps; and a partner whose heartbeat
+goes silent, given up on after outer.asynchronous.partner_silence_s rather than the timeout (issue 33.7).
 
 What must hold: the survivor's state is bit for bit what it was before that exchange, the exchange is
 logged as failed, and the process that was late or stopped, when it goes on, is either paired again or
@@ -44,22 +45,29 @@ def _run(fn):
 
 
 def test_exchange_faults_parse_and_fire_at_their_round_and_point():
-  spec = "xdelay:process=1,round=2,at=announced,seconds=0.3;xkill:process=0,round=1,at=offered;delay:seconds=0.1"
+  spec = ("xdelay:process=1,round=2,at=announced,seconds=0.3;xkill:process=0,round=1,at=offered;delay:seconds=0.1;"
+          "xdelay:process=1,round=3,at=ticketed,seconds=0.3")
   hook = faults.ExchangeFaults(faults.parse(spec), 1)
-  assert [f.kind for f in hook.faults] == ["xdelay"]
+  assert [f.kind for f in hook.faults] == ["xdelay", "xdelay"]
   assert [f.kind for f in faults.Injector(faults.parse(spec), 1).faults] == ["delay"]  # the step hook ignores x*
   slept = []
-  for _ in range(3):
+
+  def at(round_, phase):
+    start = time.monotonic()
+    hook.at(phase)
+    slept.append((round_, phase, time.monotonic() - start > 0.25))
+
+  for r in range(1, 4):
+    at(r, "ticketed")  # the pairing before exchange r (matchmaking.py), two tickets: it fires once
+    at(r, "ticketed")
     hook.begin()
-    for phase in faults.PHASES:
-      start = time.monotonic()
-      hook.at(phase)
-      slept.append((hook.round, phase, time.monotonic() - start > 0.25))
-  assert [(r, p) for r, p, late in slept if late] == [(2, "announced")]
+    for phase in ("offered", "announced", "pulled"):  # transport.py's, inside exchange r
+      at(r, phase)
+  assert [(r, p) for r, p, late in slept if late] == [(2, "announced"), (3, "ticketed")]
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("xkill:round=1", "at=None is not valid (valid: offered, announced, pulled)"),
+    ("xkill:round=1", "at=None is not valid (valid: ticketed, offered, announced, pulled)"),
     ("xstop:round=1,at=later,seconds=1", "at=later is not valid"),
     ("kill:step=3,at=offered", "at= is for xkill"),
     ("xdelay:round=1,at=pulled", "needs ['round', 'seconds']"),
@@ -125,6 +133,107 @@ def test_a_process_silent_past_its_lease_is_told_it_was_left_behind():
     me.beat()
   behind = [e for e in me.events if e["event"] == "left_behind"]
   assert len(behind) == 1 and behind[0]["slot"] == 0 and behind[0]["silent_s"] == pytest.approx(4.5)
+
+
+# ---- A silent partner (issue 33 item 7): given up on once its heartbeat is silent past the bound ----
+
+
+class _Freeze:
+  """An exchange fault on one process's threads: at `phase` its heartbeat stops beating (as a SIGSTOP would
+  stop it) and its exchange sleeps `seconds`, then both go on. `beating=True`: only the exchange sleeps (a
+  partner that is slow, its heartbeat alive)."""
+
+  def __init__(self, live, phase, seconds, beating=False):
+    self.live, self.phase, self.seconds, self.beating = live, phase, seconds, beating
+    self.frozen_at = None  # monotonic time the freeze began
+
+  def begin(self):
+    pass
+
+  def at(self, phase):
+    if phase != self.phase:
+      return
+    self.frozen_at = time.monotonic()
+    if not self.beating:
+      self.live._stop.set()  # pylint: disable=protected-access
+      self.live._thread.join(timeout=5)  # pylint: disable=protected-access
+    time.sleep(self.seconds)
+    if not self.beating:
+      self.live._stop.clear()  # pylint: disable=protected-access
+      self.live.start()
+
+
+def _silent_pair(phase, seconds, bound_s, beating=False):
+  """Slots 0 and 1 exchange under tag 7 (deadline 60 s each), each with a heartbeat; slot 0 gives up on a
+  partner silent past `bound_s`; slot 1 freezes at `phase` (_Freeze). Returns each side's outcome, how long
+  slot 0 went on after slot 1 froze, and the store."""
+  kv = memory_kv.MemoryKV()
+  lives = [liveness.Liveness(kv, s, 10 + s, beat_s=0.05, lease_s=30.0).start() for s in range(2)]
+  a = transport.Transport(kv, 0, 10, silent=lambda p: lives[0].silent_past(p, bound_s), check_s=0.1)
+  freeze = _Freeze(lives[1], phase, seconds, beating)
+  b = transport.Transport(kv, 1, 11, hook=freeze)
+  try:
+    ta, out_a = _run(lambda: a.exchange({"x": jnp.ones(4)}, [_member(1, 11)], 7, timeout_s=60.0))
+    tb, out_b = _run(lambda: b.exchange({"x": 2 * jnp.ones(4)}, [_member(0, 10)], 7, timeout_s=60.0))
+    ta.join(120)
+    a_s = time.monotonic() - freeze.frozen_at
+    tb.join(120)
+    return out_a, out_b, a_s, kv
+  finally:
+    for live in lives:
+      live.leave()
+
+
+@pytest.mark.parametrize("phase", ("offered", "announced", "pulled"))
+def test_a_partner_whose_heartbeat_stops_mid_exchange_is_given_up_on_within_the_silence_bound(phase):
+  """Slot 1's heartbeat stops for 4 s at `phase` of the exchange (offered: slot 0 waits for its message;
+  announced, pulled: for its acknowledgement). Slot 0, whose deadline is 60 s, fails the exchange once slot
+  1 has been silent for 0.5 s (plus a margin for a loaded machine), and neither merges: slot 1, going on,
+  finds the group's record says abort (without the bound, slot 0 waited the 4 s and both merged)."""
+  out_a, out_b, a_s, kv = _silent_pair(phase, 4.0, 0.5)
+  assert isinstance(out_a.get("error"), transport.ExchangeFailed), out_a
+  assert "heartbeat has been silent" in str(out_a["error"]), out_a
+  assert a_s < 0.5 + 2.5, a_s  # the bound + a loaded machine's margin, short of the 4 s stop
+  assert isinstance(out_b.get("error"), transport.ExchangeFailed), f"slot 1 merged alone: {out_b}"
+  assert "the group aborted the exchange (abort: slot 0" in str(out_b["error"])
+
+
+def test_a_slow_partner_whose_heartbeat_beats_is_waited_for():
+  """Slot 1 is slow (3 s at `offered`, three times the 1 s bound) but its heartbeat beats: it is not silent,
+  slot 0 waits for it, and both merge."""
+  out_a, out_b, a_s, kv = _silent_pair("offered", 3.0, 1.0, beating=True)
+  np.testing.assert_array_equal(np.asarray(out_a["ok"][0]["x"]), 2 * np.ones(4))
+  np.testing.assert_array_equal(np.asarray(out_b["ok"][0]["x"]), np.ones(4))
+  assert kv.get("x/7/decided/0") == transport.COMMIT and a_s > 2.9  # it waited out the 3 s
+
+
+def test_members_close_a_batch_whose_opener_went_silent_within_the_silence_bound():
+  """The opener of batch 0 (slot 5) took its ticket and stopped: its lease still holds (30 s) but its
+  heartbeat does not move. Its two members close the batch once it has been silent 1 s, not after their
+  close grace (30 s), and leave it out: they pair with each other."""
+  kv = memory_kv.MemoryKV()
+  lives = [liveness.Liveness(kv, s, 100 + s, beat_s=0.05, lease_s=30.0).start() for s in (0, 1, 5)]
+  lives[2]._stop.set()  # pylint: disable=protected-access  (slot 5 stops beating: its lease holds 30 s)
+  lives[2]._thread.join(timeout=5)  # pylint: disable=protected-access
+  kv.increment(matchmaking.TICKET, 1)
+  kv.set("mm/t/1", "[5, 105, 0]")
+  makers = [matchmaking.Matchmaker(kv, s, 100 + s, seed=0, window_s=0.05, max_wait_s=20.0, live=lives[s].poll,
+                                   close_grace_s=30.0, silent=lambda p, s=s: lives[s].silent_past(p, 1.0),
+                                   check_s=0.1) for s in range(2)]
+  out = {}
+  threads = [threading.Thread(target=lambda s=s: out.__setitem__(s, makers[s].ready(3))) for s in range(2)]
+  start = time.monotonic()
+  try:
+    [t.start() for t in threads]
+    [t.join(timeout=90) for t in threads]
+    took = time.monotonic() - start
+  finally:
+    for live in lives[:2]:
+      live.leave()
+  assert 5 in lives[0].poll()  # held alive all along: only its silence kept it out
+  assert out[0] is not None and [m.slot for m in out[0].group] == [0, 1], out
+  assert out[1] is not None and out[1].batch == out[0].batch == 0
+  assert took < 1.0 + 5.0, took  # the bound + a loaded machine's margin, not the 30 s grace
 
 
 # ---- The whole schedule on real processes (experiments/async_demo.py's toy job, loopback) ----
@@ -209,6 +318,39 @@ def test_a_partner_killed_or_stopped_mid_exchange_leaves_the_survivors_state_bit
   assert (1, "lost") in events0 and (1, "returned") in events0 and (2, "lost") in events0, events0
   again = [p for p in pairings[1] if p["time"] > stopped["time"] and p["status"] == "exchanged" and 0 in p["group"]]
   assert again, pairings[1][-5:]  # paired again with slot 0 after it resumed
+
+
+def test_a_partner_stopped_mid_exchange_costs_the_survivor_the_silence_bound_not_the_timeout(tmp_path):
+  """Issue 33 item 7. Two processes (exchange timeout 60 s, lease 30 s, partner_silence_s 1.5 s). Slot 1 is
+  SIGSTOPped for 12 s in its 3rd exchange right after announcing its message (slot 0 is pulling from it).
+  Slot 0 gives up once slot 1's heartbeat has been silent 1.5 s: its exchange fails within the bound plus a
+  loaded machine's margin (without the bound it waited the whole stop, and both merged), its state bit for
+  bit as before that round, and it trains on (rounds of its own while slot 1 is stopped). Slot 1, resumed,
+  merges nothing from that exchange (the group's record says abort) and pairs with slot 0 again."""
+  out = str(tmp_path)
+  os.makedirs(os.path.join(out, "logs"))
+  port = launch_local.free_port()
+  bound_s, stop_s = 1.5, 12.0
+  common = ["--log_dir", out, "--lease_s", "30", "--max_wait_s", "1.5", "--exchange_timeout_s", "60",
+            "--partner_silence_s", str(bound_s), "--dim", "256"]
+  per_slot = {0: ["--run_s", "300", "--until_file", os.path.join(out, "result_1.json"), "--rounds", "1"],
+              1: ["--rounds", "8"]}
+  fault = f"xstop:process=1,round=3,at=announced,seconds={stop_s:g}"
+  codes = _run_demo(out, port, common, per_slot, lambda slot: {"NOLOCO_FAULTS": fault})
+  assert codes == [0, 0], _logs(out)
+  pairings = {s: _jsonl(os.path.join(out, f"pairings_{s}.jsonl")) for s in range(2)}
+  tried = [p for p in pairings[1] if p["status"] in ("exchanged", "failed")]
+  stopped = tried[2]
+  assert stopped["status"] == "failed" and "the group aborted the exchange (abort: slot 0" in stopped["reason"], stopped
+  [survivor] = [p for p in pairings[0] if p["batch"] == stopped["batch"]]
+  assert survivor["status"] == "failed" and "heartbeat has been silent" in survivor["reason"], survivor
+  assert survivor["exchange_s"] < bound_s + 6.0, survivor  # the bound + a loaded machine's margin, not the 12 s stop
+  rounds0 = _jsonl(os.path.join(out, "rounds_0.jsonl"))
+  [failed] = [r for r in rounds0 if r["batch"] == stopped["batch"]]
+  assert failed["after"] == failed["before"], failed
+  assert any(failed["time"] < r["time"] < stopped["time"] for r in rounds0), "slot 0 did not train on meanwhile"
+  again = [p for p in pairings[1] if p["time"] > stopped["time"] and p["status"] == "exchanged" and 0 in p["group"]]
+  assert again, pairings[1][-5:]
 
 
 # A real component (libfaketime, preloaded into a process): the real tier, whose script installs it as root.

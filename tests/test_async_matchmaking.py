@@ -206,6 +206,40 @@ def test_members_close_a_batch_whose_opener_died():
   assert 5 not in {m.slot for m in out[0].group}
 
 
+def test_leave_out_among_five_pairs_four_and_the_one_left_out_in_the_next_batch():
+  """match_odd='leave_out' with more than 3 processes (issue 33's probe; five processes of the trainer through
+  the command line trained without a fault): five ready at once form one batch of two pairs and one left
+  out (uniformly: law.draw_groups' test), which takes a new ticket at once, opens the next batch and pairs
+  there with the next process to be ready, in the same round (its second ticket), not after its budget."""
+  kv = memory_kv.MemoryKV()
+  lives = [liveness.Liveness(kv, s, 100 + s, beat_s=0.05, lease_s=30.0).start() for s in range(5)]
+  makers = [matchmaking.Matchmaker(kv, s, 100 + s, seed=3, window_s=2.0, max_wait_s=30.0, live=lives[s].poll,
+                                   odd="leave_out") for s in range(5)]
+  out = {}
+  threads = [threading.Thread(target=lambda s=s: out.__setitem__(s, makers[s].ready(6))) for s in range(5)]
+  try:
+    [t.start() for t in threads]
+    end = time.monotonic() + 60
+    while len(out) < 4 and time.monotonic() < end:  # the two pairs; the one left out waits in batch 1
+      time.sleep(0.02)
+    assert len(out) == 4, out
+    [left] = set(range(5)) - set(out)
+    assert all(m.batch == 0 and len(m.group) == 2 and m.tickets == 1 for m in out.values()), out
+    groups = {tuple(x.slot for x in m.group) for m in out.values()}  # each pair as both its members read it
+    assert len(groups) == 2 and sorted(sum(groups, ())) == sorted(set(range(5)) - {left}), groups
+    next_one = min(out)
+    start = time.monotonic()
+    again = makers[next_one].ready(9)
+    [t.join(timeout=60) for t in threads]
+    assert time.monotonic() - start < 10.0  # paired at once (window 2 s), not after the 30 s budget
+    assert again is not None and again.batch == out[left].batch == 1, (again, out.get(left))
+    assert [m.slot for m in again.group] == sorted([left, next_one]) and out[left].tickets == 2
+    assert {m.slot: m.progress for m in again.group} == {left: 6, next_one: 9}
+  finally:
+    for live in lives:
+      live.leave()
+
+
 def test_a_process_held_lost_returns_and_is_grouped_again():
   """Issue 33 item 7: a process whose heartbeat stops for longer than a lease (SIGSTOP, a swapped-out host)
   is held lost; when its heartbeat moves again, same incarnation, it has *returned*: alive again, and the

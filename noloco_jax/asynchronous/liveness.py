@@ -94,6 +94,12 @@ class LeaseTable:
     """{slot: incarnation} of the members currently held alive (this process always is)."""
     return {s: v.incarnation for s, v in self._seen.items() if v.state == "alive" or s == self.me}
 
+  def silent_s(self, slot: int, now: float) -> float:
+    """Seconds since `slot`'s lease value last changed, by this observer's clock (0 for itself, and for a slot
+    never seen: a lease starts at first sight)."""
+    seen = self._seen.get(slot)
+    return 0.0 if seen is None or slot == self.me else now - seen.changed_at
+
 
 def is_left(tail: str) -> bool:
   """Whether a lease value's part after the incarnation says "left" ("left", or "left:<counter>" from a
@@ -212,6 +218,19 @@ class Liveness:
     with self._lock:
       self._emit(self.table.observe(values, self._clock()))
       return self.table.alive()
+
+  def silent_past(self, slot: int, bound_s: float) -> float | None:
+    """How long `slot`'s heartbeat has not moved, if longer than `bound_s`, else None (reads every lease
+    first: one store call). What an exchange or a batch waiting on a partner asks (transport.py,
+    matchmaking.py: outer.asynchronous.partner_silence_s), so that a stopped partner costs its peers
+    about `bound_s`, not a whole timeout. A partner that is only slow is not silent: its heartbeat is this
+    daemon thread, which beats while the process computes, compiles or saves (module docstring); a host so
+    starved that the thread cannot run for `bound_s` is taken for stopped. And the answer is as fresh as
+    this read: an observer that was itself stopped sees the values that moved meanwhile as moved now."""
+    with self._lock:
+      self.poll()
+      silent = self.table.silent_s(slot, self._clock())
+    return silent if silent > bound_s else None
 
   def _emit(self, events: list[dict]) -> None:
     with self._lock:

@@ -19,10 +19,14 @@ process that dies at any point delays nobody for more than a bounded time:
 - Waiting without polling. An opener blocks on the store for the *next* ticket's entry (`wait`), so it
   wakes when someone arrives, when the window ends, or at its deadline; members block on the record.
 - Left out (odd="leave_out", or alone at the deadline): a new ticket while the budget lasts.
+- A silent process (`silent`: its heartbeat has not moved for outer.asynchronous.partner_silence_s,
+  liveness.Liveness.silent_past; stopped, though its lease still holds) is left out by a closer, and a
+  member stops waiting for a silent opener's close at once and closes the batch itself.
 
 A process's wait for a partner is bounded by max_wait_s + window_s + close_grace_s (+ store calls):
 an opener waits at most max_wait_s; a member, whose arrival gives the batch two members, waits at
-most window_s for a live opener's close and close_grace_s more for a stalled or dead one's.
+most window_s for a live opener's close and close_grace_s more for a stalled or dead one's (with
+`silent`, no longer than the silence bound + check_s for a silent one's).
 
 `mm/latest` ("b:last", overwritten by closers) lets a starting or restarted process find the current
 batch; the closer of batch b deletes the record and ticket entries of batch b − keep_batches.
@@ -97,7 +101,12 @@ class Matchmaker:
 
   def __init__(self, kv: KV, slot: int, incarnation: int, *, seed: int, window_s: float, max_wait_s: float,
                live: Callable[[], Mapping[int, int]], odd: str = "triple", close_grace_s: float = 5.0,
-               ticket_grace_s: float = 2.0, keep_batches: int = 64, clock: Callable[[], float] = time.monotonic):
+               ticket_grace_s: float = 2.0, keep_batches: int = 64, clock: Callable[[], float] = time.monotonic,
+               silent: Callable[[int], float | None] | None = None, check_s: float = 0.25, hook=None):
+    """`silent(slot)`: how long that process's heartbeat has been silent, when past the bound
+    (liveness.Liveness.silent_past), else None; a member asks it of a batch's opener every `check_s`
+    while it waits for the close, and a closer leaves out every member it names (module docstring). `hook`:
+    faults placed in its pairing (runtime/faults.ExchangeFaults, `at=ticketed`; tests and benchmarks)."""
     if window_s < 0:
       raise ValueError(f"window_s={window_s} is not valid: a number of seconds ≥ 0.")
     if max_wait_s <= 0:
@@ -107,7 +116,7 @@ class Matchmaker:
     self.kv, self.slot, self.incarnation, self.seed = kv, slot, incarnation, seed
     self.window_s, self.max_wait_s, self.odd = window_s, max_wait_s, odd
     self.close_grace_s, self.ticket_grace_s, self.keep_batches = close_grace_s, ticket_grace_s, keep_batches
-    self._live, self._clock = live, clock
+    self._live, self._clock, self._silent, self.check_s, self.hook = live, clock, silent, check_s, hook
     self._batch, self._last = 0, 0  # cursor: the first batch not yet read, the last ticket before it
     self.stats = Stats()
     self.history: collections.deque[dict] = collections.deque(maxlen=1000)  # the last rounds' outcomes
@@ -125,6 +134,8 @@ class Matchmaker:
       ticket = self.kv.increment(TICKET, 1)
       tickets += 1
       self.kv.set(_ticket_key(ticket), json.dumps([self.slot, self.incarnation, int(progress)]))
+      if self.hook is not None:
+        self.hook.at("ticketed")
       record = self._find_batch(ticket, deadline)
       group = _group_of(record, ticket, self.slot)
       if group is not None:
@@ -193,12 +204,27 @@ class Matchmaker:
   def _await(self, b: int, deadline: float) -> dict:
     """As a member of open batch b: its record, or, if its opener has not closed it in time, our close."""
     del deadline  # the opener's deadline, not ours, governs the close; ours ends the round afterwards
-    # With us in it the batch holds two members, so a live opener closes it within window_s.
-    raw = self.kv.wait(_batch_key(b), self.window_s + self.close_grace_s)
+    # With us in it the batch holds two members, so a live opener closes it within window_s; a silent one
+    # (stopped) is not waited for past the silence bound.
+    grace_s = self.window_s + self.close_grace_s
+    why = "in time"  # else: why it was not waited for
+    if self._silent is None:
+      raw = self.kv.wait(_batch_key(b), grace_s)
+    else:
+      end, opener = time.monotonic() + grace_s, None
+      while True:
+        raw = self.kv.wait(_batch_key(b), max(min(end - time.monotonic(), self.check_s), 0.0))
+        if raw is not None or time.monotonic() >= end:
+          break
+        if opener is None and (entry := self.kv.get(_ticket_key(self._last + 1))) is not None:
+          opener = int(json.loads(entry)[0])
+        if opener is not None and (silent_s := self._silent(opener)) is not None:
+          why = f"slot {opener}: its heartbeat has been silent for {silent_s:.3g} s"
+          break
     if raw is not None:
       return json.loads(raw)
     self.stats.fallback_closes += 1
-    logging.warning("Matchmaking: batch %d was not closed by its opener in time; slot %d closes it.", b, self.slot)
+    logging.warning("Matchmaking: batch %d was not closed by its opener (%s); slot %d closes it.", b, why, self.slot)
     return self._close(b, self._last + 1)
 
   def _close(self, b: int, first: int) -> dict:
@@ -214,6 +240,8 @@ class Matchmaker:
     for m in entries:
       if alive.get(m.slot) == m.incarnation and (m.slot not in newest or m.ticket > newest[m.slot].ticket):
         newest[m.slot] = m
+    if self._silent is not None:  # held alive, but silent past the bound (stopped): not grouped with anyone
+      newest = {s: m for s, m in newest.items() if s == self.slot or self._silent(s) is None}
     groups, left_out = law.draw_groups(sorted(newest), self.seed, b, odd=self.odd)
     record = {"b": b, "first": first, "last": last, "closed_by": self.slot, "time": time.time(),
               "members": [[m.ticket, m.slot, m.incarnation, m.progress] for m in newest.values()],

@@ -11,11 +11,12 @@ The driver's calls (training/rounds/asynchronous.py), in a process that trains a
     session.close()                                                 # others see us leave at once
 
 `round` answers exchanged (the group's messages, own first, with their progress), skipped (no partner
-within max_wait_s) or failed (a partner did not deliver within exchange_timeout_s); the last two leave
-the state as it was. A message is any pytree of arrays (a codec's payload). Every round goes to the
-`pairings` log, every membership event (joined, left, lost, returned; a join served or taken) to the
-`events` log, per process (whoever reads them merges them: asynchronous/logs.py); their rows carry the
-step the driver is at (`step`), as the run's other logs do.
+within max_wait_s) or failed (a partner did not deliver within exchange_timeout_s, or its heartbeat was
+silent for partner_silence_s: stopped); the last two leave the state as it was. A message is any
+pytree of arrays (a codec's payload). Every round goes to the `pairings` log, every membership event
+(joined, left, lost, returned; a join served or taken) to the `events` log, per process (whoever reads
+them merges them: asynchronous/logs.py); their rows carry the step the driver is at (`step`), as the
+run's other logs do.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Options:
   beat_s: float = 0.5  # heartbeat interval
   lease_s: float = 10.0  # silent this long: lost
   close_grace_s: float = 5.0  # members close a batch whose opener did not, after window_s + this
+  # A partner whose heartbeat has not moved for this long (stopped) is given up on at once, in an exchange
+  # or as a batch's opener, rather than after exchange_timeout_s or close_grace_s (liveness.silent_past).
+  partner_silence_s: float = 3.0
   join_timeout_s: float = 120.0  # how long a joiner waits for one donor
 
   def check(self) -> None:
@@ -53,6 +57,9 @@ class Options:
       raise ValueError(f"outer.asynchronous.exchange_timeout_s={self.exchange_timeout_s} is not valid: seconds > 0.")
     if self.odd not in law.ODD_RULES:
       raise ValueError(f"outer.asynchronous.match_odd={self.odd!r} is not valid; choose one of {law.ODD_RULES}.")
+    if not self.partner_silence_s > self.beat_s:
+      raise ValueError(f"outer.asynchronous.partner_silence_s={self.partner_silence_s} is not valid with a heartbeat "
+                       f"every {self.beat_s} s: seconds longer than the heartbeat interval (a few beats).")
     if not 0 < self.beat_s < self.lease_s:
       raise ValueError(f"outer.asynchronous.lease_s={self.lease_s} is not valid with a heartbeat every {self.beat_s} s: "
                        "a lease longer than the heartbeat interval.")
@@ -96,10 +103,14 @@ class Session:
     if events is not None:
       heartbeat.attach(self._event)  # what it has seen since it started, then every new event
     self.liveness = heartbeat
+    # Every wait on a partner ends once its heartbeat has been silent past the bound (asked every check_s).
+    silent = lambda peer: heartbeat.silent_past(peer, options.partner_silence_s)
+    check_s = min(0.25, options.partner_silence_s / 8)
+    self.transport = transport_lib.Transport(kv, slot, incarnation, silent=silent, check_s=check_s)
     self.matchmaker = matchmaking.Matchmaker(
         kv, slot, incarnation, seed=options.seed, window_s=options.window_s, max_wait_s=options.max_wait_s,
-        live=self.liveness.poll, odd=options.odd, close_grace_s=options.close_grace_s)
-    self.transport = transport_lib.Transport(kv, slot, incarnation)
+        live=self.liveness.poll, odd=options.odd, close_grace_s=options.close_grace_s, silent=silent, check_s=check_s,
+        hook=self.transport.hook)
     self.donor = churn.Donor(kv, self.transport, slot)
     self.failed = 0
 

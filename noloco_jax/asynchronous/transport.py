@@ -33,10 +33,19 @@ The protocol of one exchange (group = the Match from matchmaking.py, tag = its b
    record lives until its least slot has made 16 more exchanges (keep_tags); one stopped longer finds
    none, writes "abort" and merges nothing.
 
+5. A silent partner ends the wait early. A partner that is stopped (SIGSTOP, a frozen host) is alive to the
+   store and to its transfer server until a lease or the deadline says otherwise, which would hold its
+   peers for up to `timeout_s`. So every wait on a partner (its offer, its message, its ack) asks
+   `silent(partner)` (liveness.Liveness.silent_past: how long its heartbeat, a thread that beats while the
+   process computes, has not moved) every `check_s` and gives up as soon as it is silent past the bound
+   (outer.asynchronous.partner_silence_s): then the exchange fails exactly as a timed-out one does, the
+   group's record says abort, and the stopped partner, resumed, finds it and merges nothing.
+
 Any failure is an `ExchangeFailed` naming the partner and the reason, raised at most `timeout_s`
-after the call (plus a few store calls): the caller skips the exchange and trains on, its state
-as it was. Faults can be placed inside an exchange for tests (runtime/faults.py: xkill, xstop, xdelay,
-xclock at offered | announced | pulled).
+after the call (plus a few store calls), or once the partner has been silent past the bound (plus
+`check_s`): the caller skips the exchange and trains on, its state as it was. Faults can be placed
+inside an exchange for tests (runtime/faults.py: xkill, xstop, xdelay, xclock at offered | announced |
+pulled; matchmaking.py's pairing before it: ticketed).
 
 Where the server listens: the address this host's name resolves to (`data_host`), as JAX's CPU
 collectives (gloo) bind theirs in the lock-step schedule: 127.0.0.1 on a machine whose name maps there,
@@ -52,6 +61,7 @@ import json
 import socket
 import threading
 import time
+from typing import Callable
 
 import jax
 
@@ -111,11 +121,15 @@ class Transport:
   """This process's transfer server, its address in the store, and its connections to partners."""
 
   def __init__(self, kv: KV, slot: int, incarnation: int, *, host: str | None = None, keep_tags: int = 16,
-               hook: faults_lib.ExchangeFaults | None = None):
+               hook: faults_lib.ExchangeFaults | None = None, silent: Callable[[int], float | None] | None = None,
+               check_s: float = 0.25):
     """`host`: where the server listens (None: `data_host()`); `hook`: faults placed inside its exchanges
-    (tests; default: NOLOCO_FAULTS' x* kinds, usually none)."""
+    (tests; default: NOLOCO_FAULTS' x* kinds, usually none); `silent(slot)`: how long that partner's
+    heartbeat has been silent, when past the bound (liveness.Liveness.silent_past), else None: every wait on
+    a partner asks it every `check_s` seconds and ends when it answers (module docstring, step 5)."""
     from jax.experimental import transfer  # pylint: disable=g-import-not-at-top
     self.kv, self.slot, self.incarnation, self.keep_tags = kv, slot, incarnation, keep_tags
+    self.silent, self.check_s = silent, check_s
     host = host or data_host()
     client = jax.local_devices()[0].client
     self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
@@ -155,7 +169,7 @@ class Transport:
       for p in partners:
         if self.kv.get(record) is not None:  # the group has decided without us (we are late): follow it
           raise ExchangeFailed(p.slot, "the group decided before this process had pulled every message")
-        theirs = self.kv.wait(f"x/{tag}/{p.slot}", deadline - time.monotonic())
+        theirs = self._wait(f"x/{tag}/{p.slot}", p.slot, deadline)
         if theirs is None:
           raise ExchangeFailed(p.slot, f"it did not offer its message within {timeout_s:.3g} s (stalled, dead, or "
                                        "it gave up on the exchange)")
@@ -169,7 +183,7 @@ class Transport:
       self._at("pulled")
       self.kv.set(f"x/{tag}/{self.slot}/ack", "1")
       for p in partners:
-        if self.kv.wait(f"x/{tag}/{p.slot}/ack", deadline - time.monotonic()) is None:
+        if self._wait(f"x/{tag}/{p.slot}/ack", p.slot, deadline) is None:
           raise ExchangeFailed(p.slot, f"it did not acknowledge our message within {timeout_s:.3g} s (stalled, dead, "
                                        "or it gave up)")
     except ExchangeFailed as e:
@@ -189,6 +203,24 @@ class Transport:
     self.stats.seconds += time.monotonic() - start
     return received
 
+  def _wait(self, key: str, partner: int, deadline: float) -> str | None:
+    """`key`'s value once a partner writes it; None at `deadline`; ExchangeFailed as soon as the partner's
+    heartbeat has been silent past the bound (`silent`): the store's wait, in slices of `check_s`."""
+    while True:
+      left = deadline - time.monotonic()
+      if self.silent is None or left <= self.check_s:
+        return self.kv.wait(key, left)
+      value = self.kv.wait(key, self.check_s)
+      if value is not None:
+        return value
+      self._check_silence(partner)
+
+  def _check_silence(self, partner: int) -> None:
+    silent_s = self.silent(partner) if self.silent is not None else None
+    if silent_s is not None:
+      raise ExchangeFailed(partner, f"its heartbeat has been silent for {silent_s:.3g} s (stopped or dead: "
+                                    "outer.asynchronous.partner_silence_s)")
+
   def offer(self, leaves, tag: int, puller: int, expiry_s: float) -> None:
     """Makes `leaves` fetchable once by slot `puller` under `tag` for `expiry_s` seconds (returns at once)."""
     expiry = datetime.datetime.now() + datetime.timedelta(seconds=expiry_s)
@@ -198,14 +230,26 @@ class Transport:
     """Pulls what `partner` (.slot, .incarnation) offered this slot under `tag`; ExchangeFailed at `deadline`."""
     pull_id = uuid(tag, partner.slot, self.slot)
     conn = self._connection(partner)
-    poisoned = threading.Event()
+    done, poisoned = threading.Event(), []  # poisoned: why the watchdog ended the pull
 
-    def poison():
-      poisoned.set()
-      conn._poison_connection()  # pylint: disable=protected-access  (the one way to end a waiting pull)
+    def watchdog():
+      # Wakes every check_s (or once, at the deadline, without a silence test) until the pull is done.
+      while not done.wait(self.check_s if self.silent is not None else max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+          why = "no message by the deadline"
+        else:
+          try:
+            self._check_silence(partner.slot)
+            continue
+          except ExchangeFailed as e:
+            why = e.reason
+          except Exception:  # pylint: disable=broad-except  (the store failed: the deadline still bounds the pull)
+            continue
+        poisoned.append(why)
+        conn._poison_connection()  # pylint: disable=protected-access  (the one way to end a waiting pull)
+        return
 
-    timer = threading.Timer(max(deadline - time.monotonic(), 0.0), poison)
-    timer.daemon = True
+    timer = threading.Thread(target=watchdog, name="noloco-pull-watchdog", daemon=True)
     timer.start()
     try:
       got = conn.pull(pull_id, specs)
@@ -213,11 +257,12 @@ class Transport:
       return got
     except Exception as e:  # pylint: disable=broad-except  (the transfer library raises JaxRuntimeError)
       self._conns.pop(partner.slot, None)
-      why = "no message by the deadline" if poisoned.is_set() else str(e).splitlines()[0]
+      why = poisoned[0] if poisoned else str(e).splitlines()[0]
       raise ExchangeFailed(partner.slot, f"pull failed: {why}") from e
     finally:
-      timer.cancel()
-      if poisoned.is_set():
+      done.set()
+      timer.join()
+      if poisoned:
         self._conns.pop(partner.slot, None)  # a poisoned connection is never used again
 
   def _connection(self, partner):

@@ -218,6 +218,11 @@ class AsyncConfig(Section):
   # grouped while it is. One whose heartbeat moves again (it was stopped or starved, not dead) has returned
   # (logged) and is grouped again; a restarted one is a new member (asynchronous/liveness.py).
   lease_s: float = 10.0
+  # A partner whose heartbeat has not moved for this long (stopped: SIGSTOP, a frozen host) is given up on at
+  # once: the exchange fails as a timed-out one does (state as it was), or a batch it opened is closed without
+  # it, rather than after exchange_timeout_s. Its heartbeat is a thread that beats while it computes,
+  # compiles or saves, so a partner that is only slow is waited for (asynchronous/liveness.py).
+  partner_silence_s: float = 3.0
   match_odd: str = "triple"  # an odd batch of ready processes: "triple" (one group of three) or "leave_out".
   # How long a (re)started process waits for the live peer it asked for its state (the peer serves it at its
   # next round boundary) before it asks another.
@@ -229,6 +234,8 @@ class AsyncConfig(Section):
                             ("staleness_decay", self.staleness_decay >= 0, "a number ≥ 0 (0 turns the discount off)"),
                             ("exchange_timeout_s", self.exchange_timeout_s > 0, "a number of seconds > 0"),
                             ("lease_s", self.lease_s >= 1, "a number of seconds ≥ 1 (several heartbeats per lease)"),
+                            ("partner_silence_s", self.partner_silence_s >= 1,
+                             "a number of seconds ≥ 1 (several heartbeats: one every min(0.5, lease_s / 10) s)"),
                             ("join_timeout_s", self.join_timeout_s > 0, "a number of seconds > 0")):
       if not ok:
         fail(f"outer.asynchronous.{name}", getattr(self, name), valid)

@@ -27,7 +27,8 @@ come from the environment variable NOLOCO_FAULTS, a `;`-separated list of `kind:
 without it `after_step` does nothing, so a normal run carries no fault code on its path.
 
 Faults inside an exchange of the asynchronous schedule (asynchronous/transport.py calls `ExchangeFaults.at`
-at three points of each exchange; `round=k`: the process's k-th exchange since it started):
+at three points of each exchange, asynchronous/matchmaking.py at one point of the pairing before it;
+`round=k`: the process's k-th exchange since it started):
 
     xkill:process=1,round=3,at=announced         SIGKILL itself at that point (a host lost mid-transfer)
     xstop:process=1,round=3,at=offered,seconds=8 SIGSTOP itself (every thread, its heartbeat and transfer
@@ -40,9 +41,10 @@ at three points of each exchange; `round=k`: the process's k-th exchange since i
                                                  must run with it preloaded and FAKETIME_TIMESTAMP_FILE set;
                                                  the fault writes the offset there)
 
-`at`: `offered` (its message is on its transfer server, its partners not yet told), `announced` (its
-store entry is written: partners pull from it now), `pulled` (it holds its partners' messages, before it
-returns them). A stop or a delay past the exchange's deadline, or past the lease, is what the tests of
+`at`: `ticketed` (pairing for its k-th exchange: its ticket is in the store, its batch not yet closed;
+once, at its first ticket), `offered` (its message is on its transfer server, its partners not yet
+told), `announced` (its store entry is written: partners pull from it now), `pulled` (it holds its
+partners' messages, before it returns them). A stop or a delay past the exchange's deadline, or past the lease, is what the tests of
 issue 38 place (tests/test_async_exchange_faults.py).
 
 NOLOCO_TRACE=DIR (benchmarks: experiments/bench_network.py) also times every step: the loop's
@@ -71,7 +73,8 @@ ENV = "NOLOCO_FAULTS"
 TRACE_ENV = "NOLOCO_TRACE"
 KINDS = ("delay", "slowdown", "lognormal", "pace", "stall", "kill", "linkdown", "xkill", "xstop", "xdelay", "xclock")
 EXCHANGE_KINDS = ("xkill", "xstop", "xdelay", "xclock")
-PHASES = ("offered", "announced", "pulled")  # the points of an exchange where transport.py calls the hook
+# The points where the hook is called: matchmaking.py's (before the exchange), then transport.py's.
+PHASES = ("ticketed", "offered", "announced", "pulled")
 
 
 @dataclasses.dataclass
@@ -211,14 +214,18 @@ class ExchangeFaults:
   def __init__(self, faults: list[Fault], process_index: int):
     self.faults = [f for f in faults if f.process in (None, process_index) and f.kind in EXCHANGE_KINDS]
     self.round = 0
+    self._fired: set[int] = set()  # each fault once (a round's pairing may take several tickets)
 
   def begin(self) -> None:
     self.round += 1
 
   def at(self, phase: str) -> None:
     for f in self.faults:
-      if f.at != phase or int(f.params["round"]) != self.round:
+      # `ticketed` comes before the exchange's begin(): it belongs to the coming round.
+      round_now = self.round + 1 if phase == "ticketed" else self.round
+      if f.at != phase or int(f.params["round"]) != round_now or id(f) in self._fired:
         continue
+      self._fired.add(id(f))
       seconds = f.params.get("seconds", 0.0)
       if f.kind == "xkill":
         os.kill(os.getpid(), signal.SIGKILL)
