@@ -276,8 +276,10 @@ def _logs(out):
 
 def test_a_partner_killed_or_stopped_mid_exchange_leaves_the_survivors_state_bit_for_bit(tmp_path):
   """Three processes (lease 3 s, exchange timeout 2 s). Slot 2 is SIGKILLed in its 3rd exchange right after
-  announcing its message (its partners are pulling from it); later slot 1 is SIGSTOPped in its 6th exchange
-  for 7 s, past its lease, after offering and before announcing (by then slot 0 is its only partner).
+  announcing its message (its partners are pulling from it); later slot 1 is SIGSTOPped in its 9th exchange
+  for 7 s, past its lease, after offering and before announcing (by then slot 0 is its only partner: the stop
+  comes six exchanges after the kill, so a slot 2 that started a few rounds late on a loaded machine is dead
+  by then; with the 6th, a start three rounds late once put all three in the stopped batch).
   Every round that did not exchange leaves its process's state bit for bit as it was before the round's
   message (digests of the whole state); the failed exchanges are logged as failed on both sides; slot 1,
   resumed, is told it was left behind (its group's record says abort; a `left_behind` event), merges
@@ -288,7 +290,7 @@ def test_a_partner_killed_or_stopped_mid_exchange_leaves_the_survivors_state_bit
   common = ["--log_dir", out, "--lease_s", "3", "--max_wait_s", "1.5", "--exchange_timeout_s", "2", "--dim", "256"]
   per_slot = {0: ["--run_s", "300", "--until_file", os.path.join(out, "result_1.json"), "--rounds", "1"],
               1: ["--rounds", "16"], 2: ["--rounds", "16"]}
-  fault = "xkill:process=2,round=3,at=announced;xstop:process=1,round=6,at=offered,seconds=7"
+  fault = "xkill:process=2,round=3,at=announced;xstop:process=1,round=9,at=offered,seconds=7"
   codes = _run_demo(out, port, common, per_slot, lambda slot: {"NOLOCO_FAULTS": fault})
   assert codes == [0, 0, -9], _logs(out)
   rounds = {s: _jsonl(os.path.join(out, f"rounds_{s}.jsonl")) for s in range(3)}
@@ -304,9 +306,9 @@ def test_a_partner_killed_or_stopped_mid_exchange_leaves_the_survivors_state_bit
   assert len(killed_batch) == 2, pairings[2]  # two exchanges completed; the 3rd never logged
   failed_with_2 = [p for s in (0, 1) for p in pairings[s] if p["status"] == "failed" and 2 in p["group"]]
   assert failed_with_2 and all(p["batch"] == failed_with_2[0]["batch"] for p in failed_with_2), failed_with_2
-  # Slot 1's stop: its 6th exchange failed on both sides, and it was told so on resuming.
+  # Slot 1's stop: its 9th exchange failed on both sides, and it was told so on resuming.
   tried = [p for p in pairings[1] if p["status"] in ("exchanged", "failed")]
-  stopped = tried[5]
+  stopped = tried[8]
   assert stopped["status"] == "failed" and stopped["group"] == [0, 1], stopped
   assert "the group aborted the exchange (abort: slot 0" in stopped["reason"], stopped
   same = [p for p in pairings[0] if p["batch"] == stopped["batch"]]
