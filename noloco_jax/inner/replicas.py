@@ -8,8 +8,8 @@
     auto        `sequential` on CPU, `vmap` on every other backend (GPU, TPU), when k > 1.
 
 With k = 1 (the default job) the step is built with vmap, so its program is what it was before this
-choice existed. Why `auto` picks by platform (experiments/RESULTS.md, "Inner step throughput" and the
-accelerator check): on XLA:CPU the loop runs 1.10x vmap's throughput; on an H200 vmap ran 4 replicas'
+choice existed. Why `auto` picks by platform (experiments/RESULTS.md: "Inner step" and "Accelerator
+check"): on XLA:CPU the loop runs 1.10x vmap's throughput; on an H200 vmap ran 4 replicas'
 step in 0.71 of the loop's time (a small replica's kernels leave an accelerator idle). The loop's one
 advantage there is memory (one replica's activations at a time): set `sequential` when k replicas'
 activations do not fit.
