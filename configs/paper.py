@@ -16,7 +16,7 @@ Check that a run fits before launching it (no data needed; on a CPU machine the 
         --config=configs/paper.py:model=large,gpus=64,dp=16,pp=4,method=noloco,data=c4,pp_as=fsdp
 
 prints per-device memory (here 64.9 of 74.5 GiB) and the bytes a round sends, and exits 1 if it does
-not fit. Measured for every row in experiments/RESULTS.md ("Paper-scale dry runs"): with
+not fit. Measured for every row in experiments/RESULTS.md ("Memory at paper scale"): with
 `pp_as=fsdp` every row fits 80 GB; with pipeline stages (the default) 4 of the 7 PP rows do not yet,
 because the GPipe schedule keeps every micro-batch's activations until the backward pass.
 
@@ -74,7 +74,7 @@ SEQ_LEN = 1024
 # `offload`: φ and δ in pinned host memory between rounds (outer.offload). The large model's float32
 # θ, Adam moments, φ and δ are 180 GiB per replica, 45 GiB on each of its 4 devices: with activations
 # that exceeds 80 GB (dry run: 91 GiB); without φ and δ on the device it fits (65 GiB; see
-# experiments/RESULTS.md, "Paper-scale dry runs").
+# experiments/RESULTS.md, "Memory at paper scale").
 SIZES = {
     "small": dict(lr=6e-4, batch_tokens=2 ** 19, remat=False, device_seqs=8, offload=False),
     "medium": dict(lr=2e-4, batch_tokens=2 ** 20, remat=True, device_seqs=8, offload=False),

@@ -9,30 +9,15 @@ that fails verification is skipped with a warning naming it. WORKDIR may be an a
 processes' checkpoints are read together (asynchronous/result.py; `--consensus` is then their
 progress-weighted average, `--replica I` process I's replica).
 
-Nothing is destroyed (`check_out`): DIR must be new, empty, or a previous export of ours (which is
-replaced); any other non-empty DIR is refused in one line unless `--force` (then only the files of an
-export are replaced); a run's own workdir is refused even with --force (its config.json is the run's).
-The files are written into a temporary folder beside DIR and moved in at the end, so a failed export
-leaves DIR as it was. config.json's `noloco_jax` entry says where the weights come from (step, replica or
-consensus, the run's config, the code's commit) without this machine's paths (`provenance`).
+What DIR may hold (`check_out`), the tokenizer files and the provenance entry: docs/after_a_run.md.
 
-Why the weights map one to one: our Llama (models/llama.py) is the Hugging Face Llama: pre-norm
-RMSNorm blocks, rotary embeddings that rotate the pairs (i, i + K/2) of each head with frequencies
-θ^(−2i/K) (Hugging Face's `rotate_half` convention, so q and k need no permutation), SwiGLU MLP,
-untied embedding and head, no biases, attention scaled by 1/√K, one key/value head per query head.
-Only the layouts differ: Flax kernels are [in, out] (torch Linear weights are [out, in]), q/k/v
-kernels are [D, H, K] and o is [H, K, D], and the layers are one stacked [num_layers, ...] array
-each (nn.scan). `hf_state_dict` is that mapping, a pure function of one replica's params.
-
-Options with no Hugging Face equivalent are refused in one line (`check_exportable`): a model other
-than `llama`, and any model field this exporter does not know how to map (a field added to
-config/model.py after this file must be mapped here before it exports). Training-only fields
-(remat, remat_policy, attention kernel, loss_chunk) do not change the function and export as is;
-`model.dtype` (the compute dtype) has no separate setting in transformers, which computes in the
-weights' dtype (`--dtype`).
-
-safetensors is written here directly (an 8-byte header length, a JSON header, the raw little-endian
-tensors): no torch and no safetensors package needed to export; transformers reads it back.
+Why the weights map one to one: our Llama (models/llama.py) is the Hugging Face Llama (pre-norm RMSNorm,
+rotary pairs (i, i + K/2) as `rotate_half`, so q and k need no permutation; SwiGLU; untied; no biases).
+Only layouts differ: Flax kernels are [in, out] (torch: [out, in]), q/k/v are [D, H, K] and o [H, K, D],
+and the layers are stacked [num_layers, ...] (nn.scan). `hf_state_dict` is that mapping, a pure function
+of one replica's params. A model field without a mapping is refused in one line (`check_exportable`);
+training-only fields (remat, attention kernel, loss_chunk) do not change the function. safetensors is
+written directly (header length, JSON header, raw little-endian tensors): no torch needed to export.
 """
 
 from __future__ import annotations

@@ -6,27 +6,11 @@ Nothing is re-trained or re-evaluated: the figures are the rows the run logged (
 sizes in its config.json. A run still in progress works: a half-written last line is skipped, and the
 summary says which step the run has reached.
 
-The PNG has six panels: validation (and training) loss against inner steps, against training tokens
-(steps × replicas × batch × sequence length, all replicas together) and against modelled wall time;
-the cross-replica weight std (a symmetric-log axis, so a spread of 0 is drawn at 0: a DiLoCo run logs 0 at
-every step); the bytes on the wire per replica (cumulative; `Run.wire_series` for logs from before they
-were counted); and the rounds skipped (nan_policy="skip_round"). The consensus model's loss is drawn
-over eval/loss, dashed, in a darker shade of the run's colour, where the run logged it. A series that
-cannot be drawn is named in its panel with the reason.
-
-The workdir of an asynchronous job (its processes' runs in process_<i>/) is reported as one run: its
-processes' logs merged (asynchronous/logs.py: means over the processes at each step) and, once computed,
-the job's spread and consensus loss at its last checkpoints (asynchronous/result.py, WORKDIR/summary.json).
-
-Modelled wall time: the run's own measured compute time (the sum over log intervals of steps ÷
-perf/steps_per_s, evaluations excluded, the first interval's compilation replaced by the median rate) plus the time its logged bytes would take on a link of
---link-gbps with --alpha-ms of latency per outer round (or per step for ddp), i.e. the deterministic
-α–β model of experiments/compare_methods.py applied to the bytes the run counted. On the CPU simulator
-the measured part is every replica's compute on one host; it is a figure to compare runs by, not a
-forecast.
-
-Without matplotlib (`pip install '.[plots]'`) the text summary is still printed and the PNG step says
-how to install it.
+The six panels, the modelled wall time (the run's measured compute plus its logged bytes on an α–β link:
+on the CPU simulator a figure to compare runs by, not a forecast) and the options: docs/after_a_run.md.
+A series that cannot be drawn is named in its panel with the reason. An asynchronous job's workdir
+(process_<i>/) is reported as one run: its processes' logs merged (asynchronous/logs.py) and, once
+computed, the job's spread and consensus loss (asynchronous/result.py, WORKDIR/summary.json).
 """
 
 from __future__ import annotations

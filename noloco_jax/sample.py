@@ -10,16 +10,11 @@ process I's replica, `--consensus` the processes' progress-weighted average). Th
 the output decoded with the run's own tokenizer (config.data.tokenizer; a pre-tokenized run takes
 --prompt-ids and prints ids).
 
-No KV cache: our Llama has none, so every new token re-runs the model over the whole window. That
-costs O(window²) per sample, nothing for the tiny and small presets this is meant for. The window is
-a fixed [num_samples, W] buffer (W = prompt + length, at most the model's max_seq_len), so one program
-is compiled; causal attention makes the logits at position p independent of the padding after it.
-Past max_seq_len the window slides (the oldest tokens drop out), as the model was trained on windows
-of that length.
-
-Sampling is seeded (--seed; each new token folds its index into the key): the same command prints the
-same text. Temperature 0 is greedy decoding. --top-k keeps the k most likely tokens, --top-p the
-smallest set whose probability reaches p (both: the intersection).
+No KV cache (docs/after_a_run.md): every new token re-runs the model over a fixed [num_samples, W]
+window (W = prompt + length, at most max_seq_len), so one program is compiled; causal attention makes the
+logits at position p independent of the padding after it; past max_seq_len the window slides. Sampling
+is seeded (each new token folds its index into the key); temperature 0 is greedy; --top-k and --top-p
+together keep their intersection.
 """
 
 from __future__ import annotations

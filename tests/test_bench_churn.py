@@ -109,6 +109,10 @@ def test_a_rate_or_delay_out_of_range_is_one_line_naming_the_flag(flags, message
   assert out.err.strip().splitlines() == [f"noloco_jax: {message}" + out.err.strip().split(message, 1)[1]]
 
 
+@pytest.mark.exhaustive(reason="bench_churn end to end (its failure trace, accounting, audits, targets and errors: the "
+                        "rest of this file; a killed asynchronous process rejoining a live job: tests/test_async_churn.py "
+                        "and tests/test_async_driver.py; a lock-step job restarted from its checkpoint after SIGKILL, "
+                        "every row once: tests/test_checkpoint.py)")
 def test_quick_mode_runs_both_schedules_under_the_same_failures(tmp_path):
   """P = 2, asynchronous and lock-step NoLoCo, failures every 12 s per process on average for 20 s (two)."""
   out = subprocess.run([sys.executable, "experiments/bench_churn.py", "--quick", "--json", "--keep", str(tmp_path)],

@@ -1,8 +1,8 @@
 """Elastic resume (config.checkpoint.elastic, io/checkpoint/resize.py): NumPy references of the resize
 plans, then a real lost host: a 2-process job whose process 1 is killed at step 8 (NOLOCO_FAULTS),
-resumed by the survivor (1 process, its 4 devices) dropping process 1's replicas or re-creating them
-from their last partners, or by the survivor and a replacement host (2 processes) growing to 12
-replicas; each continues to the end and logs the change.
+resumed as it was (the same 8 replicas, one process), by the survivor (1 process, its 4 devices)
+dropping process 1's replicas or re-creating them from their last partners, or by the survivor and a
+replacement host (2 processes) growing to 12 replicas; each continues to the end and logs the change.
 
 The killed job runs once per module (about 30 s); each resume copies its workdir.
 """
@@ -20,6 +20,7 @@ import pytest
 
 from configs import default
 from noloco_jax import config as config_lib
+from noloco_jax import training
 from noloco_jax.inner.state import TrainState
 from noloco_jax.io import checkpoint
 from noloco_jax.io import metrics as metrics_lib
@@ -357,6 +358,19 @@ def test_survivor_resume_without_the_flag_is_refused_naming_it(killed, tmp_path)
     restore_as(killed, tmp_path, num_replicas=4)
 
 
+def test_without_a_resize_the_survivor_resumes_the_same_replicas_to_the_end(killed, tmp_path):
+  """The lost host's job, resumed as it was: the 8 replicas from step 6 on this process's 8 devices, to step
+  12; the rows after the kill's checkpoint are written once."""
+  workdir = tmp_path / "run"
+  shutil.copytree(killed, workdir)
+  cfg = default.get_config("smoke")
+  cfg.checkpoint_every = 3
+  result = training.train_and_evaluate(cfg, str(workdir))
+  assert [e["step"] for e in result["history"]["eval"]][-1] == 12
+  rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  assert [r["step"] for r in rows if "train/loss" in r][-2:] == [9, 12]
+
+
 @pytest.mark.parametrize("mode,fields,rows", [
     ("drop", {"num_replicas": 4}, [0, 1, 2, 3]),  # process 1's replicas 4-7 dropped
     ("recreate", {}, None),  # rows from the seeded schedule: checked below
@@ -460,7 +474,10 @@ def _main(workdir, env, *flags) -> subprocess.CompletedProcess:
     ("drop", ["--config.num_replicas=6", "--config.checkpoint.elastic=drop",
               "--config.checkpoint.elastic_replicas=1,6"], 6),
     ("recreate", ["--config.checkpoint.elastic=recreate", "--config.checkpoint.elastic_replicas=3"], 8),
-    ("grow", ["--config.num_replicas=10", "--config.checkpoint.elastic=grow"], 10),
+    pytest.param("grow", ["--config.num_replicas=10", "--config.checkpoint.elastic=grow"], 10, marks=pytest.mark.exhaustive(
+        reason="grow from inside an overlap window (grow through the command line: the killed job's resume; a new "
+               "replica's in-flight merge: test_grow_inside_an_overlap_window_gives_new_replicas_a_merge_that_keeps_"
+               "their_slow_weights; a window resumed and resized from the command line: drop and recreate here)")),
 ])
 def test_elastic_resume_of_an_overlapped_run_from_inside_a_window(mode, flags, replicas, tmp_path, overlapped_run):
   """The step-4 checkpoint of an overlapped run (H = 3, τ = 2) holds an exchange in flight (sent at 3, merged

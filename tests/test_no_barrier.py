@@ -286,28 +286,3 @@ def test_a_slow_process_does_not_hold_back_the_others_log_steps(tmp_path):
   np.testing.assert_allclose(train[0]["train/loss"],
                              np.mean([per_process[0][0]["train/loss"], per_process[1][0]["train/loss"]]), rtol=1e-6)
   assert [r["step"] for r in rows if "eval/loss" in r] == [0, 6]
-
-
-
-# ---- A host lost at a chosen step (NOLOCO_FAULTS kill): the job ends, the survivors resume ----
-
-
-def test_a_process_killed_at_step_8_ends_the_job_and_the_survivors_resume(tmp_path):
-  from noloco_jax import training  # pylint: disable=g-import-not-at-top
-  workdir = tmp_path / "run"
-  flags = ["--config=configs/default.py:smoke", f"--workdir={workdir}", "--config.checkpoint_every=3",
-           "--config.checkpoint.async_save=False"]
-  job = launch_local.Job(2, 4, flags, log_dir=str(tmp_path / "logs"), cwd=REPO,
-                         env=mp_env.env(NOLOCO_FAULTS="kill:process=1,step=8"))
-  codes = job.wait(timeout_s=mp_env.JOB_TIMEOUT_S, grace_s=60)
-  logs = "".join(open(p).read()[-3000:] for p in job.log_paths)
-  assert codes[1] == -9 and codes[0] != 0, (codes, logs)  # killed by the fault; process 0 then fails
-  steps = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
-  assert steps[-1] == 6, steps  # the last checkpoint before the kill
-  # The survivor's devices (this process, 8 devices) resume the same 8 replicas from step 6.
-  cfg = default.get_config("smoke")
-  cfg.checkpoint_every = 3
-  result = training.train_and_evaluate(cfg, str(workdir))
-  assert [e["step"] for e in result["history"]["eval"]][-1] == 12
-  rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  assert [r["step"] for r in rows if "train/loss" in r][-2:] == [9, 12]

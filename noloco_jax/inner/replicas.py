@@ -1,29 +1,18 @@
 """How a device runs the k replicas it holds: batched (vmap) or one after another (a loop).
 
-    vmap        one program over the stacked replicas: every operation of the step gets a leading
-                replica axis (k times larger matmuls, softmaxes, Adam passes).
-    sequential  `jax.lax.map`: a loop inside the same compiled program, whose body is ONE replica's
-                computation at the one-replica shapes. Each replica's result equals what the plain
-                single-replica program computes, to float32 rounding (tests/test_inner.py). The inner
-                step loops only over the gradient and vmaps the optimizer update (inner/step.py).
+    vmap        one program over the stacked replicas: every operation gets a leading replica axis.
+    sequential  `jax.lax.map`: a loop inside the same program whose body is ONE replica's computation at
+                the one-replica shapes (equal to the plain single-replica program to float32 rounding,
+                tests/test_inner.py). The inner step loops only over the gradient and vmaps the
+                optimizer update (inner/step.py).
     auto        `sequential` on CPU, `vmap` on every other backend (GPU, TPU), when k > 1.
 
-With one replica per device (k = 1, e.g. the default job: 8 replicas on 8 devices) both are the same
-computation and the step is built with vmap, so that its program stays exactly what it was before
-this choice existed.
-
-Why `auto` loops on CPU (measured; experiments/RESULTS.md, "Replicas that vmap well"): on XLA:CPU the
-vmapped step of 8 tiny-Llama replicas on one device runs at 0.55-0.66 of the throughput of 8
-separate single-replica steps (issue 26 traced most of the loss to attention under vmap). The loop
-needs no operation to vmap well: its body is one replica's forward and backward, and the step runs at
-1.02-1.03x the throughput of the k separate calls on a quiet 2-core machine (1.10x vmap's; 1.4-1.5x
-vmap's on a loaded one).
-
-Why `auto` batches elsewhere (expected, NOT measured: no GPU was available): an accelerator is fed by
-few large kernels, and a small replica's kernels leave most of it idle; vmap gives each kernel k times
-the work. A loop also serialises the replicas on the device. Its one advantage there is memory: the
-loop holds one replica's activations at a time, vmap k replicas' (set `sequential` when k replicas'
-activations do not fit; both hold the k replicas' gradients at once, for the batched update).
+With k = 1 (the default job) the step is built with vmap, so its program is what it was before this
+choice existed. Why `auto` picks by platform (experiments/RESULTS.md: "Inner step" and "Accelerator
+check"): on XLA:CPU the loop runs 1.10x vmap's throughput; on an H200 vmap ran 4 replicas'
+step in 0.71 of the loop's time (a small replica's kernels leave an accelerator idle). The loop's one
+advantage there is memory (one replica's activations at a time): set `sequential` when k replicas'
+activations do not fit.
 """
 
 from __future__ import annotations

@@ -1,27 +1,19 @@
 """Training metrics with no job-wide barrier: each process logs its own replicas, process 0 merges.
 
-In a multi-process job a per-replica metric ([N] losses, sharded over `replica`) can only be read
-whole after an all-gather, a collective over every process: logging that way every `log_every`
-steps puts a global barrier into a NoLoCo run, whose whole point is that a replica waits only for
-its partner. Here instead (config `log_barrier=False`, the default):
+Reading a per-replica metric whole needs an all-gather over every process: logging that way every
+`log_every` steps would put a global barrier into a NoLoCo run, whose replicas wait only for their
+partners. What is written where and how rows are merged: docs/running.md ("No job-wide barrier"). Here:
 
   * `local_fetch` reads only the shards this process's devices hold (no collective);
-  * `ProcessLog.write_train` appends this process's row to workdir/metrics/process_<i>.jsonl
-    (process_<i>.resumed_at_<step>.jsonl after a resume from `step`). Each attempt empties its own
-    file first: a run killed before its first checkpoint, or a second resume from the same step,
-    left rows there that the new attempt writes again (merging both lost every row after the dead
-    run's last one). All processes then pass one barrier, so that process 0 never reads a file
-    before its writer has emptied it;
-  * process 0, at its own log steps, merges the rows that have arrived from every process into
-    metrics.jsonl (and TensorBoard), oldest step first, a step only once every process has it.
-    It never waits: a slow process's rows are merged at a later log step. After a barrier (an
-    evaluation), every row before it has arrived, and `sync` merges them before the evaluation row,
-    so metrics.jsonl stays in step order.
+  * `ProcessLog.write_train` appends this process's row to workdir/metrics/process_<i>.jsonl. Each
+    attempt empties its own file first (rows of a killed attempt would be written again; merging both
+    lost every row after the dead run's last one), then all processes pass one barrier, so that process 0
+    never reads a file before its writer has emptied it;
+  * process 0 merges, at its own log steps and without waiting, the steps every process has logged,
+    oldest first; after a barrier (an evaluation) `sync` merges every row before the evaluation row, so
+    metrics.jsonl stays in step order.
 
-A merged row: the replica-count-weighted mean of the processes' means (`MEAN_KEYS`), the job's
-slowest rate (`perf/*`: the minimum over processes), and the values every process has alike
-(cumulative bytes, the round) from process 0. One process is the special case that needs none of
-this: `local_fetch` then reads every replica and no per-process file is written.
+One process needs none of this: `local_fetch` then reads every replica and no per-process file is written.
 """
 
 from __future__ import annotations

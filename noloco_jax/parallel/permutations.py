@@ -10,22 +10,12 @@ Epidemic Learning's graphs (outer/epidemic.py) and the elastic resume's seeded c
   numbers, and a draw depends only on (stream, seed, counters): any process, at any time, in any order.
 - `random_permutation(...)`: a uniformly random permutation of range(N) from such a stream.
 - `Family`: a small fixed set of permutations, relabelled once by a seeded random permutation ρ, of
-  which each draw picks ONE member by a uniform index. `jax.lax.ppermute` needs its routing at trace
-  time, so a family is how a traced index can choose among routings compiled once (`lax.switch`).
-  Two families are used, each chosen so that what the method needs is *exactly* uniform:
-
-  * `cyclic_family(N)`: dest_r(g) = ρ⁻¹((ρ(g) + r) mod N), r = 0 … N−1. For every source g, r ↦ dest_r(g)
-    is a bijection, so with r uniform, every destination is equally likely (probability 1/N). Not
-    uniform: the joint law within one draw: the N members are N of the N! permutations (two sources
-    keep their relative offset in ρ's labels; a draw fixes either every replica or none).
-  * `round_robin_family(N)`: the N−1 perfect matchings of the circle method (a 1-factorisation of the
-    complete graph: every pair of replicas lies in exactly one of them), relabelled by ρ. With the
-    index uniform, each pair meets with probability 1/(N−1), the same as under a uniformly random
-    perfect matching. Not uniform: N−1 of the (N−1)!! matchings are ever used, so given one pair of a
-    round the whole matching is known, and a round repeats the previous one with probability 1/(N−1).
-
-  ρ is drawn once per run from the seed: a *fresh* ρ per draw would make every draw uniform over all
-  permutations again, but then the routing is no longer among the compiled ones.
+  which each draw picks ONE member by a uniform index: `jax.lax.ppermute` needs its routing at trace
+  time, so a traced index chooses among routings compiled once (`lax.switch`). `cyclic_family(N)`
+  (dest_r(g) = ρ⁻¹((ρ(g) + r) mod N): every destination has probability 1/N; docs/method.md §8) and
+  `round_robin_family(N)` (the N−1 perfect matchings of the circle method: every pair meets with
+  probability 1/(N−1); docs/method.md §4) are each exactly uniform in what the method needs, not in the
+  joint law of one draw. ρ is drawn once per run: a fresh ρ per draw would leave the compiled routings.
 
 Pure NumPy (the method specs' schedules are read without JAX); the traced counterpart of a host draw,
 for choices made inside a jitted step, is jax.random with typed keys (parallel/routing.py).

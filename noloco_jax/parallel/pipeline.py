@@ -1,75 +1,28 @@
 """Pipeline parallelism: each replica cut into `num_stages` stages, with random routing between them.
 
-Used when `config.num_stages` = S > 1 (training.build chooses these step functions); with S = 1 none
-of this runs and the default job is unchanged. The model is cut through its interface (models/base.py):
-`embed` on the first stage, `blocks` on each stage's slice of the stacked layers, `head` on the last,
-and `stage_role` says which parameters each stage owns; nothing here names a model's parameters.
+Used when `config.num_stages` = S > 1 (training.build chooses these step functions). The model is cut
+through its interface (models/base.py: `embed` on the first stage, `blocks` on each stage's slice of the
+stacked layers, `head` on the last, `stage_role` for who owns what); nothing here names a parameter.
+The schedule (GPipe), routing, clipping and what is communicated: docs/method.md §8 and docs/scale.md.
 
-Stages and state layout
------------------------
-The mesh is (replica, stage, fsdp) (mesh.make_mesh). The TrainState keeps exactly the tree and the
-shapes of the unpipelined model: every leaf [N, ...] with the replica axis first on `replica`. Only
-the sharding inside a replica changes (`state_shardings`), for θ, the Adam moments, φ and δ alike:
+State layout. The mesh is (replica, stage, fsdp). The TrainState keeps the unpipelined tree and shapes
+(every leaf [N, ...]); only the sharding inside a replica changes (`state_shardings`), for θ, the Adam
+moments, φ and δ alike:
+- the stacked layer axis ([N, num_layers, ...]) is split over `stage`: stage s holds a contiguous slice;
+- the ends (embedding; final norm and head) are split over `stage` along one of their own dimensions,
+  ZeRO-style, all-gathered once per step and their gradients reduce-scattered. Not kept only where they
+  are used (a stage-dependent pytree cannot be one array), nor replicated (S copies of the largest leaves,
+  sent S times per round). A leaf with no dimension divisible by S stays replicated over `stage` (its
+  gradient is then summed over stages by shard_map's transpose).
+So every parameter lives on exactly one stage: outer rounds (manual over `replica` only) exchange each
+stage's shards with the same stage of the partner, weight std and checkpoints see the logical arrays (a
+run can resume with another num_stages). With fsdp > 1 too, `stage` and `fsdp` split different dimensions
+(or one jointly, stage-major); only fsdp = 1 is checked against a reference (tests/test_pipeline.py).
 
-- the stacked layer axis of the scanned blocks (params["layers"], [N, num_layers, ...]) is split over
-  `stage`: stage s holds layers s·L/S … (s+1)·L/S − 1, a contiguous slice;
-- the ends (embedding on the first stage; final norm and output head on the last) are used by one
-  stage each, but an SPMD array must have a block on every device. They are split over `stage`
-  along one of their own dimensions (d_model, normally), ZeRO-style: each device stores 1/S of them
-  and of their optimizer and outer state, and the step all-gathers them over `stage` once (the owner
-  stage uses them) and reduce-scatters their gradients (the transpose of the all-gather, automatic).
-  Why not keep them only where they are used: a stage-dependent pytree cannot be one array; why not
-  replicate them over stages: S copies of the largest leaves (embedding + head are 197M of the small
-  model's 310M parameters with the Llama-3 vocabulary), and every outer round would send them S times.
-  A leaf with no dimension divisible by S stays replicated over `stage`; its gradient is then summed
-  over stages (shard_map inserts the psum when differentiating a stage-invariant input).
-
-Because every parameter lives on exactly one stage (shard), everything outside the inner step works
-unchanged: outer rounds (manual over `replica` only, `stage` automatic) exchange each stage's own
-shards with the same stage of the partner replica, so a replica's message is the sum over its stages
-of its shards, exactly one model (the comm/* bytes unchanged); weight std is computed on the
-logical [N, ...] arrays, i.e. Σ over stages, replicas and parameters as in docs/method.md §9; checkpoints store
-the same tree as an unpipelined run (a run can resume with another num_stages).
-With fsdp > 1 as well, `stage` and `fsdp` split different dimensions of a leaf (or one jointly,
-stage-major); that combination trains (a NoLoCo smoke run: 2 replicas × 2 stages × 2 fsdp), but
-only fsdp = 1 is checked against a reference in tests/test_pipeline.py.
-
-Schedule: GPipe
----------------
-A step cuts each replica's batch of B sequences into M micro-batches (config.pipeline.microbatches;
-0 = M = B, one sequence per micro-batch, as the reference code). One `lax.scan` runs T = M + S − 1
-time slots; in slot t stage s processes micro-batch m = t − s (idle when m is out of range): stage 0
-embeds its replica's own tokens, the others take what the previous stage sent; the last stage applies
-the final norm and head and adds the micro-batch's mean cross-entropy / M to the loss of the replica
-it runs on. At the end of each slot every stage but the last sends its output (and the micro-batch's
-targets, so that the last stage can score whatever arrives) to the next stage: one ppermute per
-boundary over the (replica, stage) devices (routing.py), each device sending in one of them. The backward pass is `jax.grad` through the scan: all forwards,
-then all backwards in reverse slot order, the cotangents travelling back through the transposed
-ppermutes, i.e. along exactly the path each micro-batch took (random routing included).
-Bubble: a stage is busy M of the T slots, so the idle fraction is (S − 1)/(M + S − 1), in the forward
-and in the backward pass (S = 2, M = 4: 20%). Activation memory: the scan keeps every slot's
-residuals, M micro-batches per stage (GPipe; `model.remat` recomputes inside the layers).
-Not implemented: 1F1B (same bubble, M-independent activation memory) and interleaved stages.
-
-Communication per inner step and replica (none of it is counted in the comm/* metrics, which are
-the exchange between replicas): each of the S − 1 non-last stages sends one [b, L, D] activation (+ [b, L] int32
-targets) per slot, T slots (the M useful ones plus S − 1 bubble slots whose values are ignored), and
-the backward pass sends the same cotangents back; plus one all-gather of the ends over `stage` and
-one reduce-scatter of their gradients, both inside the replica.
-
-Routing (routing.py): `fixed` keeps a micro-batch in its replica; `random` sends it to stage s+1 of
-a random replica: per (step, micro-batch, boundary) an independent uniform draw, inside the step, of
-one of N relabelled cyclic shifts (every destination equally likely; one compile). Training uses config.pipeline.routing; evaluation always uses fixed routing.
-With random routing, a replica's reported loss is that of the micro-batches its last stage scored.
-A step's routes are a pure function of (seed, state.step): a resumed run replays them exactly, and
-`routing.RouteSchedule.paths(step)` lists them on the host (no log file needed).
-
-Gradient clipping (config.inner.grad_clip, config.pipeline.clip):
-- `per_stage` (the reference): each stage clips the gradient of the parameters it owns (its layers,
-  plus the embedding on the first stage, the final norm and head on the last) to norm ≤ grad_clip;
-- `global`: one norm over the whole replica, as optax.clip_by_global_norm in the unpipelined step.
-The group norms are assembled with one psum over `stage` of an [N, S] vector. train/grad_norm is the
-whole replica's norm before clipping (and before the ddp average), as in the unpipelined step.
+Schedule: one `lax.scan` over T = M + S − 1 slots, stage s running micro-batch t − s in slot t; every
+non-last stage sends its output and the micro-batch's targets to the next stage by one ppermute per
+boundary (routing.py); the backward is `jax.grad` through the scan, cotangents retracing each
+micro-batch's path. A step's routes are a pure function of (seed, state.step): a resumed run replays them.
 """
 
 from __future__ import annotations

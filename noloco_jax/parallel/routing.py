@@ -1,39 +1,20 @@
-"""Random pipeline routing (docs/method.md): which replica of stage s+1 a micro-batch goes to.
+"""Random pipeline routing: which replica of stage s+1 a micro-batch goes to (docs/method.md §8).
 
-With `num_stages` = S > 1 every replica is cut into S stages. A micro-batch that leaves stage b of
-replica g is sent to stage b+1 of replica π(g), where π is a permutation of the N replicas:
+A micro-batch leaving stage b of replica g goes to stage b+1 of replica π(g), π a permutation of the N
+replicas: `fixed` (identity; evaluation always) or `random` (a fresh π per step, micro-batch and
+boundary, identical on every process; gradients return by the inverse `ppermute`).
 
-- `fixed`:  π = identity: the micro-batch stays in its replica (plain pipeline parallelism; used by
-            evaluation whatever the training routing is);
-- `random`: a fresh random π for every (step, micro-batch, stage boundary), identical on every
-            process; the gradients come back along the same path because the backward pass of a
-            `ppermute` is the inverse `ppermute`.
+`jax.lax.ppermute` takes its routing at trace time, so each crossing draws a uniform index r into a
+family of N routings compiled once (permutations.cyclic_family): π_r(g) = ρ⁻¹((ρ(g) + r) mod N), ρ a
+seeded relabelling fixed for the run. For every source each destination has probability exactly 1/N;
+crossings and steps are independent. The indices of one step are an [M, S−1] table drawn inside the
+jitted step from (seed, step), the same on every device and process; the host reference (`indices`)
+computes the same bits. Not random: the joint law within one crossing (one of N permutations, not N!),
+which would need a routing network or a compile per route.
 
-Because π is a permutation, every replica of stage b+1 receives exactly one micro-batch per time slot
-(the load stays balanced), and a micro-batch visits exactly one replica per stage.
-
-Static routings for ppermute, uniform marginals
------------------------------------------------
-`jax.lax.ppermute` takes its routing at trace time, so a π drawn per crossing cannot be traced into
-one. The schedule draws, per crossing, a uniform index r into a family of N routings compiled once
-(permutations.cyclic_family): π_r(g) = ρ⁻¹((ρ(g) + r) mod N), ρ a seeded relabelling fixed for the run.
-For every source g, r ↦ π_r(g) is a bijection, so with r uniform each destination has probability
-exactly 1/N, at every boundary and micro-batch; the indices of different crossings (and steps) are
-independent draws. The indices of one step are an [M, S−1] table drawn inside the jitted step with
-`jax.random` from (seed, step): a pure function of (seed, step), the same
-on every device and process, and the host reference (`indices`) computes the same bits.
-
-What this does not randomise (the joint law within ONE crossing): π is one of N permutations, not one of
-N!. In ρ's labels two micro-batches keep their offset, so the destinations of two sources are never
-independent (given one, the other is known); a crossing keeps either every micro-batch in its replica
-(r = 0, probability 1/N) or none. Across crossings and steps, and for every single source, the law is
-exact. A fully random π per crossing would need a routing network (several messages per activation)
-or a compile per route; neither is worth the bytes or the stall.
-
-Collectives per GPipe slot: in slot t boundary b carries micro-batch m = t − b, and each boundary
-chooses its own member, so each boundary is one `lax.switch` over N branches of static ppermutes
-(S−1 ppermutes per slot; each device sends in at most one of them: one activation per slot, as
-before). Every device computes the same indices, so all take the same branches and the collectives match.
+Collectives per GPipe slot: boundary b carries micro-batch t − b and chooses its own member, so each
+boundary is one `lax.switch` over N branches of static ppermutes (each device sends in at most one).
+Every device computes the same indices, so all take the same branches and the collectives match.
 """
 
 from __future__ import annotations

@@ -15,28 +15,8 @@ One module per job:
   guard.py       no NaN is saved; nan_policy "error" and "skip_round" (RoundGuard)
   resize.py      elastic resume: another replica set (checkpoint.elastic drop | recreate | grow)
 
-Where a run starts, first match wins:
-
-1. its own workdir: the latest readable checkpoint in `workdir/checkpoints` (exact resume: state,
-   data positions, and the loop state: step, round, comm bytes, metric history, pending metrics);
-2. `config.checkpoint.warm_start`: a path to another run's workdir, its `checkpoints` directory or
-   one step directory. Only the fast weights θ of every replica are taken (the replica count and
-   model must match); φ = θ, δ = 0, a fresh inner optimizer, step 0 and the data from the start:
-   a new run that begins from trained weights;
-3. scratch: the initial weights of `config.seed`.
-
-Orbax writes a step into a temporary directory and renames it only when every item is complete;
-steps beyond `config.checkpoint.keep` are deleted only after a newer step is complete. An unreadable
-step is quarantined and the previous one taken; when no step is readable the run stops with an
-error rather than silently training from scratch; a step whose state does not match its stored
-checksums, whose metadata or data positions do not match their digests, or whose pairing record
-contradicts its own config counts as unreadable. A checkpoint saved with another replica count, model, optimizer,
-outer method (`outer.kind`) or pairing schedule is an error naming the config fields that differ,
-not a fallback; another replica count is resumed only by request (`config.checkpoint.elastic`,
-resize.py, docs/elastic.md). Another device count or process count is fine: arrays are resharded on restore.
-A failed save (disk full) is one error naming the step, the cause and the intact previous step; a
-save in flight when the loop raises is completed first (`Saver.settle_after_error`); a SIGINT
-during a save is raised once the save is usable (runtime/preemption.py).
+Where a run starts (its own latest readable checkpoint, else `checkpoint.warm_start`, else scratch), what
+makes a step unreadable and what a failed save does: docs/running.md; elastic resume: docs/elastic.md.
 """
 
 from noloco_jax.io.checkpoint.guard import NonFiniteLossError

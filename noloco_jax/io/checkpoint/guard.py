@@ -75,25 +75,12 @@ def nonfinite_replicas(state: TrainState, mesh) -> list[int]:
 class RoundGuard:
   """Undoes a round whose training loss or resulting state is not finite (`nan_policy="skip_round"`).
 
-  A round is the window of H inner steps ending at a step that is a multiple of H (and the outer
-  step run there). The guard copies the state at the round's start (one more copy of the state in
-  device memory) and, at the round's end, after the outer step, fetches the round's losses and
-  checks the state (one host round-trip per round). If anything is NaN or Inf, on any replica:
-
-  - every replica's θ, inner optimizer state (its step count included, so the learning-rate
-    schedule does not advance), φ and δ return to their values at the round's start;
-  - the round's batches stay consumed (the data moves on), the loop step and round counters
-    advance, and the bytes the outer step sent stay counted: they were sent;
-  - the round's metrics are logged as they were (possibly "nan"), a warning names the round,
-    `history["skipped_rounds"]` records [first step, last step] of every skipped round, and the
-    train rows of metrics.jsonl carry their running count, `outer/skipped_rounds`;
-  - more than `config.nan_max_skipped_rounds` skipped rounds in a row stop the run
-    (TooManySkippedRoundsError): a run whose every round diverges is not training, and must not
-    end with status 0 as if it were. The last checkpoint (saved before those rounds) is left as is.
-
+  A round is the window of H inner steps ending at a multiple of H (and the outer step there). The guard
+  copies the state at the round's start (one more copy in device memory) and, after the outer step,
+  fetches the round's losses and checks the state (one host round-trip per round). What a skip restores,
+  keeps, logs and when it stops the run (TooManySkippedRoundsError): docs/running.md, "NaN policy".
   It exists only with that policy (training/rounds wraps the round driver in it). After resuming in the
-  middle of a round (from a preemption save), a skip returns to the resumed state rather than the round's
-  start.
+  middle of a round (from a preemption save), a skip returns to the resumed state.
   """
 
   def __init__(self, inner_steps: int, max_in_a_row: int, mesh, history: dict | None = None):

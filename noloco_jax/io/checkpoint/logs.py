@@ -1,24 +1,12 @@
 """The run's JSON-lines logs (metrics.jsonl, pairings.jsonl, elastic.jsonl): durable rows, each exactly once after a resume.
 
-Three promises, kept together with the checkpointer:
-
-- Every row is on disk no later than the checkpoint that covers it. Rows are written line-buffered
-  (each reaches the operating system as it is written, so a kill -9 loses none), and the loop calls
-  `sync` on every log before it starts a save, which also fsyncs them: even a machine that loses
-  power after a checkpoint is complete has the rows that checkpoint covers.
-- After a resume each row appears once. `rewrite_for_resume` keeps the rows up to the restored step
-  (the resumed run writes the later ones again, identically) and drops repeats of a row already
-  kept, a leftover of runs that lacked these guarantees. `start_afresh` empties the logs of a run
-  that is starting from scratch although rows exist (killed before its first checkpoint completed).
-- A damaged log never stops a run. A line that is not a row (not JSON, not a JSON object, or no
-  integer "step": `42`, `{"step": "abc"}`, bytes of another file) is reported with its file and line
-  number and left out of the rewritten file; the last line of a writer killed mid-row is reported as
-  such. Rows missing from before the restored step are reported, and rebuilt where the checkpoint or
-  the pairing schedule says exactly what they held (log_repair.py).
-
-Rows are keyed by their "step"; two rows are the same row when they have the same step and the
-same fields (a train row and an eval row of one step are two rows). Rewrites are atomic (a
-temporary file renamed over the old one), so a crash mid-rewrite leaves the old or the new file.
+The promises (docs/running.md, "Resume is exact"): every row is on disk no later than the checkpoint that
+covers it (rows are line-buffered, and the loop calls `sync`, which fsyncs, before it starts a save);
+after a resume each row appears once (`rewrite_for_resume` keeps the rows up to the restored step and
+drops repeats; `start_afresh` empties the logs of a run starting from scratch); a damaged log never
+stops a run (a line that is not a row is named with its file and line and left out; missing rows are
+named and rebuilt where known: log_repair.py). Rows are keyed by "step"; two rows are the same when
+they have the same step and fields. Rewrites are atomic (a temporary file renamed over the old one).
 """
 
 from __future__ import annotations

@@ -1,43 +1,15 @@
 """Elastic resume: a checkpoint of N replicas resumed with other replicas (config.checkpoint.elastic).
 
-A job that lost a host resumes from its last checkpoint with the processes it has left. With the same
-replicas nothing here is needed (the checkpoint reshards onto fewer devices). With
-`config.checkpoint.elastic` (docs/elastic.md):
+The modes (drop, recreate, grow), what each replica's new state is made of and why, and what happens to
+the loop state, the pairing schedule, the data and the logs: docs/elastic.md. L, the lost replicas, is
+`checkpoint.elastic_replicas`, or by default those the missing processes held: the checkpoint's data
+item names each saving process's replicas, and the processes the job no longer has are those numbered ≥
+the current process count (a launcher numbers the survivors 0 … P'−1).
 
-- "drop": N' = N − |L| replicas; the lost replicas L are dropped, the others keep their order and are
-  numbered 0 … N'−1 (new replica i is the i-th kept one).
-- "recreate": N' = N; each lost replica r is replaced by a copy of its last surviving partner: the
-  first member not in L of r's group in the latest round before the checkpoint that grouped r with a
-  survivor (the seeded pairing schedule, the rounds of pairings.jsonl; under Epidemic Learning the
-  first survivor r received from); a seeded draw among the survivors when no round did (no round
-  yet, or methods without pairing). Its whole state is copied:
-  θ, the inner optimizer's state (Adam moments and step count), φ, δ (and a compression residual).
-  The copy is a replica that exists, consistent in every part; it then diverges from its source
-  through its own data stream (the lost replica's, at its saved position) and its own partners.
-- "grow": N' > N; replicas 0 … N−1 are the checkpoint's, new replica N + j starts from peer
-  p_j = perm[j mod N] of a seeded permutation of the old replicas (every old replica serves once
-  before any serves twice), made from p_j by the outer method (OuterMethod.new_replica; NoLoCo's is
-  θ = φ = φ_p, δ = 0 and residual = 0: a replica that has taken no outer
-  step has no outer momentum; copying the peer's would repeat the peer's next outer step), the inner
-  optimizer's state copied from the peer (its step count keeps the learning-rate schedule in step
-  with the others, and zero Adam moments under that count would leave bias correction off: a first
-  update of (1−β₁)/√(1−β₂) × lr per coordinate instead of about lr). With streaming overlap
-  (outer.overlap.steps) a checkpoint inside a window holds each replica's in-flight group mean; a new
-  replica's is set to the message it would have sent itself, γ·φ_p (θ = φ), so that its pending
-  merge leaves φ and δ as they are (δ ← α·0 + γφ − γφ = 0) and only mixes θ with φ, by λ.
-
-L is `checkpoint.elastic_replicas`, or by default the replicas the missing processes held: the
-checkpoint's data item has one file per saving process naming its replicas, and the processes the
-job no longer has are taken to be those numbered ≥ the current process count (a launcher numbers
-the survivors 0 … P'−1). The plans are pure functions of the checkpoint's records and the config,
-identical on every process, NumPy only, each with a NumPy test (tests/test_elastic.py); the last
-section reads the checkpoint's state into host memory and places the resized one on the mesh.
-
-The train state follows one row map `source` (new replica i ← old replica source[i]). The loop
-state's pending training metrics (steps before the checkpoint, not yet logged) are what happened:
-"recreate" keeps every replica's own, "drop" the kept replicas', "grow" gives each new replica the
-old replicas' mean (so a mean over those steps is still the old replicas'). Data positions stay with
-the replica ids under "recreate"; after "drop" and "grow" the data is dealt afresh (`data_note`).
+The plans are pure NumPy functions of the checkpoint's records and the config, identical on every
+process, each with a NumPy test (tests/test_elastic.py); the train state follows one row map `source`
+(new replica i ← old replica source[i]). The last section reads the checkpoint's state into host memory
+and places the resized one on the mesh.
 """
 
 from __future__ import annotations
