@@ -208,7 +208,8 @@ class StreamingConfig(Section):
   PATH = "outer.streaming"
 
   fragments: int = 1  # F, dividing outer.inner_steps; 1 = the whole message every H steps (no streaming).
-  # slices: every leaf cut into F near-equal contiguous slices of its flattened values (peak bytes ÷ F) |
+  # slices: the message's values end to end (the leaves flattened, in tree order) cut into F equal ranges (peak
+  # bytes ÷ F) |
   # layers: the stacked layers cut into F contiguous blocks, the embedding in the first, the head in the last.
   split: str = "slices"
   # shared: fragment f's j-th round pairs as the unfragmented round j would | own: every fragment's round a

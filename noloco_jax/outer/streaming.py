@@ -5,8 +5,9 @@ With H inner steps per round, fragment f has its round at the steps t with (t �
 fragment still once per H steps, one fragment every H/F steps. A fragment is a part of every parameter
 leaf (`Cut`: a slice of the leaf's flattened values, or of its leading layer axis, or the whole leaf):
 
-- `slices`: every leaf's flattened values cut into F near-equal contiguous slices (the peak bytes per step
-  are the whole message's ÷ F, up to the codecs' per-chunk scales);
+- `slices`: the message's values end to end (every leaf flattened, in tree order) cut into F equal
+  contiguous ranges, so at most F − 1 leaves are split (the peak bytes per step are the whole message's ÷ F,
+  up to the codecs' per-chunk scales of the split leaves);
 - `layers`: the stacked layers (the model's "layers" collection, models/base.py) cut into F contiguous
   blocks of layers, the "first" collections (the embedding) in fragment 0 and the "last" (the head) in
   fragment F − 1.
@@ -60,13 +61,14 @@ def cut(params, roles, *, fragments: int, split: str) -> tuple[Fragment, ...]:
   leaf is in exactly one fragment. More fragments than the model has slices: one line naming the field."""
   leaves = jax.tree.leaves(params)
   F = fragments
-  if split == "slices":
-    smallest = min(int(np.prod(x.shape)) for x in leaves)
-    if F > smallest:
-      fail("outer.streaming.fragments", F, f"at most {smallest} with outer.streaming.split='slices' (the model's "
-           "smallest leaf has that many values)")
-    bounds = [_bounds(int(np.prod(x.shape)), F) for x in leaves]
-    return tuple(tuple(Cut(True, b[f], b[f + 1]) for b in bounds) for f in range(F))
+  if split == "slices":  # the leaves' values end to end, cut into F equal ranges: at most F − 1 leaves are split
+    sizes = [int(np.prod(x.shape)) for x in leaves]
+    if F > sum(sizes):
+      fail("outer.streaming.fragments", F, f"at most {sum(sizes)} (the model's values) with outer.streaming.split='slices'")
+    starts, bounds = np.cumsum([0] + sizes), _bounds(sum(sizes), F)
+    cuts = lambda lo, hi: tuple(Cut(True, max(lo, s) - s, min(hi, s + n) - s) if max(lo, s) < min(hi, s + n) else None
+                                for s, n in zip(starts[:-1].tolist(), sizes))
+    return tuple(cuts(bounds[f], bounds[f + 1]) for f in range(F))
   layers = [x.shape[0] for x, role in zip(leaves, roles) if role == "layers"]
   if not layers or F > layers[0]:
     fail("outer.streaming.fragments", F, f"at most {layers[0] if layers else 1} with outer.streaming.split='layers' "
