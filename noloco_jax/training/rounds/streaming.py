@@ -44,16 +44,17 @@ class StreamingRounds(RoundDriver):
     self._hold = [jax.jit(streaming.hold(fragment, base.INFLIGHT), donate_argnums=0, out_shardings=state_shardings)
                   for fragment in fragments] if tau else None
     self._inflight = InFlight(threaded, "stream-exchange")
-    self._started = []
+    self._started = False
 
   def start(self, run) -> None:
     super().start(run)
     b0, b1 = run.loop.step // self._every, self._last // self._every
     for f, programs in enumerate(self._programs):
+      # Every fragment's message and merge (a resumed run may have to merge an exchange in flight of a fragment
+      # with no round left); no exchange for a round after the run's last step.
       first, last = streaming.rounds_done(f, b0, self.F), streaming.rounds_done(f, b1, self.F) - 1
-      if last >= first:  # nothing is compiled for a fragment with no round left
-        programs.start(run.state, last_round=last, first_round=first)
-        self._started.append(programs)
+      programs.start(run.state, last_round=last, first_round=first)
+    self._started = True
 
   def save(self) -> dict:
     return {"sent_at": self._inflight.sent_at} if self._inflight.sent_at else {}
@@ -107,5 +108,6 @@ class StreamingRounds(RoundDriver):
 
   def close(self, failed: bool) -> None:
     self._inflight.close(failed)
-    for programs in self._started:
-      programs.close()
+    if self._started:
+      for programs in self._programs:
+        programs.close()
