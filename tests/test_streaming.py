@@ -353,3 +353,17 @@ def test_streamed_training_resumes_bitwise_from_inside_a_window(tmp_path, compil
   assert first["comm/collective_operand_bytes_per_replica"] == second["comm/collective_operand_bytes_per_replica"]
   whole = 4 * sum(int(np.prod(x.shape[1:])) for x in jax.tree.leaves(first["state"].params))
   assert first["comm/collective_operand_bytes_per_replica"] == 2 * whole
+
+
+def test_bench_compression_prints_each_fragments_bytes_and_the_peak():
+  """experiments/bench_compression.py's bytes part (no training): a streamed setting sends the float32 round's
+  bytes in F fragments whose largest is a fifth of it (F = 5); int8's fragments each carry their own chunks."""
+  from experiments import bench_compression as bench  # pylint: disable=g-import-not-at-top
+  rows = {r["setting"]: r for r in bench.message_bytes("", hlo=False)}
+  whole, streamed = rows["float32"], rows["float32 F=5"]
+  assert streamed["bytes_per_round"] == whole["bytes_per_round"] == sum(streamed["fragment_bytes"])
+  assert len(streamed["fragment_bytes"]) == 5 and streamed["peak_bytes_per_step"] == -(-whole["params"] // 5) * 4
+  assert rows["float32 F=2"]["peak_bytes_per_step"] == whole["bytes_per_round"] // 2
+  int8 = rows["int8 F=5"]
+  assert rows["int8"]["bytes_per_round"] <= int8["bytes_per_round"] < 1.1 * rows["int8"]["bytes_per_round"]
+  assert int8["peak_bytes_per_step"] == max(int8["fragment_bytes"]) < 0.25 * rows["int8"]["bytes_per_round"]
