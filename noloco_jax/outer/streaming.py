@@ -201,6 +201,8 @@ class Pairing:
     self.base, self.fragments, self.partners = base, fragments, partners
 
   def __getattr__(self, name):  # group_size, num_replicas, mode, record, ...
+    if name == "base":  # not set yet (a copy being built): no recursion through __getattr__
+      raise AttributeError(name)
     return getattr(self.base, name)
 
   def draw(self, q: int) -> int:
@@ -225,6 +227,8 @@ class FragmentPairing:
     self.pairing, self.f = pairing, f
 
   def __getattr__(self, name):
+    if name == "pairing":
+      raise AttributeError(name)
     return getattr(self.pairing.base, name)
 
   def q(self, j: int) -> int:
