@@ -24,6 +24,10 @@ Three parts, each one JSON object (the last line with --json):
   --merge A.json,B.json joins --train results of the same settings over other seeds (runs of one seed
   each, trained side by side) into one, with the means recomputed; --plot draws it.
 
+  With fragment streaming (STREAMED: "float32 F=5", ...) a row also gives `peak_bytes_per_step`: the bytes of
+  the largest fragment's round (one round every H/F steps), against the whole round's without streaming
+  (counted; with --hlo, also each fragment's compiled round, `compiled_fragment_bytes`).
+
 - --capture: how much of the partners' difference D = c_j − c_i a coset code delivers (the capture
   1 − ms(ĉ_j − c_j) / ms(D), outer/coset.py's encode and decode with a shared dither), on the default
   job's own messages after --steps inner steps: per leaf rms(c), rms(D) and its slow / fresh parts, and
@@ -56,6 +60,14 @@ SETTINGS = {
     "coset 30% 2-bit": dict(COSET, coset_density=0.3),
     "coset 15% 2-bit": dict(COSET, coset_density=0.15),
     "coset 100% 2-bit": dict(COSET, coset_density=1.0),
+}
+# Fragment streaming (outer.streaming.*, docs/compression.md): a codec of SETTINGS, its message in F fragments,
+# one every H/F steps; "own": each fragment round with a partner of its own.
+STREAMED = {
+    "float32 F=2": ("float32", dict(fragments=2)),
+    "float32 F=5": ("float32", dict(fragments=5)),
+    "float32 F=5 own": ("float32", dict(fragments=5, partners="own")),
+    "int8 F=5": ("int8", dict(fragments=5)),
 }
 NO_EXCHANGE = "no exchange"  # outer.kind=none: independent replicas (--train only)
 TRAIN = ("float32", "bfloat16", "int8", "int4", "topk 1% 2-bit + int8", "coset 30% 2-bit", "coset 15% 2-bit",
@@ -96,8 +108,8 @@ def main(argv=None) -> dict:
   if args.train:
     names = [n for n in args.settings.split(",") if n]
     for name in names:
-      if name not in SETTINGS and name != NO_EXCHANGE:
-        harness.usage_error(f"--settings: {name!r} is not one of {', '.join([*SETTINGS, NO_EXCHANGE])}")
+      if name not in SETTINGS and name not in STREAMED and name != NO_EXCHANGE:
+        harness.usage_error(f"--settings: {name!r} is not one of {', '.join([*SETTINGS, *STREAMED, NO_EXCHANGE])}")
     try:
       seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
@@ -120,7 +132,7 @@ def _bytes(config, hlo: bool) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from noloco_jax.outer import pairing, programs as programs_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.outer import pairing, programs as programs_lib, streaming  # pylint: disable=g-import-not-at-top
   from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.tools import hlo as hlo_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
@@ -128,15 +140,25 @@ def _bytes(config, hlo: bool) -> dict:
   setup = build_lib.build(config, vocab_size=257)
   state = jax.eval_shape(setup.init_state)
   one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), state.params)
+  n = setup.config.num_replicas
   row = {"params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(one))),
-         "bytes_per_round": setup.method.traffic(one, setup.config.num_replicas)[0].operand}
+         "bytes_per_round": setup.method.traffic(one, n)[0].operand}
+  # Each fragment's method (the whole message's without streaming): its round's bytes, the peak per step.
+  methods = ([streaming.fragment_method(setup.method, f) for f in setup.fragments] if setup.fragments else
+             [setup.method])
+  row["fragment_bytes"] = [m.traffic(one, n)[0].operand for m in methods]
+  row["bytes_per_round"] = sum(row["fragment_bytes"])
+  row["peak_bytes_per_step"] = max(row["fragment_bytes"])
   if hlo and setup.method.has_rounds:
     mesh = mesh_lib.make_mesh(config.num_replicas, config.num_replicas)
     groups = pairing.groups_from_permutation(np.arange(config.num_replicas), setup.config.outer.rule.group_size)
     shardings = jax.tree.map(lambda _: mesh_lib.replica_sharding(mesh), state)
-    lowered = programs_lib.make_round_fn(setup.method, mesh, (groups,)).lower(
-        jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings), jnp.int32(0))
-    row["compiled_permute_bytes"] = hlo_lib.collective_bytes(lowered.compile().as_text(), "collective-permute")
+    compiled = [hlo_lib.collective_bytes(programs_lib.make_round_fn(m, mesh, (groups,)).lower(
+        jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings),
+        jnp.int32(0)).compile().as_text(), "collective-permute") for m in methods]
+    row["compiled_permute_bytes"] = sum(compiled)
+    if setup.fragments:
+      row["compiled_fragment_bytes"] = compiled
   return row
 
 
@@ -149,8 +171,12 @@ def message_bytes(preset: str, hlo: bool) -> list[dict]:
     base.model.preset = preset
     base.model.d_model = base.model.num_layers = base.model.num_heads = base.model.mlp_dim = 0
   dense, rows = None, []
-  for name, codec in SETTINGS.items():
-    row = {"setting": name, **_bytes(experiment.method_config(base, "noloco", codec=codec), hlo)}
+  for name in [*SETTINGS, *STREAMED]:
+    config = experiment.method_config(base, "noloco", codec=SETTINGS[STREAMED[name][0] if name in STREAMED else name])
+    if name in STREAMED:  # at the default job's H = 50, which every F of STREAMED divides (bytes do not depend on H)
+      config.outer.inner_steps = 50
+      config.outer.streaming.update(STREAMED[name][1])
+    row = {"setting": name, **_bytes(config, hlo)}
     dense = dense or row["bytes_per_round"]
     row["vs_float32"] = round(row["bytes_per_round"] / dense, 5)
     if hlo:
@@ -174,7 +200,9 @@ def train(names, seeds, *, quick: bool, hlo: bool, note, save: str | None = None
       if name == NO_EXCHANGE:
         config.outer.kind = "none"
       else:
-        config.outer.codec.update(SETTINGS[name])
+        config.outer.codec.update(SETTINGS[STREAMED[name][0] if name in STREAMED else name])
+        if name in STREAMED:
+          config.outer.streaming.update(STREAMED[name][1])
         config.outer.codec.coset_seed = seed  # the pair's shared randomness, new with each seed
       if counted is None:
         counted = _bytes(config, hlo)
@@ -226,7 +254,7 @@ def merge(parts: list[dict]) -> dict:
       entry = by_name.setdefault(s["setting"], {k: v for k, v in s.items() if k not in (
           "eval_loss", "consensus_loss", "weight_std", "vs_float32", "loss_vs_float32", "seeds")} | {"seeds": []})
       entry["seeds"] += s["seeds"]
-  order = [*SETTINGS, NO_EXCHANGE]
+  order = [*SETTINGS, *STREAMED, NO_EXCHANGE]
   settings = sorted(by_name.values(), key=lambda s: order.index(s["setting"]) if s["setting"] in order else len(order))
   seeds = sorted({row["seed"] for s in settings for row in s["seeds"]})
   return summarise({"job": parts[0]["job"], "seeds": seeds, "settings": settings,

@@ -4,6 +4,7 @@
     outer.rule.*                         the method's hyperparameters (α, β, γ, n, s, ...)
     outer.codec.*                        how a message travels: its dtype, a compression codec
     outer.overlap.*                      streaming overlap: inner steps run while an exchange is in flight
+    outer.streaming.*                    fragment streaming: the message in F fragments, each at its own offset
     outer.schedule, outer.asynchronous.* lock-step rounds, or each process at its own pace (docs/async.md)
     outer.pairing, .state_dtype, .offload, .allow_unstable
 
@@ -46,7 +47,10 @@ COMPRESSIONS = ("none", "int8", "int4", "topk", "coset")
 COSET_BITS = (2, 3, 4, 5, 6, 7, 8, 16, 32)  # coset codes of 2..8 bits; 16 / 32: the fragment's values as they are
 COSET_ORDERS = ("cyclic", "random", "fixed", "fisher", "mixed", "damage")  # how a coset fragment is chosen (outer/coset.py)
 COSET_MODES = ("fragment", "sum", "global")  # which values a coset message codes (outer/coset.py)
-COSET_SCALES = ("leaf", "block")  # one lattice step per leaf, or per block of a fragment
+COSET_SCALES = ("leaf", "block")
+# Fragment streaming (noloco_jax/outer/streaming.py): how the message is cut, and whose partner a fragment has.
+STREAM_SPLITS = ("slices", "layers")
+STREAM_PARTNERS = ("shared", "own")  # one lattice step per leaf, or per block of a fragment
 TOPK_BITS = (2, 3, 4, 5, 6, 7, 8)  # bits per kept top-k value (packed); int8 / int4 imply 8 / 4
 SLOW_CODECS = ("float32", "bfloat16", "int8", "int4")  # how the γ·φ part of a top-k message travels
 MAX_CHUNK = 65536  # top-k offsets within a chunk travel as uint16
@@ -195,6 +199,30 @@ class OverlapConfig(Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class StreamingConfig(Section):
+  """`config.outer.streaming`: fragment streaming (noloco_jax/outer/streaming.py, docs/compression.md), for the
+  methods whose round is given in parts, with any codec but coset, lock-step (with or without overlap):
+  the message is cut into `fragments` parts and fragment f has its round at the steps t with
+  (t − f·H/F) mod H = 0 (Streaming DiLoCo's schedule): each fragment still once per H steps, the traffic
+  spread over the round."""
+  PATH = "outer.streaming"
+
+  fragments: int = 1  # F, dividing outer.inner_steps; 1 = the whole message every H steps (no streaming).
+  # slices: the message's values end to end (the leaves flattened, in tree order) cut into F equal ranges (peak
+  # bytes ÷ F) |
+  # layers: the stacked layers cut into F contiguous blocks, the embedding in the first, the head in the last.
+  split: str = "slices"
+  # shared: fragment f's j-th round pairs as the unfragmented round j would | own: every fragment's round a
+  # grouping of its own (a new seeded draw per fragment per round).
+  partners: str = "shared"
+
+  def check(self) -> None:
+    at_least("outer.streaming.fragments", self.fragments, 1)
+    one_of("outer.streaming.split", self.split, STREAM_SPLITS)
+    one_of("outer.streaming.partners", self.partners, STREAM_PARTNERS)
+
+
+@dataclasses.dataclass(frozen=True)
 class AsyncConfig(Section):
   """`config.outer.asynchronous`: the asynchronous schedule (outer.schedule='async', docs/async.md): one
   replica per process, each process trains at its own pace and, after its H inner steps, is paired at run
@@ -285,6 +313,7 @@ class OuterConfig(Section):
   rule: RuleConfig = dataclasses.field(default_factory=RuleConfig)
   codec: CodecConfig = dataclasses.field(default_factory=CodecConfig)
   overlap: OverlapConfig = dataclasses.field(default_factory=OverlapConfig)
+  streaming: StreamingConfig = dataclasses.field(default_factory=StreamingConfig)
   asynchronous: AsyncConfig = dataclasses.field(default_factory=AsyncConfig)
 
   def __post_init__(self):
@@ -373,7 +402,31 @@ class OuterConfig(Section):
       fail("outer.overlap.steps", self.overlap.steps,
            f"0 with outer.kind={self.kind!r} (the overlapped exchange exists for {in_parts})")
     self._check_coset()  # before the schedule's checks: its own reason names the schedule
+    self._check_streaming(s, in_parts)
     self._check_schedule(s, in_parts)
+
+  def _check_streaming(self, s, in_parts: str) -> None:
+    """Fragment f's round falls at the steps ≡ f·H/F (mod H): F must divide H, an overlapped fragment's
+    exchange must be merged before the next fragment's is sent, and its rounds are the lock-step ones."""
+    F = self.streaming.fragments
+    if F == 1:
+      return
+    field = "outer.streaming.fragments"
+    if not s.parts:
+      fail(field, F, f"1 with outer.kind={self.kind!r} (fragments exist for the methods given in parts: {in_parts})")
+    if self.inner_steps % F:
+      fail(field, F, f"a divisor of outer.inner_steps={self.inner_steps} (fragment f's round is at the steps "
+           "f·H/F mod H)")
+    if not self.overlap.steps < self.inner_steps // F:
+      fail("outer.overlap.steps", self.overlap.steps, f"an integer in [0, {self.inner_steps // F - 1}] with "
+           f"outer.streaming.fragments={F} (one fragment's exchange is merged before the next one's is sent, "
+           f"H/F = {self.inner_steps // F} steps later)")
+    if self.codec.compression == "coset":
+      fail(field, F, "1 with outer.codec.compression='coset' (the coset codec sends fragments of its own)")
+    if self.schedule != "lockstep":
+      fail(field, F, "1 with outer.schedule='async' (fragment streaming runs in the lock-step schedule)")
+    if self.offload:
+      fail(field, F, "1 with outer.offload=True (not supported with fragment streaming)")
 
   def _check_coset(self) -> None:
     """The coset codec (outer/coset.py) is built for pairs in lock-step: its scale estimate reads a pair's

@@ -147,9 +147,11 @@ class RoundPrograms:
     state_sh = self._state_sh if self._state_sh is not None else jax.tree.map(lambda _: self._replicas, abstract_state)
     out = {"state": abstract_state, "state_sh": state_sh}
     if self.split:
-      params_sh = state_sh.params
       message = mesh_lib.replica_map(self.parts.message, self.mesh, in_specs=(P(REPLICA),), out_specs=(P(REPLICA),) * 4)
       new_state, own, payload, _ = jax.eval_shape(_outer_on_device(message, self._state_sh), abstract_state)
+      params_sh = state_sh.params
+      if jax.tree.structure(own) != jax.tree.structure(params_sh):  # a fragment's message (outer/streaming.py)
+        params_sh = jax.tree.map(lambda _: self._replicas, own)
       # A payload of θ's shapes (the plain codec's cast) lives where θ does (split over fsdp like θ); a
       # compressed payload (chunks of flattened leaves) is split over `replica` only.
       same = jax.tree.structure(payload) == jax.tree.structure(own) and all(

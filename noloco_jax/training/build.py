@@ -26,6 +26,7 @@ from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.outer import base as outer_base
 from noloco_jax.outer import methods
 from noloco_jax.outer import programs as programs_lib
+from noloco_jax.outer import streaming
 from noloco_jax.outer.pairing import PairingSchedule
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.parallel import pipeline
@@ -50,6 +51,10 @@ class Setup:
   # memory with outer.offload).
   state_shardings: Any = None
   replica_map: str = "vmap"  # how each device runs its replicas: vmap or sequential (inner/replicas.py)
+  # Fragment streaming (outer.streaming.fragments > 1): the fragments of the message (outer/streaming.cut),
+  # each with its round every H steps at its own offset; `schedule` is then the streamed pairing
+  # (outer/streaming.Pairing, by fragment round). None: the whole message every H steps.
+  fragments: tuple | None = None
   # A process of an asynchronous job (asynchronous/job.Process: its slot, the job's replica it holds, its
   # control plane), set by train_and_evaluate; None: this run is the whole job.
   process: Any = None
@@ -97,6 +102,13 @@ def build(config, mesh=None, vocab_size: int | None = None,
   schedule = (methods.schedule(config.outer, seed=config.seed, num_replicas=config.num_replicas)
               if config.outer.schedule == "lockstep" else None)
   num_replicas = config.num_replicas
+  fragments = None
+  if config.outer.streaming.fragments > 1:  # refused in one line here when the model has too few slices
+    one = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, config.data.seq_len), jnp.int32))
+    roles = [model.stage_role(path) for path, _ in jax.tree_util.tree_flatten_with_path(one)[0]]
+    s = config.outer.streaming
+    fragments = streaming.cut(one, roles, fragments=s.fragments, split=s.split)
+    schedule = streaming.Pairing(schedule, fragments=s.fragments, partners=s.partners)
 
   def init_all():
     # Every replica starts from the same weights: initialise one replica, then broadcast. Under
@@ -146,8 +158,8 @@ def build(config, mesh=None, vocab_size: int | None = None,
   return Setup(config=config, mesh=mesh, model=model, method=method, schedule=schedule,
                init_state=jax.jit(init_all, out_shardings=state_sh), inner_step=inner_step,
                eval_step=jax.jit(eval_fn), weight_std=jax.jit(metrics_lib.weight_std),
-               rounds=programs_lib.RoundPrograms(method, mesh, schedule, state_sh), state_shardings=state_sh,
-               replica_map=how)
+               rounds=programs_lib.RoundPrograms(method, mesh, schedule.base if fragments else schedule, state_sh), state_shardings=state_sh,
+               replica_map=how, fragments=fragments)
 
 
 def _replica_eval(model: models.base.Model, mesh, microbatches: int, replica_map: str) -> Callable:
