@@ -108,7 +108,8 @@ def build(config, mesh=None, vocab_size: int | None = None,
     roles = [model.stage_role(path) for path, _ in jax.tree_util.tree_flatten_with_path(one)[0]]
     s = config.outer.streaming
     fragments = streaming.cut(one, roles, fragments=s.fragments, split=s.split)
-    schedule = streaming.Pairing(schedule, fragments=s.fragments, partners=s.partners)
+    if schedule is not None:  # the asynchronous schedule's partners are found at run time, per fragment round
+      schedule = streaming.Pairing(schedule, fragments=s.fragments, partners=s.partners)
 
   def init_all():
     # Every replica starts from the same weights: initialise one replica, then broadcast. Under
