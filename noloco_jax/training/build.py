@@ -159,7 +159,7 @@ def build(config, mesh=None, vocab_size: int | None = None,
   return Setup(config=config, mesh=mesh, model=model, method=method, schedule=schedule,
                init_state=jax.jit(init_all, out_shardings=state_sh), inner_step=inner_step,
                eval_step=jax.jit(eval_fn), weight_std=jax.jit(metrics_lib.weight_std),
-               rounds=programs_lib.RoundPrograms(method, mesh, schedule.base if fragments else schedule, state_sh), state_shardings=state_sh,
+               rounds=programs_lib.RoundPrograms(method, mesh, getattr(schedule, "base", schedule), state_sh), state_shardings=state_sh,
                replica_map=how, fragments=fragments)
 
 
