@@ -96,6 +96,23 @@ def test_every_codec_is_accepted(codec):
   assert (config.outer.codec.compression, config.outer.codec.message_dtype) != ("none", "float32")
 
 
+def test_a_streamed_process_builds_one_set_of_round_programs_per_fragment():
+  """outer.streaming.fragments = 3 in the asynchronous schedule (partners='own'): a process's setup (its own
+  config, job.process_config) cuts the model into 3 fragments and holds no schedule of groupings (the
+  partners are found at run time); its driver has a round every H/F steps, one set of programs per fragment
+  (the rounds themselves against the lock-step streamed run: tests/test_codec_schedules.py)."""
+  config = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 2, "outer.streaming.fragments": 3,
+                                     "outer.streaming.partners": "own"}))
+  local = build_lib.build(job_lib.process_config(config))
+  assert len(local.fragments) == 3 and local.schedule is None
+  driver = AsyncRounds(local, _Process(0))
+  assert [driver.due(step) for step in range(1, 4)] == [True] * 3 and len(driver._programs) == 3  # pylint: disable=protected-access
+  assert job_lib.session_options(config).fragments == 3
+  with pytest.raises(config_lib.ConfigError, match=r"^config.outer.streaming.partners='shared' is not valid: 'own' "
+                     r"with outer.schedule='async'"):
+    config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 2, "outer.streaming.fragments": 3}))
+
+
 def test_the_layout_is_one_replica_per_process():
   config = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 4}))
   job_lib.check_layout(config, 4)

@@ -184,6 +184,36 @@ def test_a_lone_process_skips_after_its_budget():
   assert maker.stats.skipped == 1 and maker.stats.tickets == 1  # waited on the store, no ticket churn
 
 
+def test_fragments_are_matched_apart_and_drawn_independently():
+  """Fragment streaming (Matchmaker's `fragment`): a process ready for fragment 0 is never paired with one ready
+  for fragment 1 (both skip after their budget); ready for the same fragment, they pair. Each fragment's
+  batches are drawn from a stream of their own: over 900 batches of four, the joint grouping of fragments 0
+  and 1 at the same batch index is uniform over the 3 × 3 outcomes (independent draws), while fragment=None
+  is the unfragmented law's draw."""
+  kv = memory_kv.MemoryKV()
+  lives = [liveness.Liveness(kv, s, 100 + s, beat_s=0.05, lease_s=30.0).start() for s in range(2)]
+  makers = {(s, f): matchmaking.Matchmaker(kv, s, 100 + s, seed=0, window_s=0.05, max_wait_s=0.5, live=lives[s].poll,
+                                           fragment=f) for s in range(2) for f in range(2)}
+  out = {}
+
+  def both(fragments):
+    threads = [threading.Thread(target=lambda s=s: out.__setitem__(s, makers[s, fragments[s]].ready(0)))
+               for s in range(2)]
+    [t.start() for t in threads]
+    [t.join(timeout=60) for t in threads]
+
+  both((0, 1))
+  assert out == {0: None, 1: None}
+  both((1, 1))
+  assert [tuple(m.slot for m in out[s].group) for s in range(2)] == [(0, 1), (0, 1)]
+  assert out[0].batch == out[1].batch
+  assert kv.get("mm/f1/latest") is not None and kv.get("mm/latest") is None  # keys of its own
+  draw = lambda b, f: tuple(sorted(law.draw_groups(range(4), 3, b, fragment=f)[0]))  # the matching
+  joint = collections.Counter((draw(b, 0), draw(b, 1)) for b in range(900))
+  assert len(joint) == 9 and stats.chisquare(list(joint.values())).pvalue > 0.01, joint
+  assert all(law.draw_groups(range(4), 3, b)[0] == law.draw_groups(range(4), 3, b, fragment=None)[0] for b in range(20))
+
+
 def test_members_close_a_batch_whose_opener_died():
   """A dead opener (it took ticket 1, then vanished: no lease) never closes its batch; the two live
   members close it themselves after window + close_grace_s, without the dead one, and pair."""

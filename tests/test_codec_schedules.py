@@ -26,7 +26,8 @@ from noloco_jax.outer import pairing
 from noloco_jax.outer import programs as programs_lib
 from noloco_jax.outer import wire
 from noloco_jax.parallel import mesh as mesh_lib
-from noloco_jax.training.rounds import LockstepRounds, OverlappedRounds
+from noloco_jax.outer import streaming
+from noloco_jax.training.rounds import LockstepRounds, OverlappedRounds, StreamingRounds
 from noloco_jax.training.rounds.asynchronous import AsyncRounds
 from test_overlap import _ToyRun, np_overlapped_run, np_sent  # pylint: disable=g-bad-import-order
 
@@ -50,13 +51,24 @@ def _problem(seed=0):
   return theta0, {k: v + rng.normal(size=v.shape).astype(np.float32) for k, v in targets.items()}
 
 
-def _config(codec: str, schedule: str, tau: int = 0):
+def _config(codec: str, schedule: str, tau: int = 0, fragments: int = 1):
   cfg = default.get_config("smoke")
   cfg.num_replicas, cfg.num_steps = N, STEPS
   cfg.outer.update(kind="noloco", inner_steps=H, schedule="async" if schedule == "async" else "lockstep",
                    rule=dict(outer_momentum=ALPHA, outer_lr=BETA, consensus_weight=GAMMA, group_size=2),
                    codec=CODECS[codec], overlap=dict(steps=tau, mix=0.5))
+  if fragments > 1:  # the asynchronous schedule's fragment rounds find their own partners
+    cfg.outer.streaming.update(fragments=fragments, partners="own")
   return config_lib.load(cfg)
+
+
+def _fragments(config):
+  """outer/streaming.cut's fragments of the toy's parameters (None: no streaming)."""
+  s = config.outer.streaming
+  if s.fragments == 1:
+    return None
+  one = {k: jax.ShapeDtypeStruct(shape, np.float32) for k, shape in SHAPES.items()}
+  return streaming.cut(one, None, fragments=s.fragments, split=s.split)
 
 
 def np_sent_with(codec: str):
@@ -92,7 +104,11 @@ def _lockstep_run(config, theta0, targets, tau):
   schedule = pairing.PairingSchedule(seed=0, num_replicas=N, group_size=2, mode="fresh")
   state = TrainState(step=np.zeros(N, np.int32), params=theta0, opt_state=(), outer=method.init(theta0))
   run = _ToyRun(jax.device_put(state, mesh_lib.replica_sharding(mesh)))
-  if tau:
+  if fragments := _fragments(config):
+    driver = StreamingRounds(method, fragments, mesh, streaming.Pairing(schedule, fragments=len(fragments),
+                                                                        partners="own"), None, inner_steps=H,
+                             tau=tau, mix=0.5, last_step=STEPS, traffic=[wire.NOTHING] * len(fragments))
+  elif tau:
     driver = OverlappedRounds(method, mesh, schedule, None, inner_steps=H, tau=tau, mix=0.5, last_step=STEPS,
                               traffic=wire.NOTHING, threaded=False)
   else:
@@ -111,6 +127,7 @@ class _Pair:
 
   def __init__(self, lose=()):
     self.lose, self._barrier, self._sent = set(lose), threading.Barrier(2, timeout=120), {}
+    self.fragments = {0: [], 1: []}  # each slot's rounds' fragments, in order
 
   def session(self, slot):
     pair = self
@@ -118,8 +135,9 @@ class _Pair:
     class Session:
       step, round_ = 0, 0
 
-      def round(self, message, progress, step=None):
+      def round(self, message, progress, step=None, fragment=0):
         del step
+        pair.fragments[slot].append(fragment)
         pair._sent[slot] = (message, progress)
         pair._barrier.wait()  # both have offered
         (theirs, their_progress), r = pair._sent[1 - slot], self.round_
@@ -152,7 +170,8 @@ def _async_drivers(config, theta0, pair, steps, resume):
   drivers, and `train(slot, targets)`, which runs one over `steps` (first, last) on a thread of its own."""
   local = job_lib.process_config(config)
   method = outer_lib.make(local.outer)
-  setup = type("Setup", (), dict(config=local, method=method, mesh=mesh_lib.make_mesh(1, 1), state_shardings=None))
+  setup = type("Setup", (), dict(config=local, method=method, mesh=mesh_lib.make_mesh(1, 1), state_shardings=None,
+                                 fragments=_fragments(local)))
   runs, drivers, errors = [], [], []
   for slot in range(N):
     if resume is None:
@@ -254,6 +273,26 @@ def test_async_run_at_equal_progress_is_the_lockstep_run_bit_for_bit(codec):
   got, _, _ = _async_run(_config(codec, "async"), theta0, targets)
   want, _ = _lockstep_run(_config(codec, "lockstep"), theta0, targets, 0)
   assert_bitwise((got.params, got.outer), (want.params, want.outer), codec)
+
+
+@pytest.mark.parametrize("codec", ["bfloat16", "topk"])
+def test_async_streamed_run_at_equal_progress_is_the_lockstep_streamed_run_bit_for_bit(codec):
+  """Fragment streaming (F = 3, H = 3: one fragment's round every step, fragment f at the steps ≡ f mod 3) in
+  the asynchronous schedule: two processes at equal speed, each fragment round matched on its own, end where
+  the lock-step streamed run (training/rounds/streaming.StreamingRounds) ends, every leaf bit for bit: θ, φ,
+  δ and each fragment's part of the codec's residual. Every round is the fragment the lock-step schedule
+  runs at that step, and both runs moved every fragment."""
+  theta0, targets = _problem(5)
+  pair = _Pair()
+  got, loops, _ = _async_run(_config(codec, "async", fragments=3), theta0, targets, pair)
+  want, loop = _lockstep_run(_config(codec, "lockstep", fragments=3), theta0, targets, 0)
+  assert [loop.round for loop in loops] == [loop.round] * N == [STEPS] * N  # a fragment round every step
+  order = [streaming.boundary_fragment(step, 3)[0] for step in range(1, STEPS + 1)]
+  assert pair.fragments == {0: order, 1: order} and order[:3] == [1, 2, 0]
+  assert_bitwise((got.params, got.outer), (want.params, want.outer), codec)
+  # Not a run in which streaming changed nothing: the unstreamed lock-step run ends elsewhere.
+  whole, _ = _lockstep_run(_config(codec, "lockstep"), theta0, targets, 0)
+  assert np.abs(whole.outer["slow"]["w"] - want.outer["slow"]["w"]).max() > 1e-4
 
 
 # ---- The asynchronous schedule: the residual is the process's own, commits with the exchange; bytes ----

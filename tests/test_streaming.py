@@ -310,7 +310,7 @@ def test_fragment_rounds_are_counted_from_the_step():
     ({"outer.inner_steps": 6, "outer.streaming.fragments": 3, "outer.overlap.steps": 2}, "outer.overlap.steps"),
     ({"outer.streaming.fragments": 3, "outer.kind": "diloco"}, "outer.streaming.fragments"),
     ({"outer.streaming.fragments": 3, "outer.codec.compression": "coset"}, "outer.streaming.fragments"),
-    ({"outer.streaming.fragments": 3, "outer.schedule": "async", "num_replicas": 2}, "outer.streaming.fragments"),
+    ({"outer.streaming.fragments": 3, "outer.schedule": "async", "num_replicas": 2}, "outer.streaming.partners"),
 ])
 def test_bad_streaming_settings_name_the_field(overrides, field):
   assert_one_line_config_error(overrides, field)

@@ -147,7 +147,7 @@ def session_options(config: config_lib.Config) -> session_lib.Options:
   return session_lib.Options(seed=config.seed, window_s=o.match_window_s, max_wait_s=o.max_wait_s,
                              exchange_timeout_s=o.exchange_timeout_s, odd=o.match_odd,
                              beat_s=min(0.5, o.lease_s / 10), lease_s=o.lease_s, join_timeout_s=o.join_timeout_s,
-                             partner_silence_s=o.partner_silence_s)
+                             partner_silence_s=o.partner_silence_s, fragments=config.outer.streaming.fragments)
 
 
 def check_layout(config: config_lib.Config, num_processes: int | None, *, process_id: int | None = None,

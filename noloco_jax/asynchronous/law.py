@@ -41,7 +41,7 @@ from noloco_jax.parallel import permutations
 ODD_RULES = ("triple", "leave_out")
 
 
-def draw_groups(members: Sequence[int], seed: int, batch: int, *, odd: str = "triple"
+def draw_groups(members: Sequence[int], seed: int, batch: int, *, odd: str = "triple", fragment: int | None = None
                 ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
   """(groups, left_out) of one batch: a uniformly random partition of `members` (slots) into pairs.
 
@@ -49,13 +49,15 @@ def draw_groups(members: Sequence[int], seed: int, batch: int, *, odd: str = "tr
   (a uniformly random partition into pairs and one triple), "leave_out" leaves the last one out.
   Depends on the *set* of members only (they are sorted first), the seed and the batch index; every
   process that reads the batch's members draws the same groups. Groups are sorted tuples of slots.
+  `fragment`: fragment streaming's fragment f (each fragment's batches are its own, a draw of their own).
   """
   if odd not in ODD_RULES:
     raise ValueError(f"odd={odd!r} is not valid; choose one of {ODD_RULES}.")
   slots = sorted(int(m) for m in members)
   if len(set(slots)) != len(slots):
     raise ValueError(f"members={list(members)} is not valid: a slot appears twice in one batch.")
-  order = [slots[i] for i in permutations.generator(permutations.STREAM_ASYNC_MATCH, seed, batch).permutation(len(slots))]
+  counters = (batch,) if fragment is None else (batch, fragment)
+  order = [slots[i] for i in permutations.generator(permutations.STREAM_ASYNC_MATCH, seed, *counters).permutation(len(slots))]
   n = len(order)
   paired = n - (n % 2)
   if n % 2 and n >= 3 and odd == "triple":

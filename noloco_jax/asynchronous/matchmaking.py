@@ -30,6 +30,9 @@ most window_s for a live opener's close and close_grace_s more for a stalled or 
 
 `mm/latest` ("b:last", overwritten by closers) lets a starting or restarted process find the current
 batch; the closer of batch b deletes the record and ticket entries of batch b − keep_batches.
+
+Fragment streaming (`fragment` = f): fragment f's rounds are matched among the processes ready for that
+fragment only, under keys of their own (`mm/f<f>/...`), their batches counted and drawn apart.
 """
 
 from __future__ import annotations
@@ -102,7 +105,8 @@ class Matchmaker:
   def __init__(self, kv: KV, slot: int, incarnation: int, *, seed: int, window_s: float, max_wait_s: float,
                live: Callable[[], Mapping[int, int]], odd: str = "triple", close_grace_s: float = 5.0,
                ticket_grace_s: float = 2.0, keep_batches: int = 64, clock: Callable[[], float] = time.monotonic,
-               silent: Callable[[int], float | None] | None = None, check_s: float = 0.25, hook=None):
+               silent: Callable[[int], float | None] | None = None, check_s: float = 0.25, hook=None,
+               fragment: int | None = None):
     """`silent(slot)`: how long that process's heartbeat has been silent, when past the bound
     (liveness.Liveness.silent_past), else None; a member asks it of a batch's opener every `check_s`
     while it waits for the close, and a closer leaves out every member it names (module docstring). `hook`:
@@ -117,6 +121,12 @@ class Matchmaker:
     self.window_s, self.max_wait_s, self.odd = window_s, max_wait_s, odd
     self.close_grace_s, self.ticket_grace_s, self.keep_batches = close_grace_s, ticket_grace_s, keep_batches
     self._live, self._clock, self._silent, self.check_s, self.hook = live, clock, silent, check_s, hook
+    self.fragment = fragment
+    # Fragment f's protocol under keys of its own (module docstring); without fragments, the keys above.
+    scoped = (lambda key: key) if fragment is None else (lambda key: f"mm/f{fragment}/{key[len('mm/'):]}")
+    self._ticket, self._latest = scoped(TICKET), scoped(LATEST)
+    self._ticket_key = lambda n: scoped(_ticket_key(n))
+    self._batch_key = lambda b: scoped(_batch_key(b))
     self._batch, self._last = 0, 0  # cursor: the first batch not yet read, the last ticket before it
     self.stats = Stats()
     self.history: collections.deque[dict] = collections.deque(maxlen=1000)  # the last rounds' outcomes
@@ -131,9 +141,9 @@ class Matchmaker:
     tickets = 0
     match = None
     while True:
-      ticket = self.kv.increment(TICKET, 1)
+      ticket = self.kv.increment(self._ticket, 1)
       tickets += 1
-      self.kv.set(_ticket_key(ticket), json.dumps([self.slot, self.incarnation, int(progress)]))
+      self.kv.set(self._ticket_key(ticket), json.dumps([self.slot, self.incarnation, int(progress)]))
       if self.hook is not None:
         self.hook.at("ticketed")
       record = self._find_batch(ticket, deadline)
@@ -161,7 +171,7 @@ class Matchmaker:
   # ---- Finding and closing batches ----
 
   def _refresh_cursor(self) -> None:
-    hint = self.kv.get(LATEST)
+    hint = self.kv.get(self._latest)
     if hint:
       b, last = (int(x) for x in hint.split(":"))
       if b >= self._batch:
@@ -170,7 +180,7 @@ class Matchmaker:
   def _find_batch(self, ticket: int, deadline: float) -> dict:
     """The record of the batch holding `ticket`, walking the cursor forward (closing it if ours to close)."""
     while True:
-      raw = self.kv.get(_batch_key(self._batch))
+      raw = self.kv.get(self._batch_key(self._batch))
       if raw is None:
         if ticket == self._last + 1:
           record = self._open(self._batch, ticket, deadline)
@@ -195,9 +205,9 @@ class Matchmaker:
       # Wake at the next arrival, or when the rule could next change its answer: the window's end
       # (with a partner already here) or the deadline.
       until = deadline if count < 2 else min(opened_at + self.window_s, deadline)
-      if self.kv.wait(_ticket_key(highest + 1), max(until - now, 0.0)) is not None:
+      if self.kv.wait(self._ticket_key(highest + 1), max(until - now, 0.0)) is not None:
         highest += 1
-        while self.kv.get(_ticket_key(highest + 1)) is not None:  # several may have arrived at once
+        while self.kv.get(self._ticket_key(highest + 1)) is not None:  # several may have arrived at once
           highest += 1
     return self._close(b, ticket)
 
@@ -209,14 +219,14 @@ class Matchmaker:
     grace_s = self.window_s + self.close_grace_s
     why = "in time"  # else: why it was not waited for
     if self._silent is None:
-      raw = self.kv.wait(_batch_key(b), grace_s)
+      raw = self.kv.wait(self._batch_key(b), grace_s)
     else:
       end, opener = time.monotonic() + grace_s, None
       while True:
-        raw = self.kv.wait(_batch_key(b), max(min(end - time.monotonic(), self.check_s), 0.0))
+        raw = self.kv.wait(self._batch_key(b), max(min(end - time.monotonic(), self.check_s), 0.0))
         if raw is not None or time.monotonic() >= end:
           break
-        if opener is None and (entry := self.kv.get(_ticket_key(self._last + 1))) is not None:
+        if opener is None and (entry := self.kv.get(self._ticket_key(self._last + 1))) is not None:
           opener = int(json.loads(entry)[0])
         if opener is not None and (silent_s := self._silent(opener)) is not None:
           why = f"slot {opener}: its heartbeat has been silent for {silent_s:.3g} s"
@@ -228,10 +238,10 @@ class Matchmaker:
     return self._close(b, self._last + 1)
 
   def _close(self, b: int, first: int) -> dict:
-    last = self.kv.increment(TICKET, 0)
+    last = self.kv.increment(self._ticket, 0)
     entries = []
     for n in range(first, last + 1):
-      raw = self.kv.wait(_ticket_key(n), self.ticket_grace_s)
+      raw = self.kv.wait(self._ticket_key(n), self.ticket_grace_s)
       if raw is not None:
         slot, inc, progress = json.loads(raw)
         entries.append(Member(int(slot), int(inc), int(progress), n))
@@ -242,28 +252,28 @@ class Matchmaker:
         newest[m.slot] = m
     if self._silent is not None:  # held alive, but silent past the bound (stopped): not grouped with anyone
       newest = {s: m for s, m in newest.items() if s == self.slot or self._silent(s) is None}
-    groups, left_out = law.draw_groups(sorted(newest), self.seed, b, odd=self.odd)
+    groups, left_out = law.draw_groups(sorted(newest), self.seed, b, odd=self.odd, fragment=self.fragment)
     record = {"b": b, "first": first, "last": last, "closed_by": self.slot, "time": time.time(),
               "members": [[m.ticket, m.slot, m.incarnation, m.progress] for m in newest.values()],
               "excluded": sorted(set(range(first, last + 1)) - {m.ticket for m in newest.values()}),
               "groups": [list(g) for g in groups], "left_out": list(left_out)}
-    if self.kv.create(_batch_key(b), json.dumps(record)):
+    if self.kv.create(self._batch_key(b), json.dumps(record)):
       self.stats.batches_closed += 1
-      self.kv.set(LATEST, f"{b}:{last}")
+      self.kv.set(self._latest, f"{b}:{last}")
       self._forget(b - self.keep_batches)
       return record
-    return json.loads(self.kv.get(_batch_key(b)))  # another closer won: its record is the batch
+    return json.loads(self.kv.get(self._batch_key(b)))  # another closer won: its record is the batch
 
   def _forget(self, b: int) -> None:
     if b < 0:
       return
-    raw = self.kv.get(_batch_key(b))
+    raw = self.kv.get(self._batch_key(b))
     if raw is None:
       return
     record = json.loads(raw)
     for n in range(record["first"], record["last"] + 1):
-      self.kv.delete(_ticket_key(n))
-    self.kv.delete(_batch_key(b))
+      self.kv.delete(self._ticket_key(n))
+    self.kv.delete(self._batch_key(b))
 
 
 def _group_of(record: dict, ticket: int, slot: int) -> tuple[Member, ...] | None:

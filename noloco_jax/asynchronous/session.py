@@ -46,6 +46,9 @@ class Options:
   # or as a batch's opener, rather than after exchange_timeout_s or close_grace_s (liveness.silent_past).
   partner_silence_s: float = 3.0
   join_timeout_s: float = 120.0  # how long a joiner waits for one donor
+  # Fragment streaming (outer.streaming.fragments = F > 1): fragment f's rounds are matched among the
+  # processes ready for fragment f (a matchmaker per fragment), exchange tags b·F + f (b: its batch).
+  fragments: int = 1
 
   def check(self) -> None:
     """One line naming the field for a bad value."""
@@ -55,6 +58,8 @@ class Options:
       raise ValueError(f"outer.asynchronous.max_wait_s={self.max_wait_s} is not valid: seconds > 0.")
     if self.exchange_timeout_s <= 0:
       raise ValueError(f"outer.asynchronous.exchange_timeout_s={self.exchange_timeout_s} is not valid: seconds > 0.")
+    if self.fragments < 1:
+      raise ValueError(f"outer.streaming.fragments={self.fragments} is not valid: an integer ≥ 1.")
     if self.odd not in law.ODD_RULES:
       raise ValueError(f"outer.asynchronous.match_odd={self.odd!r} is not valid; choose one of {law.ODD_RULES}.")
     if not self.partner_silence_s > self.beat_s:
@@ -107,10 +112,12 @@ class Session:
     silent = lambda peer: heartbeat.silent_past(peer, options.partner_silence_s)
     check_s = min(0.25, options.partner_silence_s / 8)
     self.transport = transport_lib.Transport(kv, slot, incarnation, silent=silent, check_s=check_s)
-    self.matchmaker = matchmaking.Matchmaker(
+    F = options.fragments
+    self.matchmakers = [matchmaking.Matchmaker(
         kv, slot, incarnation, seed=options.seed, window_s=options.window_s, max_wait_s=options.max_wait_s,
         live=self.liveness.poll, odd=options.odd, close_grace_s=options.close_grace_s, silent=silent, check_s=check_s,
-        hook=self.transport.hook)
+        hook=self.transport.hook, fragment=f if F > 1 else None) for f in range(F)]
+    self.matchmaker = self.matchmakers[0]
     self.donor = churn.Donor(kv, self.transport, slot)
     self.failed = 0
 
@@ -135,19 +142,23 @@ class Session:
       logging.warning("Slot %d: slot %s (incarnation %s) returned: its heartbeat moves again (it was stopped, not "
                       "dead); it is grouped again.", self.slot, peer, record.get("incarnation"))
 
-  def round(self, message, progress: int, step: int | None = None) -> RoundResult:
+  def round(self, message, progress: int, step: int | None = None, fragment: int = 0) -> RoundResult:
     """Finds this round's group and exchanges `message` (a pytree of arrays) with it; see the module docstring.
-    `step`: the step the round was sent at (its log row's), else the driver's current one."""
-    match = self.matchmaker.ready(progress)
+    `step`: the step the round was sent at (its log row's), else the driver's current one. `fragment`: with
+    fragment streaming, the fragment this round is (its group: processes ready for the same fragment)."""
+    matchmaker, F = self.matchmakers[fragment], self.options.fragments
+    match = matchmaker.ready(progress)
     if match is None:
-      result = RoundResult("skipped", waited_s=self.matchmaker.history[-1]["waited_s"],
+      result = RoundResult("skipped", waited_s=matchmaker.history[-1]["waited_s"],
                            reason=f"no partner within {self.options.max_wait_s:.3g} s")
     else:
       start = time.monotonic()
       stats = self.transport.stats
       sent, received = stats.bytes_sent, stats.bytes_received
       try:
-        theirs = self.transport.exchange(message, match.partners, match.batch, self.options.exchange_timeout_s)
+        # One exchange tag per (fragment, batch): the fragments' batches are counted apart.
+        tag = match.batch * F + fragment
+        theirs = self.transport.exchange(message, match.partners, tag, self.options.exchange_timeout_s)
         result = RoundResult("exchanged", match.batch, tuple(m.slot for m in match.group),
                              tuple(m.incarnation for m in match.group), [message, *theirs],
                              [match.own.progress, *(m.progress for m in match.partners)], match.waited_s,
@@ -165,7 +176,8 @@ class Session:
                              "batch": result.batch, "group": list(result.group),
                              "incarnations": [str(i) for i in result.incarnations],
                              "partner_progress": result.progress[1:], "waited_s": round(result.waited_s, 6),
-                             "exchange_s": round(result.exchange_s, 6), "reason": result.reason})
+                             "exchange_s": round(result.exchange_s, 6), "reason": result.reason,
+                             **({"fragment": fragment} if F > 1 else {})})
     return result
 
   def serve_joins(self, state_fn, progress: int) -> int:

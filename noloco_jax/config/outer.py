@@ -201,7 +201,8 @@ class OverlapConfig(Section):
 @dataclasses.dataclass(frozen=True)
 class StreamingConfig(Section):
   """`config.outer.streaming`: fragment streaming (noloco_jax/outer/streaming.py, docs/compression.md), for the
-  methods whose round is given in parts, with any codec but coset, lock-step (with or without overlap):
+  methods whose round is given in parts, with any codec but coset, lock-step (with or without overlap) or
+  asynchronous (every fragment round matched with its own partner: partners='own'):
   the message is cut into `fragments` parts and fragment f has its round at the steps t with
   (t − f·H/F) mod H = 0 (Streaming DiLoCo's schedule): each fragment still once per H steps, the traffic
   spread over the round."""
@@ -213,7 +214,7 @@ class StreamingConfig(Section):
   # layers: the stacked layers cut into F contiguous blocks, the embedding in the first, the head in the last.
   split: str = "slices"
   # shared: fragment f's j-th round pairs as the unfragmented round j would | own: every fragment's round a
-  # grouping of its own (a new seeded draw per fragment per round).
+  # grouping of its own (a new seeded draw per fragment per round; the asynchronous schedule's only choice).
   partners: str = "shared"
 
   def check(self) -> None:
@@ -407,7 +408,8 @@ class OuterConfig(Section):
 
   def _check_streaming(self, s, in_parts: str) -> None:
     """Fragment f's round falls at the steps ≡ f·H/F (mod H): F must divide H, an overlapped fragment's
-    exchange must be merged before the next fragment's is sent, and its rounds are the lock-step ones."""
+    exchange must be merged before the next fragment's is sent; in the asynchronous schedule every fragment round
+    finds its own partner (partners='own')."""
     F = self.streaming.fragments
     if F == 1:
       return
@@ -423,8 +425,9 @@ class OuterConfig(Section):
            f"H/F = {self.inner_steps // F} steps later)")
     if self.codec.compression == "coset":
       fail(field, F, "1 with outer.codec.compression='coset' (the coset codec sends fragments of its own)")
-    if self.schedule != "lockstep":
-      fail(field, F, "1 with outer.schedule='async' (fragment streaming runs in the lock-step schedule)")
+    if self.schedule == "async" and self.streaming.partners != "own":
+      fail("outer.streaming.partners", self.streaming.partners, "'own' with outer.schedule='async' (each fragment "
+           "round is matched at run time with whichever process is ready for that fragment)")
     if self.offload:
       fail(field, F, "1 with outer.offload=True (not supported with fragment streaming)")
 

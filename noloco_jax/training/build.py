@@ -108,7 +108,8 @@ def build(config, mesh=None, vocab_size: int | None = None,
     roles = [model.stage_role(path) for path, _ in jax.tree_util.tree_flatten_with_path(one)[0]]
     s = config.outer.streaming
     fragments = streaming.cut(one, roles, fragments=s.fragments, split=s.split)
-    schedule = streaming.Pairing(schedule, fragments=s.fragments, partners=s.partners)
+    if schedule is not None:  # the asynchronous schedule's partners are found at run time, per fragment round
+      schedule = streaming.Pairing(schedule, fragments=s.fragments, partners=s.partners)
 
   def init_all():
     # Every replica starts from the same weights: initialise one replica, then broadcast. Under
@@ -158,7 +159,7 @@ def build(config, mesh=None, vocab_size: int | None = None,
   return Setup(config=config, mesh=mesh, model=model, method=method, schedule=schedule,
                init_state=jax.jit(init_all, out_shardings=state_sh), inner_step=inner_step,
                eval_step=jax.jit(eval_fn), weight_std=jax.jit(metrics_lib.weight_std),
-               rounds=programs_lib.RoundPrograms(method, mesh, schedule.base if fragments else schedule, state_sh), state_shardings=state_sh,
+               rounds=programs_lib.RoundPrograms(method, mesh, getattr(schedule, "base", schedule), state_sh), state_shardings=state_sh,
                replica_map=how, fragments=fragments)
 
 

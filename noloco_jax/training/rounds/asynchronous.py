@@ -26,6 +26,14 @@ leaves it as it was, as if nothing had been sent. A round's bytes are what the t
 received in its exchange (session.RoundResult), counted into the run's comm/* metrics as the lock-step
 schedule counts its own.
 
+Fragment streaming (`outer.streaming.fragments` = F > 1, outer/streaming.py): every H/F steps one
+fragment's round, fragment f at the steps t with (t − f·H/F) mod H = 0 (outer/streaming.boundary_fragment,
+the lock-step streamed schedule's), as the round above on the fragment's part of the state: its programs
+are streaming.fragment_method's (one set per fragment, all compiled before the first step), and it is
+matched among the processes ready for the same fragment (Session.round's `fragment`): every fragment round
+finds its own partner. The staleness rule's progress is the process's one count, whichever fragment's round
+moved it. With τ > 0 one fragment's round is in flight at most (the config keeps τ < H/F).
+
 Progress (the staleness rule's unit) and the round counters are the driver's record (`save`, `restore`),
 which a checkpoint keeps. Its logs, every round (WORKDIR/pairings_<slot>.jsonl) and every membership event
 it sees (WORKDIR/membership_<slot>.jsonl), are the run's kind of log (io/checkpoint/logs.JsonlLog, rows
@@ -55,6 +63,7 @@ from noloco_jax.config import fields as config_fields
 from noloco_jax.io.checkpoint import logs as logs_lib
 from noloco_jax.outer import async_rules, wire
 from noloco_jax.outer import programs as programs_lib
+from noloco_jax.outer import streaming
 from noloco_jax.training.rounds.base import InFlight, RoundDriver
 
 COUNTERS = ("exchanged_rounds", "skipped_rounds", "failed_rounds", "wait_s", "exchange_s", "round_compiles")
@@ -88,9 +97,17 @@ class AsyncRounds(RoundDriver):
     # runs on a second thread and is merged with the delayed rule θ ← λ·θ_local + (1 − λ)·φ_new.
     self._tau = o.overlap.steps
     sizes = (2, 3) if o.asynchronous.match_odd == "triple" else (2,)
-    self.programs = programs_lib.RoundPrograms(setup.method, setup.mesh, None, setup.state_shardings, where="host",
-                                               mix=o.overlap.mix if self._tau else None, group_sizes=sizes)
-    self._compiled: dict = {}
+    # Fragment streaming (module docstring): a round every H/F steps, each fragment's programs its own.
+    fragments = setup.fragments or ()
+    self._F = max(len(fragments), 1)
+    self._every = self._H // self._F
+    methods = [streaming.fragment_method(setup.method, f) for f in fragments] or [setup.method]
+    self._programs = [programs_lib.RoundPrograms(m, setup.mesh, None, setup.state_shardings, where="host",
+                                                 mix=o.overlap.mix if self._tau else None, group_sizes=sizes)
+                      for m in methods]
+    self.programs = self._programs[0]
+    self._by_fragment: list[dict] = []  # each fragment's compiled programs
+    self._compiled: dict = {}  # fragment 0's (the only one when F = 1), and the state's copy
     self._inflight = InFlight(threaded=self._tau > 0, name="async-round")
     self._merge_at = 0  # the step whose after_step merges it (decided before the step: `due` must agree)
     self._last = config.num_steps
@@ -136,11 +153,14 @@ class AsyncRounds(RoundDriver):
     inside a round would keep the partner waiting (seen: seconds on a loaded CPU, more than
     outer.asynchronous.max_wait_s)."""
     start = time.monotonic()
-    self.programs.start(state)
-    self._compiled = dict(zip(self.programs.fixed, self.programs.get(*self.programs.fixed)))
+    for programs in self._programs:
+      programs.start(state)
+    self._by_fragment = [dict(zip(p.fixed, p.get(*p.fixed))) for p in self._programs]
+    self._compiled = self._by_fragment[0]
     # The copy of the state a joiner is served (the inner steps donate the state it would read).
     self._compiled["copy"] = jax.jit(lambda s: jax.tree.map(jnp.copy, s)).lower(state).compile()
-    logging.info("Asynchronous rounds: %d programs compiled in %.1f s.", len(self._compiled), time.monotonic() - start)
+    logging.info("Asynchronous rounds: %d programs compiled in %.1f s.", sum(map(len, self._by_fragment)),
+                 time.monotonic() - start)
 
   def _join(self, run) -> None:
     """Takes this replica's state from a live peer (module docstring)."""
@@ -176,7 +196,7 @@ class AsyncRounds(RoundDriver):
       self._merge_at = step
 
   def due(self, step: int) -> bool:
-    return step % self._H == 0 or step == self._merge_at
+    return step % self._every == 0 or step == self._merge_at
 
   def _progress(self, step: int) -> float:
     return self._record["progress"] + (step - self._record["progress_step"])
@@ -186,7 +206,7 @@ class AsyncRounds(RoundDriver):
     try:
       if step == self._merge_at:
         self._finish(run, step)
-      if step % self._H == 0:
+      if step % self._every == 0:
         self._send(run, step)
       if step == self._last and self._inflight.pending:  # the run's state includes every round it sent
         self._finish(run, step)
@@ -199,11 +219,14 @@ class AsyncRounds(RoundDriver):
   def _send(self, run, step: int) -> None:
     # The state's buffers go to the message program (donated): the state it returns is the state now, its
     # codec's residual as it was; the new one (`codec_state`) commits with the merge, if the exchange completes.
-    run.state, sent, round_metrics, codec_state = self._compiled["message"](run.state)
+    f = streaming.boundary_fragment(step // self._every, self._F)[0] if self._F > 1 else 0
+    run.state, sent, round_metrics, codec_state = self._by_fragment[f]["message"](run.state)
     own, payload = sent[0], sent[-1]  # the plain float32 payload is the own term itself, handed on once
     progress = int(round(self._progress(step)))
-    self._inflight.send(step, self.session.round, payload, progress, step, own=own, codec_state=codec_state,
-                        metrics=round_metrics)
+    # Without fragments the round is called as before (Session.round's own default: fragment 0 of 1).
+    round_of = self.session.round if self._F == 1 else (lambda *a: self.session.round(*a, fragment=f))
+    self._inflight.send(step, round_of, payload, progress, step, own=own, codec_state=codec_state,
+                        metrics=round_metrics, fragment=f)
     if not self._tau:  # the round at once: the exchange has happened (or not) inside `send`
       self._finish(run, step)
     # A joiner may be waiting for this process: it is offered a copy (the inner steps donate the state).
@@ -217,7 +240,7 @@ class AsyncRounds(RoundDriver):
     self._merge_at = 0
     traffic = wire.NOTHING
     if result.exchanged:
-      run.state, merged = self._apply(run.state, info["own"], info["codec_state"], result)
+      run.state, merged = self._apply(run.state, info["own"], info["codec_state"], result, info["fragment"])
       # The τ inner steps since the message are this replica's own, on top of the group's progress.
       self._record.update(progress=merged + (step - sent_at), progress_step=step)
       traffic = wire.measured(result.bytes_sent, result.bytes_received, len(result.group) - 1)
@@ -228,9 +251,11 @@ class AsyncRounds(RoundDriver):
     counts["async/progress"] = self._progress(step)
     run.loop.add_round(step, info["metrics"], traffic)
 
-  def _apply(self, states, own, codec_state, result):
+  def _apply(self, states, own, codec_state, result, fragment: int = 0):
     """(new state, merged progress) after an exchange: the weighted mean in the lock-step order, the merge,
-    which commits the codec's new state (`codec_state`, from the message program)."""
+    which commits the codec's new state (`codec_state`, from the message program); with fragment streaming,
+    fragment `fragment`'s programs."""
+    compiled = self._by_fragment[fragment]
     me = self._process.slot
     group = list(result.group)  # sorted by slot, this process included
     received = dict(zip([s for s in group if s != me], result.messages[1:]))
@@ -241,10 +266,10 @@ class AsyncRounds(RoundDriver):
     progress = [progress_of[s] for s in order]
     weights = async_rules.staleness_weights(progress, inner_steps=self._H, decay=self._decay)
     if async_rules.equal(weights):
-      mean = self._compiled[f"combine{len(group)}"](own, others)
+      mean = compiled[f"combine{len(group)}"](own, others)
     else:
-      mean = self._compiled[f"combine{len(group)}w"](own, others, np.asarray(weights, np.float32))  # no jnp: a compile
-    return self._compiled["merge"](states, mean, codec_state), async_rules.merged_progress(progress, weights)
+      mean = compiled[f"combine{len(group)}w"](own, others, np.asarray(weights, np.float32))  # no jnp: a compile
+    return compiled["merge"](states, mean, codec_state), async_rules.merged_progress(progress, weights)
 
   def flush(self) -> None:
     for log in self._logs:
@@ -253,7 +278,8 @@ class AsyncRounds(RoundDriver):
   def close(self, failed: bool) -> None:
     """Leaves the job: the others see it gone at their next poll (never paired with it again)."""
     self._inflight.close(failed)
-    self.programs.close()
+    for programs in self._programs:
+      programs.close()
     if self.session is not None:
       # Still beating until the process exits (asynchronous/job.Process.finish): it saves and logs meanwhile.
       self.session.close(linger_s=0.0, keep_beating=True)
