@@ -142,6 +142,10 @@ def main(argv=None) -> dict:
   bench.add_argument("--max_wait_s", type=float, default=1.0)
   bench.add_argument("--lease_s", type=float, default=3.0)
   bench.add_argument("--exchange_timeout_s", type=float, default=5.0)
+  bench.add_argument("--compile_cache", default="",
+                     help="JAX's persistent compilation cache of every method's processes: a directory, or 'off' (every "
+                          "restart compiles again); default: compile_cache/ in the sweep's directory, every program "
+                          "written, so each method's first launch (before its origin) compiles and its restarts load")
   bench.add_argument("--keep", default="", help="keep the runs' workdirs under this directory")
   bench.add_argument("--plot", default="", help="write the plots into this directory (e.g. experiments/plots)")
   bench.add_argument("--plot_from", default="", help="only plot a saved result (this JSON file) into --plot or experiments/plots")
@@ -177,10 +181,12 @@ def main(argv=None) -> dict:
   root = args.keep or ("" if args.from_raw else tempfile.mkdtemp(prefix="bench_churn_"))
   if root:
     os.makedirs(root, exist_ok=True)
+  cache = args.compile_cache or (os.path.join(os.path.abspath(root), "compile_cache") if root else "")
   for seed in args.seeds if not args.from_raw else ():
     for mtbf in args.mtbf_s:
       s = churn.Setting(args.processes, args.budget_s, mtbf, args.restart_delay_s, args.step_s, args.inner_steps,
-                        args.checkpoint_every, args.eval_every, args.straggler, seed, args.max_wait_s, args.lease_s, args.exchange_timeout_s)
+                        args.checkpoint_every, args.eval_every, args.straggler, seed, args.max_wait_s, args.lease_s,
+                        args.exchange_timeout_s, cache)
       trace = churn.failure_trace(seed, args.processes, mtbf, args.budget_s)
       for method in args.methods:
         try:
@@ -206,11 +212,13 @@ def main(argv=None) -> dict:
             "healthy_step_s": healthy_s, "healthy_tokens_per_s_per_process": TOKENS_PER_STEP / healthy_s,
             "runs": records, "errors": errors}
   result["setting"]["mtbf_s"] = [m if math.isfinite(m) else "inf" for m in args.mtbf_s]
+  result["setting"]["compile_cache"] = "off" if args.compile_cache == "off" else "on"
   if args.from_raw:  # what the saved runs ran, not this command's defaults
     first = dataclasses.asdict(runs[0][1])
     result["setting"].update({k: first[k] for k in result["setting"] if k in first},
                              methods=sorted({r["method"] for r, _ in runs}), seeds=sorted({x.seed for _, x in runs}),
-                             mtbf_s=sorted({x.mtbf_s for _, x in runs}), from_raw=args.from_raw)
+                             mtbf_s=sorted({x.mtbf_s for _, x in runs}), from_raw=args.from_raw,
+                             compile_cache=sorted({"off" if x.compile_cache == "off" else "on" for _, x in runs}))
   result["targets"] = targets(records)
   if args.plot:
     result["plots"] = plot(result, args.plot)

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -129,3 +130,27 @@ def test_quick_mode_runs_both_schedules_under_the_same_failures(tmp_path):
                          capture_output=True, text=True, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
   assert json.loads(again.stdout.strip().splitlines()[-1])["runs"] == result["runs"]
+
+
+def test_a_restarts_time_is_split_into_its_stages_from_the_logs(tmp_path):
+  """Killed at t0 + 10, launched again at + 15: its log's stage lines at + 17 (imports), + 18 (start-up check),
+  + 18.5 (restored), + 20 (joined), + 20.4 (compiled), its first step at + 21. A kill whose restart did not
+  step before the next kill has no record."""
+  t0 = 1795854000.0
+  stamp = lambda t: time.strftime("I%m%d %H:%M:%S", time.localtime(t)) + f".{int(round((t % 1) * 1e6)):06d} 1 "
+  lines = [(17.0, "main.py:68] Persistent compilation cache: /c"), (18.0, "distributed.py:351] Start-up check: 1 processes agree on"),
+           (18.5, "restoring.py:90] checkpoint: resumed from step 60"), (20.0, "asynchronous.py:164] Slot 0 joined the running job"),
+           (20.4, "asynchronous.py:143] Asynchronous rounds: 7 programs compiled in 0.4 s."), (20.6, "writers.py:193] [0] x = 1")]
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  (logs / "process_0.log").write_text("".join(stamp(t0 + t) + text + "\n" for t, text in lines) + "a line with no stamp\n")
+  (logs / "process_1.log").write_text("")
+  run = {"method": "async", "origin": t0, "end": t0 + 60, "logs": str(logs),
+         "kills": [{"time": t0 + 10, "process": 0}, {"time": t0 + 40, "process": 1}, {"time": t0 + 50, "process": 1}],
+         "launches": [(t0, [0, 1]), (t0 + 15, [0]), (t0 + 45, [1])],
+         "traces": [[{"step": 1, "end": t0 + 1}, {"step": 2, "end": t0 + 21}], [{"step": 1, "end": t0 + 1}]]}
+  (record,) = churn.phases(run)
+  expected = {"delay": 5.0, "start_up": 2.0, "init": 1.0, "restore": 0.5, "join": 1.5, "compile": 0.4, "first_step": 0.6}
+  assert record.keys() == expected.keys()
+  assert all(record[k] == pytest.approx(v, abs=1e-3) for k, v in expected.items()), record
+  assert churn.phases({k: v for k, v in run.items() if k != "launches"}) == []  # a run saved before launches were kept

@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -100,6 +101,10 @@ class Setting:
   max_wait_s: float
   lease_s: float
   exchange_timeout_s: float
+  # JAX's persistent compilation cache of every process of every method (runtime/compile_cache.py), every
+  # program written (threshold 0 s): a restarted process or job loads its programs instead of compiling
+  # them again. "off": none (each restart compiles). "": the processes' default (~/.cache/noloco_jax/...).
+  compile_cache: str = ""
 
 
 def flags(method: str, workdir: str, s: Setting) -> list[str]:
@@ -135,10 +140,15 @@ class _Procs:
     self.trace_dir = os.path.join(workdir, "trace")
     # A long heartbeat timeout: on a loaded machine a starting process can miss JAX's heartbeats for 30 s.
     self.env = {"NOLOCO_FAULTS": device_time(s), "NOLOCO_TRACE": self.trace_dir, "NOLOCO_HEARTBEAT_TIMEOUT_S": "120"}
+    if s.compile_cache:
+      self.env["NOLOCO_COMPILE_CACHE"] = s.compile_cache
+      if s.compile_cache != "off":
+        self.env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     self.port = launch_local.free_port()
     self.service = None
     self.procs: list[subprocess.Popen | None] = [None] * s.processes
     self.started = [0.0] * s.processes  # when each slot's current process was started
+    self.launches: list[tuple[float, list[int]]] = []  # (when, slots) of every start: `phases` reads them
     self.logs = os.path.join(workdir + "_logs")
     os.makedirs(self.logs, exist_ok=True)
     if method == "async":
@@ -152,6 +162,7 @@ class _Procs:
   def start(self, slots) -> None:
     if self.method != "async":  # the whole job, one port per launch (the old service may linger)
       self.port = launch_local.free_port()
+    self.launches.append((time.time(), list(slots)))
     for p in slots:
       self.started[p] = time.time()
       with open(os.path.join(self.logs, f"process_{p}.log"), "a") as log:
@@ -230,7 +241,7 @@ def run(method: str, root: str, s: Setting, trace: list[tuple[float, int]], star
   read = lambda path: metrics_lib.read_jsonl(path, missing_ok=True, skip_damaged=True)
   dirs = [workdir] if lockstep else [os.path.join(workdir, f"process_{p}") for p in range(s.processes)]
   return {"method": method, "workdir": workdir, "origin": origin, "end": end, "kills": kills, "skipped": skipped,
-          "codes": codes, "traces": async_runs.read_traces(procs.trace_dir, s.processes),
+          "codes": codes, "launches": procs.launches, "logs": procs.logs, "traces": async_runs.read_traces(procs.trace_dir, s.processes),
           "rows": [read(os.path.join(d, "metrics.jsonl")) for d in dirs], "dirs": dirs}
 
 
@@ -311,6 +322,78 @@ def downtime(run_: dict) -> list[float]:
   return out
 
 
+# Where a restart's time goes: the first line of each stage in the restarted process's log (absl's
+# timestamps), in the order a restart passes them; a stage a restart does not pass (a fresh lock-step job
+# restores nothing, a lock-step job joins no one) is absent from its record.
+_STAGES = (("start_up", re.compile(r"main\.py:\d+\] Persistent compilation cache")),   # interpreter, imports, config
+           ("init", re.compile(r"Start-up check: \d+ processes agree")),                 # control plane, data, state
+           ("restore", re.compile(r"checkpoint: resumed from step")),                      # its own last checkpoint
+           ("join", re.compile(r"joined the running job")),                                # a live peer's state
+           ("compile", re.compile(r"Asynchronous rounds: \d+ programs compiled")))         # the rounds' programs
+_STAMP = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) ")
+
+
+def log_times(path: str, year: int) -> list[tuple[float, str]]:
+  """(seconds since the epoch, line) of every absl-stamped line of a process's log (local time, as absl
+  writes it)."""
+  out = []
+  if not os.path.exists(path):
+    return out
+  with open(path, errors="replace") as f:
+    for line in f:
+      if (m := _STAMP.match(line)):
+        mon, day, hour, minute, sec = m.groups()
+        t = time.mktime((year, int(mon), int(day), int(hour), int(minute), 0, 0, 0, -1)) + float(sec)
+        out.append((t, line))
+  return out
+
+
+def phases(run_: dict) -> list[dict]:
+  """Per failure whose restart trained again before the next failure and the budget's end: seconds from
+  the kill to the restart's launch (`delay`, the supervisor's), then to the first line of each stage
+  (_STAGES) the restarted process(es) passed (lock-step: the last process to pass it), then to the first
+  step (`first_step`: lock-step, the step program's compile is in it). Needs the run's launches and logs."""
+  if "launches" not in run_:
+    return []
+  lockstep = run_["method"] != "async"
+  year = time.gmtime(run_["origin"]).tm_year
+  logs = [log_times(os.path.join(run_["logs"], f"process_{p}.log"), year) for p in range(len(run_["traces"]))]
+  kill_times = sorted(k["time"] for k in run_["kills"])
+  out = []
+  for k in run_["kills"]:
+    slots = range(len(run_["traces"])) if lockstep else [k["process"]]
+    launch = min((t for t, who in run_["launches"] if t > k["time"] and (lockstep or k["process"] in who)), default=None)
+    if launch is None:
+      continue
+    firsts = [min((r["end"] for r in run_["traces"][p] if r["end"] > launch), default=math.inf) for p in slots]
+    first = min(firsts)
+    if first > run_["end"] or any(launch < t < first for t in kill_times):
+      continue
+    record, last = {"delay": launch - k["time"]}, launch
+    for name, pattern in _STAGES:
+      seen = [min((t for t, line in logs[p] if launch <= t <= first and pattern.search(line)), default=None) for p in slots]
+      if any(t is None for t in seen):
+        continue
+      record[name] = max(max(seen) - last, 0.0)
+      last = max(last, max(seen))
+    record["first_step"] = first - last
+    out.append(record)
+  return out
+
+
+def partner_wait_s(run_: dict) -> float:
+  """Asynchronous: seconds the processes waited for a partner in rounds that did not exchange (skipped or
+  failed: mostly a dead or restarting partner's), summed over processes (each one's pairings log)."""
+  if run_["method"] != "async":
+    return 0.0
+  total = 0.0
+  for d in run_["dirs"]:
+    slot = int(os.path.basename(d).rsplit("_", 1)[1])
+    rows = metrics_lib.read_jsonl(os.path.join(d, f"pairings_{slot}.jsonl"), missing_ok=True, skip_damaged=True)
+    total += sum(r.get("waited_s", 0.0) for r in rows if r.get("status") != "exchanged")
+  return total
+
+
 def audit_rows(run_: dict, log_every: int) -> int:
   """Rows missing or logged twice (module docstring)."""
   bad = 0
@@ -363,6 +446,7 @@ def account(run_: dict, s: Setting, healthy_s: float, tokens_per_step: int) -> d
   down = downtime(run_)
   per_failure = [d + l["steps"] * healthy_s for d, l in zip(down, lost)]
   corrupt, last = audit_states(run_)
+  stages = phases(run_)
   finite = [v for v in last if math.isfinite(v)]
   return {"method": run_["method"], "schedule": "async" if run_["method"] == "async" else "lockstep",
           "mtbf_s": s.mtbf_s, "seed": s.seed, "failures": len(run_["kills"]), "failures_skipped": run_["skipped"],
@@ -371,4 +455,7 @@ def account(run_: dict, s: Setting, healthy_s: float, tokens_per_step: int) -> d
           "time_lost_per_failure_s": float(np.mean(per_failure)) if per_failure else 0.0,
           "downtime_per_failure_s": float(np.mean(down)) if down else 0.0,
           "steps_lost_per_failure": float(np.mean([l["steps"] for l in lost])) if lost else 0.0,
+          "phases_per_failure_s": {k: float(np.mean([p[k] for p in stages if k in p]))
+                                    for k in ("delay", *(n for n, _ in _STAGES), "first_step") if any(k in p for p in stages)},
+          "phases_counted": len(stages), "partner_wait_s": partner_wait_s(run_),
           "rows_lost": audit_rows(run_, s.inner_steps), "corrupt_states": corrupt, "exit_codes": run_["codes"]}
