@@ -45,10 +45,12 @@ def test_async_accounting_counts_a_killed_incarnation_up_to_its_last_exchange():
   # Slot 0: steps 1-10, killed at t = 10.5 at step 10, its last exchange at step 8; restarted, joined a peer at
   # step 12 and trained to step 20. Slot 1 never failed: steps 1-20.
   kill = {"time": 10.5, "process": 0, "step": 10, "last_exchanged": 8}
-  run = {"method": "async", "kills": [kill], "end": 30.0,
+  run = {"method": "async", "kills": [kill], "end": 40.0,
          "traces": [_rows(1, 10, 5) + [{"step": s, "end": 12.0 + s} for s in range(13, 21)], _rows(1, 20, 5)]}
   steps, lost = churn.contributed_steps(run)
   assert steps == 8 + (20 - 12) + 20 and lost == [{"steps": 2}]
+  # Steps that ended after the budget (19 and 20 end at 31 and 32) do not count.
+  assert churn.contributed_steps({**run, "end": 30.0})[0] == 8 + (18 - 12) + 20
   assert churn.downtime(run) == [pytest.approx(25.0 - 10.5)]  # to its first step after the restart (step 13)
   run["rows"] = [_metrics([5, 10, 15, 20], 5), _metrics([5, 10, 15, 20], 5)]
   assert churn.audit_rows(run, 5) == 0
@@ -59,7 +61,7 @@ def test_async_accounting_counts_a_killed_incarnation_up_to_its_last_exchange():
 def test_a_restart_that_redoes_steps_counts_them_once():
   # Killed at step 10 (last exchange 10), resumed from its own checkpoint of step 6 and trained to 14.
   kill = {"time": 10.5, "process": 0, "step": 10, "last_exchanged": 10}
-  run = {"method": "async", "kills": [kill], "end": 30.0,
+  run = {"method": "async", "kills": [kill], "end": 40.0,
          "traces": [_rows(1, 10, 5) + [{"step": s, "end": 20.0 + s} for s in range(7, 15)]]}
   assert churn.contributed_steps(run)[0] == 14
 

@@ -22,15 +22,18 @@ The supervisor (`run`), one job, P processes on one machine:
 Accounting (`account`):
 
 - tokens that contributed to the surviving model: lock-step, the last checkpoint's step × P × tokens per
-  step (steps done again after a restart count once). Asynchronous, per process and incarnation: a killed
+  step (steps done again after a restart count once), at most the last step ended within the budget. Asynchronous, per process and incarnation: a killed
   incarnation's steps up to its last exchange that completed (merged into its partners: its pairings log,
   copied when it was killed, before its restart rewrites it), the surviving incarnation's up to its last
-  step; a restarted incarnation counts only steps beyond what its previous one counted (a restart that
+  step ended within the budget; a restarted incarnation counts only steps beyond what its previous one counted (a restart that
   resumes from its own checkpoint redoes steps, which count once).
 - goodput = those tokens ÷ (P × budget_s × a healthy process's tokens/s); healthy: the most steps per
   second per process that any run of the sweep made before its first failure (from the origin to the
   first kill, at least 5 s), rounds, evaluations and checkpoints included: the best pace the machine
   allowed any schedule, so a schedule's own waiting counts against it as failures do.
+- where a failure's time goes (`phases`, from the restarted process's log): the restart delay, start-up
+  (interpreter, imports, config), init (control plane, data, state), restore, join, compile, first step.
+  `partner_wait_s`: what the partners of the dead waited in rounds that did not exchange.
 - time lost per failure: from the kill to the first step after the restart (the job's, or that process's),
   plus the steps lost (lock-step: since the last checkpoint; asynchronous: since the last exchange) at
   the healthy step time.
@@ -291,7 +294,9 @@ def contributed_steps(run_: dict) -> tuple[int, list[dict]]:
   """(steps that reached the surviving model, per failure: the steps it lost); module docstring."""
   kills = run_["kills"]
   if run_["method"] != "async":
-    final = failures.last_checkpoint(run_["workdir"]) or 0
+    # The last checkpoint, but no step past the budget (the final save, at SIGTERM, may hold a few more).
+    done = min(max((r["step"] for r in t if r["end"] <= run_["end"]), default=0) for t in run_["traces"])
+    final = min(failures.last_checkpoint(run_["workdir"]) or 0, done)
     lost = [{"steps": k["step"] - k["checkpoint"]} for k in kills]
     return final * len(run_["traces"]), lost
   total, lost = 0, []
@@ -303,7 +308,8 @@ def contributed_steps(run_: dict) -> tuple[int, list[dict]]:
       if not seg:
         continue
       start = seg[0]["step"] - 1
-      top = mine[i]["last_exchanged"] if i < len(mine) else seg[-1]["step"]
+      in_budget = [r["step"] for r in seg if r["end"] <= run_["end"]]  # the surviving one: no step past the budget
+      top = mine[i]["last_exchanged"] if i < len(mine) else max(in_budget, default=start)
       if i < len(mine):
         lost.append({"steps": max(mine[i]["step"] - top, 0)})
       total += max(top - max(start, counted), 0)
