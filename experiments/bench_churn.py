@@ -16,7 +16,9 @@ process already down), goodput (tokens that reached the surviving model ÷ (P ×
 tokens/s)), eval_loss_at_budget (the mean over processes of each one's last validation loss), time lost per
 failure (downtime to the next step, plus the lost steps at the healthy step time), rows_lost and
 corrupt_states (the audit: rows, checkpoint checksums, every process's last evaluation finite and within
-its peers' spread). `targets` checks, per seed, issue 38's: at a rate where every lock-step method's
+its peers' spread); phases_per_failure_s (where a restart's time went, from the logs: the restart delay,
+start-up, init, restore, join, compile, first step) and partner_wait_s (what live partners waited in rounds
+that did not exchange). --compile_cache: JAX's persistent cache, one for every method (on by default). `targets` checks, per seed, issue 38's: at a rate where every lock-step method's
 goodput is ≤ 0.6, asynchronous NoLoCo's ≥ 0.9 and its loss below each lock-step method's; rows_lost =
 corrupt_states = 0 everywhere.
 
@@ -114,12 +116,14 @@ def plot(result: dict, directory: str) -> list[str]:
 
 
 def _text(result: dict) -> str:
-  lines = ["| method | mtbf_s | seed | failures | goodput | loss at budget | lost/failure (s) | rows_lost | corrupt |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| method | mtbf_s | seed | failures | goodput | loss at budget | lost/failure (s) | rows_lost | corrupt | "
+           "restart (s): delay, start-up, init, restore, join, compile, first step |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in result["runs"]:
     loss = "-" if r["eval_loss_at_budget"] is None else f"{r['eval_loss_at_budget']:.3f}"
+    stages = ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_per_failure_s", {}).items()) or "-"
     lines.append(f"| {r['method']} | {r['mtbf_s']:g} | {r['seed']} | {r['failures']} | {r['goodput']:.3f} | {loss} | "
-                 f"{r['time_lost_per_failure_s']:.1f} | {r['rows_lost']} | {r['corrupt_states']} |")
+                 f"{r['time_lost_per_failure_s']:.1f} | {r['rows_lost']} | {r['corrupt_states']} | {stages} |")
   return "\n".join(lines) + "\ntargets: " + json.dumps(result["targets"])
 
 
