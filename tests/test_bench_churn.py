@@ -156,3 +156,18 @@ def test_a_restarts_time_is_split_into_its_stages_from_the_logs(tmp_path):
   assert record.keys() == expected.keys()
   assert all(record[k] == pytest.approx(v, abs=1e-3) for k, v in expected.items()), record
   assert churn.phases({k: v for k, v in run.items() if k != "launches"}) == []  # a run saved before launches were kept
+
+
+def test_a_step_that_ends_between_the_kills_record_and_its_signal_is_the_old_incarnations():
+  """Slot 0's step 11 ended at 10.6, after the kill was recorded (10.5) but before the signal; relaunched at
+  15.5, it joined a peer at step 16 and trained 17-20: no row of 12-15 is owed by the new incarnation."""
+  kill = {"time": 10.5, "process": 0, "step": 11, "last_exchanged": 10}
+  run = {"method": "async", "kills": [kill], "end": 40.0, "launches": [(0.0, [0, 1]), (15.5, [0])],
+         "traces": [_rows(1, 10, 5) + [{"step": 11, "end": 10.6}] + [{"step": s, "end": 20.0 + s} for s in range(17, 21)],
+                    _rows(1, 20, 5)],
+         "rows": [_metrics([5, 10, 20], 5), _metrics([5, 10, 15, 20], 5)]}
+  assert churn.audit_rows(run, 5) == 0
+  assert churn.contributed_steps(run) == (10 + (20 - 16) + 20, [{"steps": 1}])
+  # Cut at the kill's record instead (a run saved without its launches), the new incarnation seems to start
+  # at step 11 and to owe the rows of 15: the audit this replaced counted it lost.
+  assert churn.audit_rows({k: v for k, v in run.items() if k != "launches"}, 5) == 1

@@ -250,10 +250,9 @@ def run(method: str, root: str, s: Setting, trace: list[tuple[float, int]], star
 
 def _kill(procs: _Procs, p: int, lockstep: bool, now: float) -> dict:
   """SIGKILLs process p (lock-step: then the whole job); what was lost, read at once."""
+  procs.kill(p)  # first: what is read below is then final (a step could end between a read and the signal)
   traces = async_runs.read_traces(procs.trace_dir, procs.s.processes)
-  step = max((r["step"] for r in traces[p]), default=0)
-  procs.kill(p)
-  record = {"time": now, "process": p, "step": step}
+  record = {"time": now, "process": p, "step": max((r["step"] for r in traces[p]), default=0)}
   if lockstep:
     for q in range(procs.s.processes):
       procs.kill(q)
@@ -279,8 +278,18 @@ def healthy_rate(run_: dict) -> float | None:
   return steps / (len(run_["traces"]) * (stop - run_["origin"]))
 
 
+def _cuts(run_: dict, p: int) -> list[float]:
+  """Where slot p's trace is cut into incarnations, one time per kill: the slot's next launch after it (a
+  step that ends between the kill's record and the signal is the old incarnation's; the new one steps only
+  after its launch), the kill time for a run saved without its launches, inf when it was not started again."""
+  kills = sorted(k["time"] for k in run_["kills"] if k["process"] == p)
+  if "launches" not in run_:
+    return kills
+  return [min((t for t, who in run_["launches"] if t > k and p in who), default=math.inf) for k in kills]
+
+
 def _segments(trace: list[dict], kill_times: list[float]) -> list[list[dict]]:
-  """A process's trace rows cut into its incarnations at the times it was killed."""
+  """A process's trace rows cut into its incarnations at the given times (`_cuts`)."""
   out, bounds = [], sorted(kill_times) + [math.inf]
   rows = sorted(trace, key=lambda r: r["end"])
   lo = -math.inf
@@ -302,7 +311,7 @@ def contributed_steps(run_: dict) -> tuple[int, list[dict]]:
   total, lost = 0, []
   for p, trace in enumerate(run_["traces"]):
     mine = [k for k in kills if k["process"] == p]
-    segments = _segments(trace, [k["time"] for k in mine])
+    segments = _segments(trace, _cuts(run_, p))
     counted = 0  # the step up to which this slot's tokens are counted
     for i, seg in enumerate(segments):
       if not seg:
@@ -410,8 +419,7 @@ def audit_rows(run_: dict, log_every: int) -> int:
       top = failures.last_checkpoint(run_["workdir"]) or 0
       bad += len(set(range(log_every, top + 1, log_every)) - set(steps))
       continue
-    mine = [k["time"] for k in run_["kills"] if k["process"] == i]
-    last = _segments(run_["traces"][i], mine)[-1]
+    last = _segments(run_["traces"][i], _cuts(run_, i))[-1]
     if last and steps:
       start, stop = last[0]["step"] - 1, max(steps)
       first = (start // log_every + 1) * log_every
