@@ -77,6 +77,12 @@ def test_the_last_evaluations_outside_the_peers_spread_count_as_corrupt(tmp_path
   assert churn.audit_states(run)[0] == 1
   run["rows"][3] = start + _metrics([5], 5, 4.3)  # behind its peers, not corrupt
   assert churn.audit_states(run)[0] == 0
+  # A lock-step job that never saved past step 0: its surviving model is the initial one (no goodput), not a
+  # corrupt state; a non-finite evaluation there still is.
+  job = {"method": "noloco", "dirs": [str(tmp_path / "job")], "rows": [start]}
+  assert churn.audit_states(job)[0] == 0
+  job["rows"] = [[{"step": 0, "eval/loss": float("nan")}]]
+  assert churn.audit_states(job)[0] == 1
 
 
 def test_the_healthy_pace_is_measured_before_the_first_failure():

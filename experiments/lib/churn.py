@@ -45,7 +45,8 @@ Accounting (`account`):
   not below the initial evaluation (step 0: a state reset to random weights or diverged), or outside
   [min − d, max + d] of the others' last evaluations, d = the larger of their range and 1 nat: processes
   at different progress differ by up to about 1 nat early in a run (seen: 3.90 against 2.92 at step 20
-  on the smoke model), so only a gross fault is caught). A last
+  on the smoke model), so only a gross fault is caught; a last evaluation of step 0 itself, a job that
+  never saved a later step, is only checked finite). A last
   evaluation is the last one at or before that process's (job's) last checkpoint: the model that survived.
 """
 
@@ -438,15 +439,18 @@ def audit_states(run_: dict) -> tuple[int, list[float]]:
         read_lib.read(d, step)
       except Exception:  # pylint: disable=broad-except  (any failure to read it back is a corrupt checkpoint)
         bad += 1
-  last = []
+  last, at_start = [], []
   for d, rows in zip(run_["dirs"], run_["rows"]):
     top = failures.last_checkpoint(d)
-    evals = [r["eval/loss"] for r in rows if "eval/loss" in r and (top is None or r["step"] <= top)]
-    last.append(evals[-1] if evals else math.nan)
+    evals = [r for r in rows if "eval/loss" in r and (top is None or r["step"] <= top)]
+    last.append(evals[-1]["eval/loss"] if evals else math.nan)
+    at_start.append(bool(evals) and evals[-1]["step"] == 0)
   initial = [r["eval/loss"] for rows in run_["rows"] for r in rows if "eval/loss" in r and r["step"] == 0]
   for i, value in enumerate(last):
     others = [v for j, v in enumerate(last) if j != i and math.isfinite(v)]
-    if not math.isfinite(value) or (initial and value >= min(initial)):
+    if at_start[i]:  # no trained model survived (a job that never saved past step 0): goodput's loss, not a fault
+      bad += not math.isfinite(value)
+    elif not math.isfinite(value) or (initial and value >= min(initial)):
       bad += 1
     elif others:
       d = max(max(others) - min(others), 1.0)
