@@ -13,8 +13,8 @@ experiments/lib/churn.py.
 
 Per run (JSON `runs`): method, schedule, mtbf_s, failures (applied; failures_skipped: those that hit a
 process already down), goodput (tokens that reached the surviving model ÷ (P × budget × a healthy process's
-tokens/s)), eval_loss_at_budget (the mean over processes of each one's last validation loss), time lost per
-failure (downtime to the next step, plus the lost steps at the healthy step time), rows_lost and
+tokens/s); goodput_own_pace: against the run's own pace before its first failure), eval_loss_at_budget
+(the mean over processes of each one's last validation loss), time lost per failure (downtime to the next step, plus the lost steps at the healthy step time), rows_lost and
 corrupt_states (the audit: rows, checkpoint checksums, every process's last evaluation finite and within
 its peers' spread); phases_per_failure_s (where a restart's time went, from the logs: the restart delay,
 start-up, init, restore, join, compile, first step) and partner_wait_s (what live partners waited in rounds
@@ -81,6 +81,8 @@ def targets(runs: list[dict]) -> dict:
       better = all(r["eval_loss_at_budget"] is None or (a["eval_loss_at_budget"] is not None and
                                                         a["eval_loss_at_budget"] < r["eval_loss_at_budget"]) for r in lock)
       met.append({"mtbf_s": rate, "async_goodput": a["goodput"], "lockstep_goodput": {r["method"]: r["goodput"] for r in lock},
+                  "async_goodput_own_pace": a.get("goodput_own_pace"),
+                  "lockstep_goodput_own_pace": {r["method"]: r.get("goodput_own_pace") for r in lock},
                   "async_goodput_at_least_0.9": a["goodput"] >= 0.9, "async_loss_below_every_lockstep": better})
     out["per_seed"][str(seed)] = met
   return out
@@ -116,13 +118,14 @@ def plot(result: dict, directory: str) -> list[str]:
 
 
 def _text(result: dict) -> str:
-  lines = ["| method | mtbf_s | seed | failures | goodput | loss at budget | lost/failure (s) | rows_lost | corrupt | "
+  lines = ["| method | mtbf_s | seed | failures | goodput (own pace) | loss at budget | lost/failure (s) | rows_lost | corrupt | "
            "restart (s): delay, start-up, init, restore, join, compile, first step |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for r in result["runs"]:
     loss = "-" if r["eval_loss_at_budget"] is None else f"{r['eval_loss_at_budget']:.3f}"
     stages = ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_per_failure_s", {}).items()) or "-"
-    lines.append(f"| {r['method']} | {r['mtbf_s']:g} | {r['seed']} | {r['failures']} | {r['goodput']:.3f} | {loss} | "
+    own = "-" if r.get("goodput_own_pace") is None else f"{r['goodput_own_pace']:.3f}"
+    lines.append(f"| {r['method']} | {r['mtbf_s']:g} | {r['seed']} | {r['failures']} | {r['goodput']:.3f} ({own}) | {loss} | "
                  f"{r['time_lost_per_failure_s']:.1f} | {r['rows_lost']} | {r['corrupt_states']} | {stages} |")
   return "\n".join(lines) + "\ntargets: " + json.dumps(result["targets"])
 

@@ -131,6 +131,8 @@ def test_quick_mode_runs_both_schedules_under_the_same_failures(tmp_path):
     assert r["failures"] + r["failures_skipped"] == len(trace)
     assert r["rows_lost"] == 0 and r["corrupt_states"] == 0, r
     assert 0 < r["goodput"] <= 1.05 and r["eval_loss_at_budget"] is not None and math.isfinite(r["eval_loss_at_budget"])
+    # Against its own pace (never faster than the sweep's best), a run's goodput is at least the sweep-wide one.
+    assert r["goodput_own_pace"] is None or r["goodput_own_pace"] >= r["goodput"] - 1e-9
   assert runs["async"]["failures"] >= 1
   # A sweep cut short is accounted from the raw runs it saved: the same records.
   raw = sorted(str(p) for p in tmp_path.glob("raw_*.json"))

@@ -30,7 +30,9 @@ Accounting (`account`):
 - goodput = those tokens ÷ (P × budget_s × a healthy process's tokens/s); healthy: the most steps per
   second per process that any run of the sweep made before its first failure (from the origin to the
   first kill, at least 5 s), rounds, evaluations and checkpoints included: the best pace the machine
-  allowed any schedule, so a schedule's own waiting counts against it as failures do.
+  allowed any schedule, so a schedule's own waiting counts against it as failures do (and so does a
+  machine busier during this run than during the fastest one). goodput_own_pace: against the run's own
+  pace before its first failure instead (None when that stretch is under 5 s): the failures' cost alone.
 - where a failure's time goes (`phases`, from the restarted process's log): the restart delay, start-up
   (interpreter, imports, config), init (control plane, data, state), restore, join, compile, first step.
   `partner_wait_s`: what the partners of the dead waited in rounds that did not exchange.
@@ -466,9 +468,12 @@ def account(run_: dict, s: Setting, healthy_s: float, tokens_per_step: int) -> d
   corrupt, last = audit_states(run_)
   stages = phases(run_)
   finite = [v for v in last if math.isfinite(v)]
+  own = healthy_rate(run_)
   return {"method": run_["method"], "schedule": "async" if run_["method"] == "async" else "lockstep",
           "mtbf_s": s.mtbf_s, "seed": s.seed, "failures": len(run_["kills"]), "failures_skipped": run_["skipped"],
           "goodput": steps * tokens_per_step / (s.processes * s.budget_s * tokens_per_step / healthy_s),
+          "goodput_own_pace": None if own is None else steps / (s.processes * s.budget_s * own),
+          "healthy_step_s_own": None if own is None else 1.0 / own,
           "tokens": steps * tokens_per_step, "eval_loss_at_budget": float(np.mean(finite)) if finite else None,
           "time_lost_per_failure_s": float(np.mean(per_failure)) if per_failure else 0.0,
           "downtime_per_failure_s": float(np.mean(down)) if down else 0.0,
