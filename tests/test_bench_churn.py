@@ -179,3 +179,12 @@ def test_a_step_that_ends_between_the_kills_record_and_its_signal_is_the_old_inc
   # Cut at the kill's record instead (a run saved without its launches), the new incarnation seems to start
   # at step 11 and to owe the rows of 15: the audit this replaced counted it lost.
   assert churn.audit_rows({k: v for k, v in run.items() if k != "launches"}, 5) == 1
+
+
+def test_a_lockstep_jobs_downtime_runs_to_the_restarted_jobs_first_step():
+  """Process 0 of a two-process lock-step job was killed at 10.5; process 1 ended a step at 10.6, before
+  its own signal; the job was launched again at 15.5 and stepped at 40: 29.5 s down, not 0.1 s."""
+  run = {"method": "noloco", "end": 60.0, "kills": [{"time": 10.5, "process": 0}],
+         "launches": [(0.0, [0, 1]), (15.5, [0, 1])],
+         "traces": [_rows(1, 10, 5) + [{"step": 11, "end": 40.0}], _rows(1, 10, 5) + [{"step": 11, "end": 10.6}, {"step": 11, "end": 40.0}]]}
+  assert churn.downtime(run) == [pytest.approx(29.5)]

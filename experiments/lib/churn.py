@@ -335,7 +335,12 @@ def downtime(run_: dict) -> list[float]:
   out = []
   for k in run_["kills"]:
     traces = run_["traces"] if run_["method"] != "async" else [run_["traces"][k["process"]]]
-    after = [r["end"] for t in traces for r in t if r["end"] > k["time"]]
+    # From the relaunch on: a lock-step job's other processes (or the killed one) may end a step between
+    # the kill's record and their signals, which is not the restarted job's.
+    since = k["time"] if "launches" not in run_ else min(
+        (t for t, who in run_["launches"] if t > k["time"] and (run_["method"] != "async" or k["process"] in who)),
+        default=math.inf)
+    after = [r["end"] for t in traces for r in t if r["end"] > since]
     out.append(min(min(after, default=run_["end"]), run_["end"]) - k["time"])
   return out
 
