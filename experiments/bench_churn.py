@@ -14,15 +14,16 @@ experiments/lib/churn.py.
 Per run (JSON `runs`): method, schedule, mtbf_s, failures (applied; failures_skipped: those that hit a
 process already down), goodput (tokens that reached the surviving model ÷ (P × budget × a healthy process's
 tokens/s); goodput_own_pace: against the run's own pace before its first failure), eval_loss_at_budget
-(the mean over processes of each one's last validation loss), time lost per failure (downtime to the next step, plus the lost steps at the healthy step time), rows_lost and
-corrupt_states (the audit: rows, checkpoint checksums, every process's last evaluation finite and within
-its peers' spread); phases_per_failure_s (where a restart's time went, from the logs: the restart delay,
-start-up, init, restore, join, compile, first step) and partner_wait_s (what live partners waited in rounds
-that did not exchange). --compile_cache: JAX's persistent cache, one for every method (on by default). `targets` checks, per seed, issue 38's: at a rate where every lock-step method's
-goodput is ≤ 0.6, asynchronous NoLoCo's ≥ 0.9 and its loss below each lock-step method's; rows_lost =
-corrupt_states = 0 everywhere.
+(the mean over processes of each one's last validation loss), time lost per failure (downtime to the next
+step, plus the lost steps at the healthy step time), rows_lost and corrupt_states (the audit: rows,
+checkpoint checksums, every process's last evaluation finite and within its peers' spread);
+phases_per_failure_s (where a restart's time went, from the logs: the restart delay, start-up, init,
+restore, join, compile, first step) and partner_wait_s (what live partners waited in rounds that did not
+exchange). --compile_cache: JAX's persistent cache, one for every method (on by default). `targets` checks,
+per seed, issue 38's: at a rate where every lock-step method's goodput is ≤ 0.6, asynchronous NoLoCo's
+≥ 0.9 and its loss below each lock-step method's; rows_lost = corrupt_states = 0 everywhere.
 
-    python experiments/bench_churn.py --json                       # P = 8, 3 rates, 4 methods, 2 seeds
+    python experiments/bench_churn.py --json                       # P = 8, 3 rates, 4 methods, 2 seeds, 180 s each
     python experiments/bench_churn.py --quick --json               # P = 2, one rate, seconds (tests)
     python experiments/bench_churn.py --merge A.json B.json --out=ALL.json     # runs saved apart (--out), as one
     python experiments/bench_churn.py --from_raw DIR/raw_*.json --json          # account runs a cut sweep saved
@@ -136,10 +137,10 @@ def main(argv=None) -> dict:
                         quick_help="P = 2, async and lock-step NoLoCo, mtbf 12 s, 20 s", out=True, cpu_only=True)
   bench.add_argument("--processes", type=int, default=8)
   bench.add_argument("--methods", nargs="+", default=list(churn.METHODS))
-  bench.add_argument("--mtbf_s", type=float, nargs="+", default=[1200.0, 300.0, 30.0],
+  bench.add_argument("--mtbf_s", type=float, nargs="+", default=[1200.0, 200.0, 30.0],
                      help="mean seconds between failures of one process, one run per value (inf: none)")
   bench.add_argument("--restart_delay_s", type=float, default=5.0, help="a failed process (job) starts again after this")
-  bench.add_argument("--budget_s", type=float, default=120.0, help="wall seconds of training per run, from its origin")
+  bench.add_argument("--budget_s", type=float, default=180.0, help="wall seconds of training per run, from its origin")
   bench.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
   bench.add_argument("--step_s", type=float, default=0.1, help="emulated device seconds per inner step")
   bench.add_argument("--inner_steps", type=int, default=5, help="H")

@@ -106,7 +106,7 @@ def test_targets_are_judged_where_every_lockstep_method_is_at_most_0_6():
 
 @pytest.mark.parametrize("flags, message", [
     (["--mtbf_s", "300", "-5"], "--mtbf_s=-5 is not valid: the mean seconds between failures of one process, > 0"),
-    (["--restart_delay_s", "-1"], "--restart_delay_s=-1 is not valid: seconds ≥ 0 and below --budget_s=120"),
+    (["--restart_delay_s", "-1"], "--restart_delay_s=-1 is not valid: seconds ≥ 0 and below --budget_s=180"),
     (["--restart_delay_s", "200"], "--restart_delay_s=200 is not valid"),
     (["--methods", "async", "gossip"], "--methods: 'gossip' is not valid"),
 ])
@@ -188,3 +188,16 @@ def test_a_lockstep_jobs_downtime_runs_to_the_restarted_jobs_first_step():
          "launches": [(0.0, [0, 1]), (15.5, [0, 1])],
          "traces": [_rows(1, 10, 5) + [{"step": 11, "end": 40.0}], _rows(1, 10, 5) + [{"step": 11, "end": 10.6}, {"step": 11, "end": 40.0}]]}
   assert churn.downtime(run) == [pytest.approx(29.5)]
+
+
+def test_every_methods_processes_get_the_same_compilation_cache(tmp_path):
+  """--compile_cache reaches each process's environment (runtime/compile_cache.py reads NOLOCO_COMPILE_CACHE),
+  every program written; 'off' turns it off; '' leaves the processes' default."""
+  def env(cache):
+    s = churn.Setting(2, 20.0, 12.0, 1.0, 0.1, 5, 20, 20, 1.0, 0, 1.0, 3.0, 5.0, cache)
+    return churn._Procs("noloco", str(tmp_path / f"w{len(cache)}"), s).env
+  on = env(str(tmp_path / "cache"))
+  assert on["NOLOCO_COMPILE_CACHE"] == str(tmp_path / "cache") and on["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+  off = env("off")
+  assert off["NOLOCO_COMPILE_CACHE"] == "off" and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in off
+  assert "NOLOCO_COMPILE_CACHE" not in env("")
