@@ -160,6 +160,9 @@ def test_a_restarts_time_is_split_into_its_stages_from_the_logs(tmp_path):
          "launches": [(t0, [0, 1]), (t0 + 15, [0]), (t0 + 45, [1])],
          "traces": [[{"step": 1, "end": t0 + 1}, {"step": 2, "end": t0 + 21}], [{"step": 1, "end": t0 + 1}]]}
   (record,) = churn.phases(run)
+  # Another slot's failure while slot 0 restarts does not hide slot 0's restart.
+  other = {**run, "kills": run["kills"] + [{"time": t0 + 19.0, "process": 1}]}
+  assert len(churn.phases(other)) == 1
   expected = {"delay": 5.0, "start_up": 2.0, "init": 1.0, "restore": 0.5, "join": 1.5, "compile": 0.4, "first_step": 0.6}
   assert record.keys() == expected.keys()
   assert all(record[k] == pytest.approx(v, abs=1e-3) for k, v in expected.items()), record

@@ -381,10 +381,10 @@ def phases(run_: dict) -> list[dict]:
   lockstep = run_["method"] != "async"
   year = time.gmtime(run_["origin"]).tm_year
   logs = [log_times(os.path.join(run_["logs"], f"process_{p}.log"), year) for p in range(len(run_["traces"]))]
-  kill_times = sorted(k["time"] for k in run_["kills"])
   out = []
   for k in run_["kills"]:
     slots = range(len(run_["traces"])) if lockstep else [k["process"]]
+    kill_times = [j["time"] for j in run_["kills"] if lockstep or j["process"] == k["process"]]  # its own
     launch = min((t for t, who in run_["launches"] if t > k["time"] and (lockstep or k["process"] in who)), default=None)
     if launch is None:
       continue
