@@ -13,14 +13,17 @@ experiments/lib/churn.py.
 
 Per run (JSON `runs`): method, schedule, mtbf_s, failures (applied; failures_skipped: those that hit a
 process already down), goodput (tokens that reached the surviving model ÷ (P × budget × a healthy process's
-tokens/s)), eval_loss_at_budget (the mean over processes of each one's last validation loss), time lost per
-failure (downtime to the next step, plus the lost steps at the healthy step time), rows_lost and
-corrupt_states (the audit: rows, checkpoint checksums, every process's last evaluation finite and within
-its peers' spread). `targets` checks, per seed, issue 38's: at a rate where every lock-step method's
-goodput is ≤ 0.6, asynchronous NoLoCo's ≥ 0.9 and its loss below each lock-step method's; rows_lost =
-corrupt_states = 0 everywhere.
+tokens/s); goodput_own_pace: against the run's own pace before its first failure), eval_loss_at_budget
+(the mean over processes of each one's last validation loss), time lost per failure (downtime to the next
+step, plus the lost steps at the healthy step time), rows_lost and corrupt_states (the audit: rows,
+checkpoint checksums, every process's last evaluation finite and within its peers' spread);
+phases_per_failure_s (where a restart's time went, from the logs: the restart delay, start-up, init,
+restore, join, compile, first step) and partner_wait_s (what live partners waited in rounds that did not
+exchange). --compile_cache: JAX's persistent cache, one for every method (on by default). `targets` checks,
+per seed, issue 38's: at a rate where every lock-step method's goodput is ≤ 0.6, asynchronous NoLoCo's
+≥ 0.9 and its loss below each lock-step method's; rows_lost = corrupt_states = 0 everywhere.
 
-    python experiments/bench_churn.py --json                       # P = 8, 3 rates, 4 methods, 2 seeds
+    python experiments/bench_churn.py --json                       # P = 8, 3 rates, 4 methods, 2 seeds, 180 s each
     python experiments/bench_churn.py --quick --json               # P = 2, one rate, seconds (tests)
     python experiments/bench_churn.py --merge A.json B.json --out=ALL.json     # runs saved apart (--out), as one
     python experiments/bench_churn.py --from_raw DIR/raw_*.json --json          # account runs a cut sweep saved
@@ -79,6 +82,8 @@ def targets(runs: list[dict]) -> dict:
       better = all(r["eval_loss_at_budget"] is None or (a["eval_loss_at_budget"] is not None and
                                                         a["eval_loss_at_budget"] < r["eval_loss_at_budget"]) for r in lock)
       met.append({"mtbf_s": rate, "async_goodput": a["goodput"], "lockstep_goodput": {r["method"]: r["goodput"] for r in lock},
+                  "async_goodput_own_pace": a.get("goodput_own_pace"),
+                  "lockstep_goodput_own_pace": {r["method"]: r.get("goodput_own_pace") for r in lock},
                   "async_goodput_at_least_0.9": a["goodput"] >= 0.9, "async_loss_below_every_lockstep": better})
     out["per_seed"][str(seed)] = met
   return out
@@ -114,12 +119,15 @@ def plot(result: dict, directory: str) -> list[str]:
 
 
 def _text(result: dict) -> str:
-  lines = ["| method | mtbf_s | seed | failures | goodput | loss at budget | lost/failure (s) | rows_lost | corrupt |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| method | mtbf_s | seed | failures | goodput (own pace) | loss at budget | lost/failure (s) | rows_lost | corrupt | "
+           "restart (s): delay, start-up, init, restore, join, compile, first step |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in result["runs"]:
     loss = "-" if r["eval_loss_at_budget"] is None else f"{r['eval_loss_at_budget']:.3f}"
-    lines.append(f"| {r['method']} | {r['mtbf_s']:g} | {r['seed']} | {r['failures']} | {r['goodput']:.3f} | {loss} | "
-                 f"{r['time_lost_per_failure_s']:.1f} | {r['rows_lost']} | {r['corrupt_states']} |")
+    stages = ", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_per_failure_s", {}).items()) or "-"
+    own = "-" if r.get("goodput_own_pace") is None else f"{r['goodput_own_pace']:.3f}"
+    lines.append(f"| {r['method']} | {r['mtbf_s']:g} | {r['seed']} | {r['failures']} | {r['goodput']:.3f} ({own}) | {loss} | "
+                 f"{r['time_lost_per_failure_s']:.1f} | {r['rows_lost']} | {r['corrupt_states']} | {stages} |")
   return "\n".join(lines) + "\ntargets: " + json.dumps(result["targets"])
 
 
@@ -129,10 +137,10 @@ def main(argv=None) -> dict:
                         quick_help="P = 2, async and lock-step NoLoCo, mtbf 12 s, 20 s", out=True, cpu_only=True)
   bench.add_argument("--processes", type=int, default=8)
   bench.add_argument("--methods", nargs="+", default=list(churn.METHODS))
-  bench.add_argument("--mtbf_s", type=float, nargs="+", default=[1200.0, 300.0, 30.0],
+  bench.add_argument("--mtbf_s", type=float, nargs="+", default=[1200.0, 200.0, 30.0],
                      help="mean seconds between failures of one process, one run per value (inf: none)")
   bench.add_argument("--restart_delay_s", type=float, default=5.0, help="a failed process (job) starts again after this")
-  bench.add_argument("--budget_s", type=float, default=120.0, help="wall seconds of training per run, from its origin")
+  bench.add_argument("--budget_s", type=float, default=180.0, help="wall seconds of training per run, from its origin")
   bench.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
   bench.add_argument("--step_s", type=float, default=0.1, help="emulated device seconds per inner step")
   bench.add_argument("--inner_steps", type=int, default=5, help="H")
@@ -142,6 +150,10 @@ def main(argv=None) -> dict:
   bench.add_argument("--max_wait_s", type=float, default=1.0)
   bench.add_argument("--lease_s", type=float, default=3.0)
   bench.add_argument("--exchange_timeout_s", type=float, default=5.0)
+  bench.add_argument("--compile_cache", default="",
+                     help="JAX's persistent compilation cache of every method's processes: a directory, or 'off' (every "
+                          "restart compiles again); default: compile_cache/ in the sweep's directory, every program "
+                          "written, so each method's first launch (before its origin) compiles and its restarts load")
   bench.add_argument("--keep", default="", help="keep the runs' workdirs under this directory")
   bench.add_argument("--plot", default="", help="write the plots into this directory (e.g. experiments/plots)")
   bench.add_argument("--plot_from", default="", help="only plot a saved result (this JSON file) into --plot or experiments/plots")
@@ -177,10 +189,12 @@ def main(argv=None) -> dict:
   root = args.keep or ("" if args.from_raw else tempfile.mkdtemp(prefix="bench_churn_"))
   if root:
     os.makedirs(root, exist_ok=True)
+  cache = args.compile_cache or (os.path.join(os.path.abspath(root), "compile_cache") if root else "")
   for seed in args.seeds if not args.from_raw else ():
     for mtbf in args.mtbf_s:
       s = churn.Setting(args.processes, args.budget_s, mtbf, args.restart_delay_s, args.step_s, args.inner_steps,
-                        args.checkpoint_every, args.eval_every, args.straggler, seed, args.max_wait_s, args.lease_s, args.exchange_timeout_s)
+                        args.checkpoint_every, args.eval_every, args.straggler, seed, args.max_wait_s, args.lease_s,
+                        args.exchange_timeout_s, cache)
       trace = churn.failure_trace(seed, args.processes, mtbf, args.budget_s)
       for method in args.methods:
         try:
@@ -206,11 +220,13 @@ def main(argv=None) -> dict:
             "healthy_step_s": healthy_s, "healthy_tokens_per_s_per_process": TOKENS_PER_STEP / healthy_s,
             "runs": records, "errors": errors}
   result["setting"]["mtbf_s"] = [m if math.isfinite(m) else "inf" for m in args.mtbf_s]
+  result["setting"]["compile_cache"] = "off" if args.compile_cache == "off" else "on"
   if args.from_raw:  # what the saved runs ran, not this command's defaults
     first = dataclasses.asdict(runs[0][1])
     result["setting"].update({k: first[k] for k in result["setting"] if k in first},
                              methods=sorted({r["method"] for r, _ in runs}), seeds=sorted({x.seed for _, x in runs}),
-                             mtbf_s=sorted({x.mtbf_s for _, x in runs}), from_raw=args.from_raw)
+                             mtbf_s=sorted({x.mtbf_s for _, x in runs}), from_raw=args.from_raw,
+                             compile_cache=sorted({"off" if x.compile_cache == "off" else "on" for _, x in runs}))
   result["targets"] = targets(records)
   if args.plot:
     result["plots"] = plot(result, args.plot)
