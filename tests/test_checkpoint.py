@@ -625,3 +625,27 @@ def test_a_damaged_log_does_not_block_a_resume_and_is_repaired(reference, tmp_pa
   assert f"{metrics_path} lacked its first row (step 0, model/num_params)" in caplog.text
   assert rows(workdir) == [r for r in rows(reference[0]) if r["step"] <= latest]  # the eval rows are back
   assert pairing_rows(workdir) == [p for p in pairing_rows(reference[0]) if p["step"] <= latest]
+
+
+def test_a_rotated_out_step_leaves_by_one_rename_and_its_files_are_purged(cache, tmp_path, monkeypatch):
+  """checkpoint.keep's rotation: orbax's own deletion removes a step's files one by one in place, so a
+  process killed meanwhile left a half-deleted step that every reader still listed as committed
+  (bench_churn, a SIGKILL at mtbf 30 s). Every removal must be one rename into checkpoints/deleting/
+  (atomic: the step is listed whole or not at all), emptied once the next save is complete and at the end."""
+  del cache
+  from orbax.checkpoint._src.path import deleter  # pylint: disable=g-import-not-at-top
+  removals, original = [], deleter.PathDeleter.delete
+
+  def recording(self, path, *, destination=None, overwrite=False):
+    removals.append((os.path.basename(str(path)), destination is not None))
+    return original(self, path, destination=destination, overwrite=overwrite)
+
+  monkeypatch.setattr(deleter.PathDeleter, "delete", recording)
+  workdir = str(tmp_path / "run")
+  training.train_and_evaluate(smoke(num_steps=8, checkpoint__keep=2, eval_every=0), workdir)
+  assert [name for name, _ in removals] == ["2", "4"], removals  # steps 2, 4, 6, 8 saved, the last 2 kept
+  assert all(renamed for _, renamed in removals), removals  # never removed in place
+  assert checkpoint_steps(workdir) == [6, 8]
+  assert os.listdir(os.path.join(workdir, "checkpoints", "deleting")) == []
+  from noloco_jax.io.checkpoint import read  # pylint: disable=g-import-not-at-top
+  assert read.steps(workdir) == [6, 8]

@@ -32,7 +32,9 @@ class Checkpointer:
     failures.quiet_orbax_noise()  # the closed-event-loop tracebacks of a failed read (runtime/failures.py)
     manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=ck.keep, enable_async_checkpointing=ck.async_save, create=True,
-        cleanup_tmp_directories=True))  # leftovers of an interrupted write are never restored
+        cleanup_tmp_directories=True,  # leftovers of an interrupted write are never restored
+        todelete_subdir=saving.DELETING))  # a rotated-out step leaves by one rename (saving.DELETING)
+    saving.purge_deleted(self.directory)
     self._saver = saving.Saver(setup, manager, self.directory)
     self._restorer = restoring.Restorer(setup, manager, workdir, self.directory)
 

@@ -9,6 +9,8 @@ training goes on; a failed write is one error naming the step, the cause and the
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import threading
 import time
 
@@ -25,6 +27,19 @@ from noloco_jax.io.checkpoint import records
 from noloco_jax.io.checkpoint.data_item import PerProcessJsonSave
 
 SETTLE_TIMEOUT_S = 60  # multi-process jobs: how long a failed run waits for its save in flight
+# Where orbax's rotation moves a step it removes (`todelete_subdir`): a rename is atomic, so a process
+# killed mid-removal never leaves a half-deleted step that still reads as committed (orbax's own
+# deletion removes the files one by one in place: bench_churn found one such step after a SIGKILL).
+# Emptied here once each save is complete; not a step name, so no reader lists it.
+DELETING = "deleting"
+
+
+def purge_deleted(directory: str) -> None:
+  """Removes the steps orbax's rotation moved into `directory/DELETING` (each entry, not the folder: a
+  rename into it may be under way); a removal cut short is finished by the next call."""
+  folder = os.path.join(directory, DELETING)
+  for name in os.listdir(folder) if os.path.isdir(folder) else ():
+    shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 class CheckpointSaveError(failures.ReportedError, OSError):
@@ -88,6 +103,7 @@ class Saver:
     # The previous (asynchronous) save is waited for here, not inside orbax's save: an error is then
     # blamed on the save that made it. orbax's save would wait too and raise either save's error alike.
     self.wait_until_finished()
+    purge_deleted(self.directory)  # the steps the last save's rotation moved aside
     with self._save_errors(step):
       self._manager.save(step, force=True, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta), data=PerProcessJsonSave(data)))
@@ -136,6 +152,7 @@ class Saver:
     with preemption.deferred_interrupts():
       self.wait_until_finished()
       self._manager.close()
+    purge_deleted(self.directory)
     self._closed = True
 
   def settle_after_error(self, timeout_s: float | None = None) -> None:
