@@ -66,6 +66,12 @@ SETTINGS = {
     # ... with one lattice step per block (an int8 exponent each) at κ = 1: D's heavy tail is mostly
     # between blocks, so a per-leaf step both wraps the wide blocks and buries the narrow ones in dither.
     "coset 15% 4-bit block": dict(COSET, coset_density=0.15, coset_bits=4, coset_scale="block", coset_kappa=1.0),
+    # Controls: the fragment's values as they are (no code: what the fragment alone costs), every value coded.
+    "coset 15% float32": dict(COSET, coset_density=0.15, coset_bits=32),
+    "coset 1% float32": dict(COSET, coset_density=0.01, coset_bits=32),  # ~ the local outer step alone
+    "coset 100% 4-bit": dict(COSET, coset_density=1.0, coset_bits=4),
+    # Every value every round: each group of 1/density values as one signed sum (a random projection of D).
+    "coset sum 1/4 2-bit": dict(COSET, coset_density=0.25, coset_mode="sum"),
 }
 # Fragment streaming (outer.streaming.*, docs/compression.md): a codec of SETTINGS, its message in F fragments,
 # one every H/F steps; "own": each fragment round with a partner of its own.
