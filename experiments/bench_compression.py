@@ -70,6 +70,7 @@ SETTINGS = {
     "coset 15% float32": dict(COSET, coset_density=0.15, coset_bits=32),
     "coset 1% float32": dict(COSET, coset_density=0.01, coset_bits=32),  # ~ the local outer step alone
     "coset 100% 4-bit": dict(COSET, coset_density=1.0, coset_bits=4),
+    "coset 50% 4-bit": dict(COSET, coset_density=0.5, coset_bits=4),  # 6.25 %, as 100% 2-bit
     # Every value every round: each group of 1/density values as one signed sum (a random projection of D).
     "coset sum 1/4 2-bit": dict(COSET, coset_density=0.25, coset_mode="sum"),
 }
