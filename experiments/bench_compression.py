@@ -60,6 +60,19 @@ SETTINGS = {
     "coset 30% 2-bit": dict(COSET, coset_density=0.3),
     "coset 15% 2-bit": dict(COSET, coset_density=0.15),
     "coset 100% 2-bit": dict(COSET, coset_density=1.0),
+    # The same bytes in more bits on fewer blocks (a wider code range, less dither noise): ~1.9 % of float32.
+    "coset 20% 3-bit": dict(COSET, coset_density=0.2, coset_bits=3),
+    "coset 15% 4-bit": dict(COSET, coset_density=0.15, coset_bits=4),
+    # ... with one lattice step per block (an int8 exponent each) at κ = 1: D's heavy tail is mostly
+    # between blocks, so a per-leaf step both wraps the wide blocks and buries the narrow ones in dither.
+    "coset 15% 4-bit block": dict(COSET, coset_density=0.15, coset_bits=4, coset_scale="block", coset_kappa=1.0),
+    # Controls: the fragment's values as they are (no code: what the fragment alone costs), every value coded.
+    "coset 15% float32": dict(COSET, coset_density=0.15, coset_bits=32),
+    "coset 1% float32": dict(COSET, coset_density=0.01, coset_bits=32),  # ~ the local outer step alone
+    "coset 100% 4-bit": dict(COSET, coset_density=1.0, coset_bits=4),
+    "coset 50% 4-bit": dict(COSET, coset_density=0.5, coset_bits=4),  # 6.25 %, as 100% 2-bit
+    # Every value every round: each group of 1/density values as one signed sum (a random projection of D).
+    "coset sum 1/4 2-bit": dict(COSET, coset_density=0.25, coset_mode="sum"),
 }
 # Fragment streaming (outer.streaming.*, docs/compression.md): a codec of SETTINGS, its message in F fragments,
 # one every H/F steps; "own": each fragment round with a partner of its own.

@@ -323,6 +323,63 @@ def test_coset_round_matches_numpy(mode, bits, density, order, h0):
     np.testing.assert_allclose(got_h, want_h, rtol=0, atol=float(1e-5 * scale.max()))
 
 
+@pytest.mark.parametrize("bits,kappa", [(4, 1.0)])
+def test_coset_round_with_a_step_per_block_matches_numpy(bits, kappa):
+  """coset_scale='block': ε = 2^e per block of the fragment, e = round(log2(κ·√max(hb, 2·ms(β·(θ − φ)) of
+  the block))); the receiver decodes each block with its own ε; hb ← memory·hb + (1 − memory)·(ms of the
+  block's decoded difference − eb²/12) on the blocks that moved (the first observation as it is)."""
+  theta, phi, delta = _replicas(bits + 20)
+  cfg = _outer_cfg(outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.9, inner_steps=5, compression="coset",
+                   coset_bits=bits, coset_density=0.3, coset_block=64, coset_kappa=kappa, coset_scale="block")
+  method, codec = _make(cfg, seed=5)
+  keys = sorted(theta)
+  rng = np.random.default_rng(bits)
+  nums = [coset.block_shape(theta[k][0].size, 64)[0] for k in keys]
+  # Some blocks with an estimate (from earlier rounds), some without (h = 0: the fallback sets their step).
+  hb = [(rng.uniform(0, 4e-4, (N, n)) * (rng.uniform(size=(N, n)) < 0.5)).astype(np.float32) for n in nums]
+  zeros = lambda: [np.zeros(N, np.float32) for _ in keys]
+  codec_state = {"h": zeros(), "eps": zeros(), "hb": hb, "eb": [np.zeros((N, n), np.float32) for n in nums]}
+  outer = {"slow": phi, "momentum": delta, "codec": codec_state}
+  groups = pairing.groups_from_permutation(np.random.default_rng(3).permutation(N), 2)
+  step = 20  # round 4
+  round_ = step // 5
+  got = _round(method, (groups,), 0, theta, outer, step)
+  c = [np.float32(0.7) * theta[k] + np.float32(0.9 - 0.7) * phi[k] for k in keys]
+  fresh = [0.7 * (theta[k].astype(np.float64) - phi[k]) for k in keys]
+  for leaf, k in enumerate(keys):
+    n = theta[k][0].size
+    num, width = coset.block_shape(n, 64)
+    m = coset.fragment_count(num, 0.3)
+    idx = np.asarray(coset.fragment_index(codec.key, leaf, round_, num, m, "cyclic"))
+    cut = lambda x: np.concatenate([x.ravel(), np.zeros(num * width - n, x.dtype)]).reshape(num, width)
+    # Each replica's steps on its fragment's blocks (float64 from float32 inputs; no value sits on a boundary).
+    eb = np.array(hb[leaf])
+    for j in range(N):
+      s2 = np.maximum(hb[leaf][j][idx], 2 * np.mean(cut(fresh[leaf][j])[idx] ** 2, axis=-1))
+      eb[j, idx] = 2.0 ** np.round(np.log2(kappa * np.sqrt(s2)))
+    eb[:, np.setdiff1d(np.arange(num), idx)] = 0.0  # eb: this replica's last step per block (0: none yet)
+    np.testing.assert_array_equal(got.outer["codec"]["eb"][leaf][:, idx], eb[:, idx])
+    u = np.asarray(coset.dither(codec.key, leaf, round_, (m, width)))
+    for i in range(N):
+      j = next(b for g in groups if i in g for b in g if b != i)
+      own, partner = cut(c[leaf][i]), cut(c[leaf][j])
+      e = np.float32(eb[j, idx])[:, None]
+      own[idx] = np_decode(np_encode(partner[idx], e, u, bits), own[idx], e, u, bits)
+      received = own.ravel()[:n].reshape(c[leaf][i].shape)
+      mean_c = (c[leaf][i].astype(np.float64) + received) / 2
+      want_delta = 0.5 * delta[k][i] + mean_c - 0.9 * phi[k][i]
+      np.testing.assert_allclose(got.outer["momentum"][k][i], want_delta, atol=2e-6)
+      np.testing.assert_allclose(got.params[k][i], phi[k][i] + want_delta, atol=2e-6)
+      sq = cut(2 * (mean_c - c[leaf][i])) ** 2
+      moved = sq.sum(-1) > 0
+      ms = np.maximum(sq.mean(-1) - np.float64(eb[i]) ** 2 / 12, 0.0)
+      h0 = np.float64(hb[leaf][i])
+      want_hb = np.where(moved, np.where(h0 > 0, 0.5 * h0 + 0.5 * ms, ms), h0)
+      assert moved.sum() == len(idx)  # the fragment's blocks, and only they, moved
+      scale = want_hb + np.float64(eb[i]) ** 2 / 12
+      np.testing.assert_allclose(got.outer["codec"]["hb"][leaf][i], want_hb, rtol=0, atol=float(1e-5 * scale.max()))
+
+
 def test_off_the_fragment_a_round_is_a_local_outer_step():
   """Where nothing was sent, δ ← α·δ + β·(θ − φ) exactly (the partner's value is taken to be one's own)."""
   theta, phi, delta = _replicas(4)
