@@ -124,7 +124,11 @@ def test_the_wandb_service_killed_mid_run_turns_wandb_off_and_the_run_goes_on(ca
     proc = subprocess.Popen([sys.executable, "-m", "noloco_jax.main", "--config=configs/default.py:smoke",
                              "--config.num_steps=24", "--config.checkpoint_every=0", "--config.wandb.project=p",
                              "--config.wandb.mode=offline", f"--workdir={workdir}"], cwd=REPO,
-                            env={**cache, "WANDB_SILENT": "true"}, stdout=out, stderr=subprocess.STDOUT)
+                            # 0.25 s per step: the run lasts ≥ 6 s after its first row, so the kill lands
+                            # mid-run (with a warm compilation cache the 24 steps once took 1 s and the
+                            # run ended before the service was seen).
+                            env={**cache, "WANDB_SILENT": "true", "NOLOCO_FAULTS": "delay:seconds=0.25"},
+                            stdout=out, stderr=subprocess.STDOUT)
   try:
     deadline = time.time() + START_TIMEOUT_S
     while time.time() < deadline and proc.poll() is None:
