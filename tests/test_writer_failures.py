@@ -120,15 +120,17 @@ def _children(pid):
 def test_the_wandb_service_killed_mid_run_turns_wandb_off_and_the_run_goes_on(cache, tmp_path):
   pytest.importorskip("wandb", reason="needs wandb: pip install '.[wandb]'")
   workdir, log = str(tmp_path / "run"), str(tmp_path / "run.log")
+  # Without WANDB_SERVICE: wandb.init in this worker (tests/test_wandb.py, same xdist worker) leaves it in
+  # os.environ, and a run that inherits it joins that worker's service instead of starting its own
+  # wandb-core, so there was nothing of the run's to kill (the fresh-clone suite's failure). 0.25 s a step
+  # keeps the run going ≥ 6 s after its first row, so the kill lands mid-run.
+  env = {k: v for k, v in cache.items() if k != "WANDB_SERVICE"}
+  env.update(WANDB_SILENT="true", NOLOCO_FAULTS="delay:seconds=0.25")
   with open(log, "w") as out:
     proc = subprocess.Popen([sys.executable, "-m", "noloco_jax.main", "--config=configs/default.py:smoke",
                              "--config.num_steps=24", "--config.checkpoint_every=0", "--config.wandb.project=p",
                              "--config.wandb.mode=offline", f"--workdir={workdir}"], cwd=REPO,
-                            # 0.25 s per step: the run lasts ≥ 6 s after its first row, so the kill lands
-                            # mid-run (with a warm compilation cache the 24 steps once took 1 s and the
-                            # run ended before the service was seen).
-                            env={**cache, "WANDB_SILENT": "true", "NOLOCO_FAULTS": "delay:seconds=0.25"},
-                            stdout=out, stderr=subprocess.STDOUT)
+                            env=env, stdout=out, stderr=subprocess.STDOUT)
   try:
     deadline = time.time() + START_TIMEOUT_S
     while time.time() < deadline and proc.poll() is None:
