@@ -99,6 +99,15 @@ class InFlight:
     """An exchange sent at `step` whose result the driver keeps already (a restored state's)."""
     self.sent_at, self._future = step, None
 
+  def record(self) -> dict:
+    """What a checkpoint keeps of it: the step it was sent at, if one is open (the result itself is in the
+    state). The overlapped and streaming drivers save and restore through this pair."""
+    return {"sent_at": self.sent_at} if self.sent_at else {}
+
+  def reopen(self, record: dict) -> None:
+    if record.get("sent_at"):
+      self.open_from(record["sent_at"])
+
   @property
   def pending(self) -> bool:
     """Whether a result is still to be handed over."""

@@ -57,11 +57,10 @@ class StreamingRounds(RoundDriver):
     self._started = True
 
   def save(self) -> dict:
-    return {"sent_at": self._inflight.sent_at} if self._inflight.sent_at else {}
+    return self._inflight.record()
 
   def restore(self, record: dict) -> None:
-    if record.get("sent_at"):
-      self._inflight.open_from(record["sent_at"])
+    self._inflight.reopen(record)
 
   @property
   def sent_at(self) -> int:
