@@ -41,6 +41,7 @@ from noloco_jax.outer import base as outer_base
 from noloco_jax.runtime import launch_local
 from noloco_jax.training import build as build_lib
 from noloco_jax.training.rounds.asynchronous import AsyncRounds
+from safetensors_reader import read_safetensors  # pylint: disable=g-bad-import-order
 from test_codec_schedules import assert_bitwise  # pylint: disable=g-bad-import-order
 
 ASYNC = ["--config.outer.schedule=async"]
@@ -325,7 +326,7 @@ def test_equal_speeds_are_lockstep_noloco_and_each_process_resumes_exactly(tmp_p
   # The tools after a run, on the job's workdir (issue 33 item 8): the consensus is the job's.
   out = os.path.join(root, "hf")
   assert export_hf.main([first_dir, "--out", out, "--consensus"]) == 0
-  exported = export_hf.read_safetensors(os.path.join(out, "model.safetensors"))
+  exported = read_safetensors(os.path.join(out, "model.safetensors"))
   want = export_hf.hf_state_dict(jax.tree.map(lambda x: np.mean(np.asarray(x), 0), reference["state"].outer["slow"]))
   for name, value in want.items():
     np.testing.assert_allclose(exported[name], value, rtol=1e-4, atol=1e-6)
