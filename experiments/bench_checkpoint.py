@@ -17,6 +17,7 @@ once with asynchronous and once with synchronous saves, then restores the latest
                      (io/checkpoint/checksum.py; median of --saves calls after one that compiles).
 """
 
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -57,6 +58,7 @@ def main(argv=None) -> dict:
   from noloco_jax.io import data  # pylint: disable=g-import-not-at-top
   from noloco_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.training import build as build_lib  # pylint: disable=g-import-not-at-top
+  from noloco_jax.training import run as run_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.training.loop_state import LoopState  # pylint: disable=g-import-not-at-top
 
   setup = build_lib.build(config)
@@ -77,9 +79,11 @@ def main(argv=None) -> dict:
   out["checksum_s"] = statistics.median(times)
 
   for mode in ("async", "sync"):
-    config.checkpoint.async_save = mode == "async"
+    # The checkpointer's own section, per mode (setup.config is the record parsed once, frozen).
+    info = dataclasses.replace(run_lib.checkpoint_info(setup),
+                               checkpoint=setup.config.checkpoint.replace(async_save=mode == "async"))
     with tempfile.TemporaryDirectory() as workdir:
-      ckpt = checkpoint.Checkpointer(setup, workdir)
+      ckpt = checkpoint.Checkpointer(info, workdir)
       blocking, total = [], []
       for step in range(1, args.saves + 1):
         start = time.perf_counter()
@@ -95,8 +99,8 @@ def main(argv=None) -> dict:
       else:
         out["save_sync_s"] = statistics.median(total)
         start = time.perf_counter()
-        restored, resume = checkpoint.Checkpointer(setup, workdir).restore(jax.eval_shape(setup.init_state), train_iter,
-                                                                           LoopState())
+        restored, resume = checkpoint.Checkpointer(info, workdir).restore(jax.eval_shape(setup.init_state), train_iter,
+                                                                          LoopState())
         jax.block_until_ready(restored)
         out["restore_s"] = time.perf_counter() - start
         assert resume.step == args.saves

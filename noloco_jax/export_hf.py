@@ -155,18 +155,6 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
   return 8 + len(blob) + offset
 
 
-def read_safetensors(path: str) -> dict[str, np.ndarray]:
-  """The inverse of write_safetensors (for checks; any safetensors file of these dtypes)."""
-  codes = {code: np.dtype(DTYPES[name]) if name in DTYPES else np.dtype(name) for name, code in SAFETENSORS_DTYPES.items()}
-  with open(path, "rb") as f:
-    (size,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(size))
-    data = f.read()
-  header.pop("__metadata__", None)
-  return {name: np.frombuffer(data[h["data_offsets"][0]:h["data_offsets"][1]], dtype=codes[h["dtype"]]).reshape(h["shape"])
-          for name, h in header.items()}
-
-
 # ---- tokenizer files ----
 
 

@@ -41,6 +41,7 @@ from noloco_jax.outer import base as outer_base
 from noloco_jax.runtime import launch_local
 from noloco_jax.training import build as build_lib
 from noloco_jax.training.rounds.asynchronous import AsyncRounds
+from safetensors_reader import read_safetensors  # pylint: disable=g-bad-import-order
 from test_codec_schedules import assert_bitwise  # pylint: disable=g-bad-import-order
 
 ASYNC = ["--config.outer.schedule=async"]
@@ -105,9 +106,9 @@ def test_a_streamed_process_builds_one_set_of_round_programs_per_fragment():
                                      "outer.streaming.partners": "own"}))
   local = build_lib.build(job_lib.process_config(config))
   assert len(local.fragments) == 3 and local.schedule is None
-  driver = AsyncRounds(local, _Process(0))
+  driver = _driver(local, _Process(0))
   assert [driver.due(step) for step in range(1, 4)] == [True] * 3 and len(driver._programs) == 3  # pylint: disable=protected-access
-  assert job_lib.session_options(config).fragments == 3
+  assert job_lib.session_options(config.outer, config.seed).fragments == 3
   with pytest.raises(config_lib.ConfigError, match=r"^config.outer.streaming.partners='shared' is not valid: 'own' "
                      r"with outer.schedule='async'"):
     config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 2, "outer.streaming.fragments": 3}))
@@ -167,6 +168,13 @@ class _Process:
     self.slot = slot
 
 
+def _driver(setup, process) -> AsyncRounds:
+  """The driver make_driver builds for `setup` (a process's own: job.process_config)."""
+  c = setup.config
+  return AsyncRounds(setup.method, setup.mesh, setup.state_shardings, setup.fragments, c.outer, seed=c.seed,
+                     last_step=c.num_steps, process=process)
+
+
 @pytest.mark.parametrize("codec", ["float32", "topk"])  # every codec on a toy: test_codec_schedules.py
 def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit_and_compiles_nothing(codec):
   """Three replicas in one group, lock-step (exchange.group_mean on one device) and asynchronous (each
@@ -198,7 +206,7 @@ def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit_and_compile
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
   one = lambda tree, i: jax.tree.map(lambda x: x[i:i + 1], tree)
-  driver = AsyncRounds(local, _Process(0))
+  driver = _driver(local, _Process(0))
   driver._compile_ahead(one(state, 0))  # pylint: disable=protected-access  (what `start` does)
   for me in range(3):  # every slot's programs are the same: one driver plays each in turn
     driver._process = _Process(me)  # pylint: disable=protected-access
@@ -230,7 +238,7 @@ def test_the_message_program_reads_theta_and_phi_and_writes_the_message_once():
   from noloco_jax.tools import hlo as hlo_lib  # pylint: disable=g-import-not-at-top
   cfg = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 2, "model.d_model": 256}))
   local = build_lib.build(job_lib.process_config(cfg))
-  driver = AsyncRounds(local, _Process(0))
+  driver = _driver(local, _Process(0))
   state = programs_lib.abstract(local.init_state())
   _, sent, _, codec_state = jax.eval_shape(driver.programs.jitted("message", state), state)
   assert codec_state == ()  # no residual to hand on
@@ -318,7 +326,7 @@ def test_equal_speeds_are_lockstep_noloco_and_each_process_resumes_exactly(tmp_p
   # The tools after a run, on the job's workdir (issue 33 item 8): the consensus is the job's.
   out = os.path.join(root, "hf")
   assert export_hf.main([first_dir, "--out", out, "--consensus"]) == 0
-  exported = export_hf.read_safetensors(os.path.join(out, "model.safetensors"))
+  exported = read_safetensors(os.path.join(out, "model.safetensors"))
   want = export_hf.hf_state_dict(jax.tree.map(lambda x: np.mean(np.asarray(x), 0), reference["state"].outer["slow"]))
   for name, value in want.items():
     np.testing.assert_allclose(exported[name], value, rtol=1e-4, atol=1e-6)

@@ -29,6 +29,7 @@ from noloco_jax.io import metrics as metrics_lib
 from noloco_jax.outer import wire
 from noloco_jax import training
 from noloco_jax.training import build as build_lib
+from noloco_jax.training import run as run_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 36  # H = 3, logs every 3 steps, evaluates every 6: twelve rounds
@@ -57,8 +58,8 @@ def rows(workdir) -> list[dict]:
 def restore_only(workdir, **fields):
   """(setup, state, loop state) as a run on `workdir` would start; compiles nothing, reads no data."""
   setup = build_lib.build(smoke(**fields))
-  state, loop = checkpoint.Checkpointer(setup, workdir).restore(jax.eval_shape(setup.init_state), _AnyData(),
-                                                                training.LoopState())
+  state, loop = checkpoint.Checkpointer(run_lib.checkpoint_info(setup), workdir).restore(
+      jax.eval_shape(setup.init_state), _AnyData(), training.LoopState())
   return setup, state, loop
 
 
@@ -331,7 +332,8 @@ def test_warm_start_takes_the_weights_and_starts_fresh(reference, tmp_path):
   ref_dir, ref_state = reference
   setup = build_lib.build(smoke(checkpoint__warm_start=ref_dir))
   fresh = training.LoopState()
-  state, loop = checkpoint.Checkpointer(setup, str(tmp_path)).restore(setup.init_state(), None, fresh)
+  state, loop = checkpoint.Checkpointer(run_lib.checkpoint_info(setup), str(tmp_path)).restore(
+      setup.init_state(), None, fresh)
   assert loop is fresh and not loop.resumed
   for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

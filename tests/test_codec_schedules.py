@@ -170,8 +170,7 @@ def _async_drivers(config, theta0, pair, steps, resume):
   drivers, and `train(slot, targets)`, which runs one over `steps` (first, last) on a thread of its own."""
   local = job_lib.process_config(config)
   method = outer_lib.make(local.outer)
-  setup = type("Setup", (), dict(config=local, method=method, mesh=mesh_lib.make_mesh(1, 1), state_shardings=None,
-                                 fragments=_fragments(local)))
+  mesh, fragments = mesh_lib.make_mesh(1, 1), _fragments(local)
   runs, drivers, errors = [], [], []
   for slot in range(N):
     if resume is None:
@@ -180,7 +179,8 @@ def _async_drivers(config, theta0, pair, steps, resume):
     else:
       state, record = jax.tree.map(lambda x: x[slot:slot + 1], resume[0]), resume[1][slot]
     run = _ToyRun(jax.device_put(state, jax.devices()[0]))
-    driver = AsyncRounds(setup, _Slot(slot))
+    driver = AsyncRounds(method, mesh, None, fragments, local.outer, seed=local.seed, last_step=local.num_steps,
+                         process=_Slot(slot))
     driver.restore(record)
     # What `start` does: a fresh run's record, the session, every program compiled.
     driver._record = driver._record or {"progress": 0.0, "progress_step": 0}  # pylint: disable=protected-access

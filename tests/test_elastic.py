@@ -33,6 +33,7 @@ from noloco_jax.outer import pairing
 from noloco_jax.parallel import permutations
 from noloco_jax.runtime import launch_local
 from noloco_jax.training import build as build_lib
+from noloco_jax.training import run as run_lib
 from noloco_jax.training.loop_state import LoopState
 
 import mp_env
@@ -324,7 +325,8 @@ def restore_as(workdir, tmp_path, **fields):
     (cfg[node] if path else cfg)[path[0] if path else node] = value
   setup = build_lib.build(cfg)
   data = _Data()
-  state, loop = checkpoint.Checkpointer(setup, str(copy)).restore(jax.eval_shape(setup.init_state), data, LoopState())
+  state, loop = checkpoint.Checkpointer(run_lib.checkpoint_info(setup), str(copy)).restore(
+      jax.eval_shape(setup.init_state), data, LoopState())
   return jax.tree.map(np.asarray, state), loop, data.state, copy
 
 

@@ -19,6 +19,7 @@ from noloco_jax.io.data.tokenizer import ByteTokenizer
 from noloco_jax.models import llama
 
 from checkpoint_damage import copy_run, damage
+from safetensors_reader import read_safetensors
 
 INSTALL_HINT = ("needs transformers and torch: pip install transformers 'torch==2.13.0' (the CPU wheel is enough; "
                 "any torch that transformers accepts works)")
@@ -77,7 +78,7 @@ def test_the_files_hold_the_consensus_weights_and_a_llama_config(exported):
   assert done["step"] == 12 and done["weights"] == "consensus"
   snap = read_lib.read(workdir)
   mean_phi = jax.tree.map(lambda x: np.mean(x.astype(np.float64), 0).astype(np.float32), snap.slow)
-  sd = export_hf.read_safetensors(os.path.join(out, "model.safetensors"))
+  sd = read_safetensors(os.path.join(out, "model.safetensors"))
   want = export_hf.hf_state_dict(mean_phi)
   assert sorted(sd) == sorted(want)
   for name in want:
@@ -101,12 +102,12 @@ def test_a_replica_and_a_step_are_exported_as_asked(finished_run, tmp_path):
   assert (done["step"], done["weights"]) == (6, "replica 3")
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
   theta3 = read_lib.read(finished_run, 6).replica(3)
-  sd = export_hf.read_safetensors(os.path.join(tmp_path, "model.safetensors"))
+  sd = read_safetensors(os.path.join(tmp_path, "model.safetensors"))
   for name, value in export_hf.hf_state_dict(theta3).items():
     np.testing.assert_array_equal(sd[name], value)
   # bfloat16 on request: the same weights rounded.
   done = export_hf.export(finished_run, str(tmp_path / "bf16"), replica=3, step=6, dtype="bfloat16", tokenizer=False)
-  sd16 = export_hf.read_safetensors(os.path.join(tmp_path, "bf16", "model.safetensors"))
+  sd16 = read_safetensors(os.path.join(tmp_path, "bf16", "model.safetensors"))
   assert sd16["lm_head.weight"].dtype.name == "bfloat16"
   np.testing.assert_allclose(sd16["lm_head.weight"].astype(np.float32), sd["lm_head.weight"], rtol=1e-2, atol=1e-3)
 
@@ -115,7 +116,7 @@ def test_a_numpy_forward_pass_of_hugging_faces_llama_on_the_export_gives_our_log
   workdir, out, _ = exported
   with open(os.path.join(out, "config.json")) as f:
     cfg = json.load(f)
-  sd = export_hf.read_safetensors(os.path.join(out, "model.safetensors"))
+  sd = read_safetensors(os.path.join(out, "model.safetensors"))
   snap = read_lib.read(workdir)
   tokens = ByteTokenizer().encode(TEXT)[None, :32]
   ours = _our_logits(snap.weights(consensus=True), snap.config, tokens)

@@ -238,7 +238,9 @@ def test_an_asynchronous_round_matches_numpy():
 
   class Process:
     slot = 0
-  driver = AsyncRounds(setup, Process())
+  c = setup.config
+  driver = AsyncRounds(setup.method, setup.mesh, setup.state_shardings, setup.fragments, c.outer, seed=c.seed,
+                       last_step=c.num_steps, process=Process())
   driver._compile_ahead(mine)  # pylint: disable=protected-access  (what its `start` does)
   state, sent, _, codec_state = driver._compiled["message"](mine)  # pylint: disable=protected-access
   result = session_lib.RoundResult("exchanged", 0, (0, 1), (0, 0), [sent[-1], theirs], [60, 57])  # one round behind

@@ -141,13 +141,14 @@ def process_workdir(job_workdir: str, slot: int) -> str:
   return os.path.join(job_workdir, f"process_{slot}")
 
 
-def session_options(config: config_lib.Config) -> session_lib.Options:
-  """The engine's options from config.outer.asynchronous (a heartbeat about ten times per lease)."""
-  o = config.outer.asynchronous
-  return session_lib.Options(seed=config.seed, window_s=o.match_window_s, max_wait_s=o.max_wait_s,
+def session_options(outer, seed: int) -> session_lib.Options:
+  """The engine's options from config.outer (`outer`: its asynchronous section, a heartbeat about ten times
+  per lease; the fragments of streaming) and config.seed."""
+  o = outer.asynchronous
+  return session_lib.Options(seed=seed, window_s=o.match_window_s, max_wait_s=o.max_wait_s,
                              exchange_timeout_s=o.exchange_timeout_s, odd=o.match_odd,
                              beat_s=min(0.5, o.lease_s / 10), lease_s=o.lease_s, join_timeout_s=o.join_timeout_s,
-                             partner_silence_s=o.partner_silence_s, fragments=config.outer.streaming.fragments)
+                             partner_silence_s=o.partner_silence_s, fragments=outer.streaming.fragments)
 
 
 def check_layout(config: config_lib.Config, num_processes: int | None, *, process_id: int | None = None,
@@ -202,7 +203,7 @@ def start(config: config_lib.Config, coordinator_address: str | None, num_proces
   without ending anybody.
   """
   check_layout(config, num_processes, process_id=process_id, control_plane=control_plane)
-  options = session_options(config)
+  options = session_options(config.outer, config.seed)
   if control_plane == JAX:
     connection = _connect_jax(coordinator_address, num_processes, process_id, heartbeat_timeout_s,
                               initialization_timeout_s, standalone_service)

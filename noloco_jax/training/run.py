@@ -106,6 +106,18 @@ def on_exit(cleanup: contextlib.ExitStack, closer: Callable[[bool], None]) -> No
   cleanup.push(exit_)
 
 
+def checkpoint_info(setup: build_lib.Setup) -> checkpoint_lib.RunInfo:
+  """What the checkpointer is given of this run (io/checkpoint/run_info.py): its section of the config,
+  the config's record as data (saved with every step, compared on resume), and plain values."""
+  config = setup.config
+  return checkpoint_lib.RunInfo(
+      checkpoint=config.checkpoint, config_record=config.to_dict(), num_steps=config.num_steps,
+      checkpoint_every=config.checkpoint_every, nan_policy=config.nan_policy, num_replicas=config.num_replicas,
+      seed=config.seed, log_every=config.log_every, inner_steps=config.outer.inner_steps,
+      batch_size=config.data.batch_size, num_params=setup.model.num_params(), mesh=setup.mesh,
+      schedule=setup.schedule, state_shardings=setup.state_shardings, method=setup.method)
+
+
 def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack) -> Run:
   """The run's set-up phase (module docstring); every resource it opens closes with `cleanup`."""
   config, mesh, n = setup.config, setup.mesh, setup.config.num_replicas
@@ -132,7 +144,7 @@ def open_run(setup: build_lib.Setup, workdir: str, cleanup: contextlib.ExitStack
   # (before any restore).
   distributed.check_consistency(config.to_json(sort_keys=True), mesh, state, seed=config.seed, num_replicas=n,
                                 batch=(config.data.batch_size, config.data.seq_len), workdir=workdir)
-  checkpointer = checkpoint_lib.Checkpointer(setup, workdir)
+  checkpointer = checkpoint_lib.Checkpointer(checkpoint_info(setup), workdir)
   # A failed run completes (or, in a multi-process job, abandons after a bounded wait, saying so) the
   # save in flight: never lost silently. A finished run waits for its last save.
   close(lambda failed: checkpointer.settle_after_error() if failed else checkpointer.close())

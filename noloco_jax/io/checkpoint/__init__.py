@@ -3,6 +3,7 @@
 One module per job:
 
   manager.py     the Checkpointer: one run's orbax manager, shared by its saving and its restoring
+  run_info.py    what it is given of the run (RunInfo, made by set-up): never the Config or the Setup
   saving.py      a step's three items, the NaN checks before, a failed or unfinished write after
   restoring.py   the latest readable step (verified, else set aside), else a warm start, else fresh
   compatibility.py  whether a readable checkpoint fits this run (or another replica count, by request)
@@ -37,3 +38,4 @@ from noloco_jax.io.checkpoint.records import FORMAT
 from noloco_jax.io.checkpoint.records import pending_from_host
 from noloco_jax.io.checkpoint.records import pending_losses
 from noloco_jax.io.checkpoint.records import pending_to_host
+from noloco_jax.io.checkpoint.run_info import RunInfo

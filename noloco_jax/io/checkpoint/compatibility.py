@@ -16,47 +16,47 @@ from noloco_jax.runtime import failures
 from noloco_jax.io.checkpoint import checksum
 from noloco_jax.io.checkpoint import records
 from noloco_jax.io.checkpoint import resize
+from noloco_jax.io.checkpoint.run_info import RunInfo
 
 
 class IncompatibleCheckpointError(failures.ReportedError, ValueError):
   """The checkpoint is readable but was saved by a different setup: never a reason to fall back."""
 
 
-def elastic_plan(setup, meta: dict, data: dict, step: int, where: str) -> resize.Plan | None:
+def elastic_plan(run: RunInfo, meta: dict, data: dict, step: int, where: str) -> resize.Plan | None:
   """The resize.Plan for resuming this checkpoint, None for a plain resume (config.checkpoint.elastic)."""
-  config = setup.config
+  ck = run.checkpoint
   try:
-    mode = resize.mode_for(meta, config.num_replicas, config.checkpoint)
+    mode = resize.mode_for(meta, run.num_replicas, ck)
     plan = None if mode is None else resize.make_plan(
-        mode=mode, elastic_replicas=config.checkpoint.elastic_replicas, old_n=int(meta["num_replicas"]),
-        new_n=config.num_replicas, held=resize.held_by_process(data), process_count=jax.process_count(),
-        seed=config.seed, step=step, rounds_done=int(meta["round"]), schedule=setup.schedule)
+        mode=mode, elastic_replicas=ck.elastic_replicas, old_n=int(meta["num_replicas"]),
+        new_n=run.num_replicas, held=resize.held_by_process(data), process_count=jax.process_count(),
+        seed=run.seed, step=step, rounds_done=int(meta["round"]), schedule=run.schedule)
   except resize.ResizeError as e:
     raise IncompatibleCheckpointError(f"{where}: {str(e).rstrip('.')}.") from None
-  if plan is None and config.checkpoint.elastic:
+  if plan is None and ck.elastic:
     logging.info("checkpoint: config.checkpoint.elastic=%s changes nothing in step %d (same replica count, no "
-                 "replica to re-create, or already applied): resumed as saved.", config.checkpoint.elastic, step)
+                 "replica to re-create, or already applied): resumed as saved.", ck.elastic, step)
   return plan
 
 
-def check(setup, meta: dict, abstract, where: str, plan: resize.Plan | None = None) -> None:
-  """Raises IncompatibleCheckpointError unless the checkpoint `meta` (at `where`) fits this run's
-  `setup` and `abstract` state (with `plan`: the rest of the setup must match); warns of a changed
-  config field that the resume tolerates."""
-  config = setup.config
-  changed = records.config_changes(meta.get("config", {}), config.to_dict())
+def check(run: RunInfo, meta: dict, abstract, where: str, plan: resize.Plan | None = None) -> None:
+  """Raises IncompatibleCheckpointError unless the checkpoint `meta` (at `where`) fits this run (`run`:
+  its config record, method and schedule) and its `abstract` state (with `plan`: the rest of the setup
+  must match); warns of a changed config field that the resume tolerates."""
+  changed = records.config_changes(meta.get("config", {}), run.config_record)
   fields = f"config fields that differ: {_listed(changed)}" if changed else "no config field differs"
   remedy = ("Resume with the checkpoint's values (WORKDIR/config.json), use a new workdir, or start from its "
             "weights with config.checkpoint.warm_start.")
   saved_method = records.saved_method(meta)
-  if saved_method != setup.method.kind:  # another method's state means something else, even where its shapes agree
+  if saved_method != run.method.kind:  # another method's state means something else, even where its shapes agree
     raise IncompatibleCheckpointError(f"{where} was saved by another outer method ({saved_method!r}, now "
-                                      f"{setup.method.kind!r}); {fields}. {remedy}")
+                                      f"{run.method.kind!r}); {fields}. {remedy}")
   saved, now = meta["state_shapes"], records.shapes(abstract)
   if plan is not None and plan.old_n != plan.new_n:  # another replica count, by request: the rest must match
     changed = [c for c in changed if not c.startswith("num_replicas:")]
     fields = f"config fields that differ: {_listed(changed)}" if changed else "no other config field differs"
-    why = resize.other_differences(saved, now, meta["pairing"], records.schedule_record(setup.schedule, meta["round"]))
+    why = resize.other_differences(saved, now, meta["pairing"], records.schedule_record(run.schedule, meta["round"]))
     if why:
       raise IncompatibleCheckpointError(f"{where} {why}; {fields}. {remedy}")
     if changed:
@@ -68,7 +68,7 @@ def check(setup, meta: dict, abstract, where: str, plan: resize.Plan | None = No
     raise IncompatibleCheckpointError(
         f"{where} holds a state of another shape (num_replicas, model, optimizer or outer method "
         f"changed); {fields}; state leaves: {diff[:3]}{' ...' if len(diff) > 3 else ''}. {remedy}")
-  expected = records.schedule_record(setup.schedule, meta["round"])
+  expected = records.schedule_record(run.schedule, meta["round"])
   if meta["pairing"] != expected:
     # Another schedule only if the config says so; else the record is damaged (not a reason to refuse).
     differs = records.schedule_differences(meta["pairing"], expected)

@@ -16,6 +16,7 @@ from noloco_jax.inner.state import TrainState
 from noloco_jax.runtime import failures
 from noloco_jax.io.checkpoint import restoring
 from noloco_jax.io.checkpoint import saving
+from noloco_jax.io.checkpoint.run_info import RunInfo
 
 _QUIET_ORBAX = failures.QuietOrbaxLog()  # orbax's INFO lines dropped, its errors cut to one line
 
@@ -23,10 +24,11 @@ _QUIET_ORBAX = failures.QuietOrbaxLog()  # orbax's INFO lines dropped, its error
 class Checkpointer:
   """Saves and restores one run's checkpoints in `workdir/checkpoints`. All processes call every method."""
 
-  def __init__(self, setup, workdir: str):
+  def __init__(self, run: RunInfo, workdir: str):
+    """`run`: what the checkpointer knows of the run (run_info.py), made by set-up (training/run.py)."""
     workdir = os.path.abspath(workdir)
     self.directory = os.path.join(workdir, restoring.CHECKPOINT_DIR)
-    ck = setup.config.checkpoint
+    ck = run.checkpoint
     py_logging.getLogger("absl").addFilter(_QUIET_ORBAX)  # a no-op when already added
     py_logging.getLogger("asyncio").addFilter(_QUIET_ORBAX)  # orbax's abandoned write fragments
     failures.quiet_orbax_noise()  # the closed-event-loop tracebacks of a failed read (runtime/failures.py)
@@ -35,8 +37,8 @@ class Checkpointer:
         cleanup_tmp_directories=True,  # leftovers of an interrupted write are never restored
         todelete_subdir=saving.DELETING))  # a rotated-out step leaves by one rename (saving.DELETING)
     saving.purge_deleted(self.directory)
-    self._saver = saving.Saver(setup, manager, self.directory)
-    self._restorer = restoring.Restorer(setup, manager, workdir, self.directory)
+    self._saver = saving.Saver(run, manager, self.directory)
+    self._restorer = restoring.Restorer(run, manager, workdir, self.directory)
 
   def restore(self, state: TrainState, data_iter, loop_state):
     """(state, loop state) to start from: restoring.Restorer.restore."""

@@ -27,6 +27,7 @@ from noloco_jax.io.checkpoint import quarantine
 from noloco_jax.io.checkpoint import records
 from noloco_jax.io.checkpoint import resize
 from noloco_jax.io.checkpoint.data_item import PerProcessJsonRestore, merge_data_states
+from noloco_jax.io.checkpoint.run_info import RunInfo
 
 CHECKPOINT_DIR = "checkpoints"  # a run's checkpoints: WORKDIR/checkpoints/<step>/
 
@@ -45,8 +46,8 @@ def _everywhere(ok: bool) -> bool:
 class Restorer:
   """Restores one run from `manager` (orbax) over `workdir/checkpoints`. All processes call `restore`."""
 
-  def __init__(self, setup, manager: ocp.CheckpointManager, workdir: str, directory: str):
-    self._setup, self._config = setup, setup.config
+  def __init__(self, run: RunInfo, manager: ocp.CheckpointManager, workdir: str, directory: str):
+    self._run = run
     self._manager, self._workdir, self.directory = manager, workdir, directory
 
   def restore(self, state: TrainState, data_iter, loop_state):
@@ -78,8 +79,8 @@ class Restorer:
       record = records.loop_record(meta)
       if plan is not None:  # config.checkpoint.elastic: another set of replicas (resize.py)
         # A new replica of "grow" is made from its peer by the method, which owns its state.
-        state = resize.place(resize.resize_state(state, plan, self._setup.method.new_replica),
-                             self._setup.state_shardings)
+        state = resize.place(resize.resize_state(state, plan, self._run.method.new_replica),
+                             self._run.state_shardings)
         record = resize.resize_loop_record(record, plan)
       if plan is None or plan.keeps_data:
         data_iter.set_state(merge_data_states(data))
@@ -94,7 +95,7 @@ class Restorer:
           f"no readable checkpoint in {self.directory} (steps {bad} all failed, see the warnings above); "
           "move the directory away to start this workdir from scratch.")
     logs.start_logs_afresh(self._workdir)  # a run killed before its first checkpoint completed left rows
-    if self._config.checkpoint.warm_start:
+    if self._run.checkpoint.warm_start:
       return self._warm_start(state, abstract), loop_state
     return state, loop_state
 
@@ -116,14 +117,14 @@ class Restorer:
     # record that contradicts itself (ItemChecksumError) is a damaged step, set aside like the others.
     where = f"checkpoint step {step} in {self.directory}"
     try:
-      plan = compatibility.elastic_plan(self._setup, meta, data, step, where)
-      compatibility.check(self._setup, meta, abstract, where, plan)
+      plan = compatibility.elastic_plan(self._run, meta, data, step, where)
+      compatibility.check(self._run, meta, abstract, where, plan)
     except checksum.ItemChecksumError as e:
       return None, None, None, None, e
     try:
       if plan is None:
         state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-        checksum.verify(meta, state, self._setup.mesh)
+        checksum.verify(meta, state, self._run.mesh)
       else:  # the checkpoint's replicas, read whole into host memory and resized there
         state = resize.read_host_state(self.directory, step, abstract, meta)
       return meta, plan, state, data, None
@@ -132,20 +133,20 @@ class Restorer:
 
   def _expected_logs(self, meta: dict, step: int, plan) -> log_repair.Expected:
     """What the logs hold up to `step`, from the checkpoint (its config: how the run logged then)."""
-    saved = meta.get("config") or {}
-    schedule = self._setup.schedule if plan is None else None  # a resize changes the schedule
+    saved, run = meta.get("config") or {}, self._run
+    schedule = run.schedule if plan is None else None  # a resize changes the schedule
     return log_repair.Expected(
         step=step, evals=list(meta["history"].get("eval", [])),
-        log_every=int(saved.get("log_every", self._config.log_every)), num_replicas=int(meta["num_replicas"]),
-        rounds=int(meta["round"]) if self._setup.schedule is not None else 0,
-        inner_steps=int((saved.get("outer") or {}).get("inner_steps", self._config.outer.inner_steps)),
+        log_every=int(saved.get("log_every", run.log_every)), num_replicas=int(meta["num_replicas"]),
+        rounds=int(meta["round"]) if run.schedule is not None else 0,
+        inner_steps=int((saved.get("outer") or {}).get("inner_steps", run.inner_steps)),
         pairing_row=None if schedule is None else functools.partial(records.pairing_row, schedule),
-        num_params=self._setup.model.num_params())
+        num_params=run.num_params)
 
   def _log_resize(self, plan, step: int, round_: int) -> None:
     """Says what changed: a log line, and (process 0) one row in elastic.jsonl, pairings.jsonl and metrics.jsonl."""
     logging.warning("%s", plan.describe())
-    logging.warning("%s", resize.data_note(plan, step, self._config.data.batch_size))
+    logging.warning("%s", resize.data_note(plan, step, self._run.batch_size))
     if jax.process_index() != 0:
       return
     event = plan.event(step, round_)
@@ -157,14 +158,14 @@ class Restorer:
 
   def _warm_start(self, state: TrainState, abstract) -> TrainState:
     """θ of every replica from another run's checkpoint; everything else fresh (see the package docstring)."""
-    root, step = _resolve_warm_start(self._config.checkpoint.warm_start)
+    root, step = _resolve_warm_start(self._run.checkpoint.warm_start)
     manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True))
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     saved = {k: v for k, v in meta["state_shapes"].items() if k.startswith(".params")}
     now = {k: v for k, v in records.shapes(abstract).items() if k.startswith(".params")}
     if saved != now:
       raise compatibility.IncompatibleCheckpointError(
-          f"config.checkpoint.warm_start={self._config.checkpoint.warm_start!r}: its weights (step {step}) "
+          f"config.checkpoint.warm_start={self._run.checkpoint.warm_start!r}: its weights (step {step}) "
           "do not fit this run's replicas and model: "
           f"{[k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)][:5]}.")
     target = {"params": abstract.params}
@@ -173,7 +174,7 @@ class Restorer:
         item=target, restore_args=restore_args, partial_restore=True)))["state"]["params"]
     manager.close()
     sharding = jax.tree.map(lambda x: x.sharding, abstract.outer)
-    outer = jax.jit(jax.vmap(self._setup.method.init), out_shardings=sharding)(params)
+    outer = jax.jit(jax.vmap(self._run.method.init), out_shardings=sharding)(params)
     logging.info("checkpoint: warm start from the weights of step %d in %s.", step, root)
     return state.replace(params=params, outer=outer)
 

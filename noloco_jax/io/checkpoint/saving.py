@@ -25,6 +25,7 @@ from noloco_jax.io.checkpoint import checksum
 from noloco_jax.io.checkpoint import guard
 from noloco_jax.io.checkpoint import records
 from noloco_jax.io.checkpoint.data_item import PerProcessJsonSave
+from noloco_jax.io.checkpoint.run_info import RunInfo
 
 SETTLE_TIMEOUT_S = 60  # multi-process jobs: how long a failed run waits for its save in flight
 # Where orbax's rotation moves a step it removes (`todelete_subdir`): a rename is atomic, so a process
@@ -49,15 +50,15 @@ class CheckpointSaveError(failures.ReportedError, OSError):
 class Saver:
   """Saves one run's checkpoints through `manager` (orbax). All processes call every method."""
 
-  def __init__(self, setup, manager: ocp.CheckpointManager, directory: str):
-    self._setup, self._config = setup, setup.config
+  def __init__(self, run: RunInfo, manager: ocp.CheckpointManager, directory: str):
+    self._run = run
     self._manager, self.directory = manager, directory
     self._in_flight: int | None = None  # the step of an asynchronous save not yet known complete
     self._closed = False
 
   def due(self, step: int) -> bool:
-    every = self._config.checkpoint_every
-    return step == self._config.num_steps or (every > 0 and step % every == 0)
+    every = self._run.checkpoint_every
+    return step == self._run.num_steps or (every > 0 and step % every == 0)
 
   def save(self, step: int, state: TrainState, loop_state, data_iter) -> None:
     """Starts saving the run after `step` (asynchronously if configured); returns once it is safe to
@@ -77,9 +78,10 @@ class Saver:
     record = loop_state.to_record()
     if record["step"] != step:
       raise ValueError(f"checkpoint: saving step {step} with a loop state at step {record['step']}.")
-    if self._config.nan_policy == "error":
+    run = self._run
+    if run.nan_policy == "error":
       guard.check_finite(records.pending_losses(record["pending"]), record["pending"]["steps"])
-    bad = guard.nonfinite_replicas(state, self._setup.mesh)
+    bad = guard.nonfinite_replicas(state, run.mesh)
     if bad:
       self.wait_until_finished()
       raise guard.NonFiniteStateError(
@@ -90,12 +92,12 @@ class Saver:
     # to the live objects of `record` (its history): what is written must be what was digested now.
     meta = checksum.with_digest({
         "format": records.FORMAT, **record,
-        "num_replicas": self._config.num_replicas, "process_count": jax.process_count(),
-        "pairing": records.schedule_record(self._setup.schedule, record["round"]),
-        "state_shapes": records.shapes(state), "config": self._config.to_dict(),
-        "method": self._setup.method.kind,
+        "num_replicas": run.num_replicas, "process_count": jax.process_count(),
+        "pairing": records.schedule_record(run.schedule, record["round"]),
+        "state_shapes": records.shapes(state), "config": run.config_record,
+        "method": run.method.kind,
         # Verified on restore: a data file changed after the save is caught, not trained on.
-        "state_checksums": checksum.state_checksums(state, self._setup.mesh),
+        "state_checksums": checksum.state_checksums(state, run.mesh),
     })
     data = checksum.with_digest({"step": int(step), "process_index": jax.process_index(),
                                  "process_count": jax.process_count(), "iterator": data_iter.get_state()})
@@ -107,9 +109,9 @@ class Saver:
     with self._save_errors(step):
       self._manager.save(step, force=True, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta), data=PerProcessJsonSave(data)))
-    self._in_flight = step if self._config.checkpoint.async_save else None
+    self._in_flight = step if run.checkpoint.async_save else None
     logging.info("checkpoint: step %d %s in %.2f s -> %s", step,
-                 "started (async)" if self._config.checkpoint.async_save else "saved",
+                 "started (async)" if run.checkpoint.async_save else "saved",
                  time.time() - start, self.directory)
 
   @contextlib.contextmanager

@@ -27,7 +27,8 @@ def make_driver(setup, run) -> RoundDriver:
   if not method.has_rounds:
     driver = NoRounds()
   elif o.schedule == "async":  # one process of an asynchronous job (asynchronous/job.py)
-    driver = AsyncRounds(setup, setup.process)
+    driver = AsyncRounds(method, setup.mesh, setup.state_shardings, setup.fragments, o, seed=config.seed,
+                         last_step=config.num_steps, process=setup.process)
   elif setup.fragments is not None:  # fragment streaming (outer.streaming.*): one fragment's round every H/F steps
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), run.state.params)
     traffic = [streaming_lib.fragment_method(method, f).traffic(one, config.num_replicas)[0] for f in setup.fragments]

@@ -82,27 +82,27 @@ jax.monitoring.register_event_duration_secs_listener(_on_compile)
 
 class AsyncRounds(RoundDriver):
 
-  def __init__(self, setup, process):
-    """`process`: this process's place in the job (asynchronous/job.Process)."""
-    config = setup.config
+  def __init__(self, method, mesh, state_shardings, fragments, outer, *, seed: int, last_step: int, process):
+    """`method`, `mesh`, `state_shardings`, `fragments`: the process's Setup's; `outer`: its config.outer;
+    `seed`: config.seed (the session's draws); `process`: its place in the job (asynchronous/job.Process)."""
     if process is None:  # e.g. train_and_evaluate called directly: there are no other processes to pair with
       config_fields.fail("outer.schedule", "async", "'lockstep' outside a job of several processes started by "
                          "python -m noloco_jax.main (each process is a run of its own: docs/async.md)")
-    o = config.outer
-    self._method, self._process, self._H = setup.method, process, o.inner_steps
+    o = outer
+    self._method, self._process, self._H = method, process, o.inner_steps
     self._decay = o.asynchronous.staleness_decay
-    self._options = job_lib.session_options(config)
+    self._options = job_lib.session_options(o, seed)
     self.session: session_lib.Session | None = None
     # Training while the round finds its partner (outer.overlap.steps = τ > 0, module docstring): the round
     # runs on a second thread and is merged with the delayed rule θ ← λ·θ_local + (1 − λ)·φ_new.
     self._tau = o.overlap.steps
     sizes = (2, 3) if o.asynchronous.match_odd == "triple" else (2,)
     # Fragment streaming (module docstring): a round every H/F steps, each fragment's programs its own.
-    fragments = setup.fragments or ()
+    fragments = fragments or ()
     self._F = max(len(fragments), 1)
     self._every = self._H // self._F
-    methods = [streaming.fragment_method(setup.method, f) for f in fragments] or [setup.method]
-    self._programs = [programs_lib.RoundPrograms(m, setup.mesh, None, setup.state_shardings, where="host",
+    methods = [streaming.fragment_method(method, f) for f in fragments] or [method]
+    self._programs = [programs_lib.RoundPrograms(m, mesh, None, state_shardings, where="host",
                                                  mix=o.overlap.mix if self._tau else None, group_sizes=sizes)
                       for m in methods]
     self.programs = self._programs[0]
@@ -110,7 +110,7 @@ class AsyncRounds(RoundDriver):
     self._compiled: dict = {}  # fragment 0's (the only one when F = 1), and the state's copy
     self._inflight = InFlight(threaded=self._tau > 0, name="async-round")
     self._merge_at = 0  # the step whose after_step merges it (decided before the step: `due` must agree)
-    self._last = config.num_steps
+    self._last = last_step
     self._record: dict = {}  # progress, progress_step (and where it joined from)
     self._counts: dict = {}
     self._logs: list = []
