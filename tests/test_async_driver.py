@@ -245,8 +245,9 @@ def test_the_message_program_reads_theta_and_phi_and_writes_the_message_once():
 def test_the_loop_thread_neither_waits_for_the_message_nor_forms_the_mean():
   """What the loop's thread does of a round with τ > 0 (issue 37: idle at 10 Mbit/s): at the boundary it
   dispatches the message program, which only reads the state (run.state stays the same arrays, none donated:
-  the next inner step is dispatched at once); the round's own thread finds the group, exchanges, and forms the
-  group's mean (the combine program); at the merge the loop's thread runs the merge program alone. The merge
+  the next inner step is dispatched at once); the round's own thread finds the group, exchanges, forms the
+  group's mean (the combine program) and reads the joiners' requests from the store; at the merge the loop's
+  thread runs the merge program alone (and serves a joiner, if one asked). The merge
   then gives what the message, mean and merge in order give (the equal-progress tests above: bit for bit)."""
   import threading  # pylint: disable=g-import-not-at-top
   from test_overlap import _ToyRun  # pylint: disable=g-import-not-at-top
@@ -276,8 +277,13 @@ def test_the_loop_thread_neither_waits_for_the_message_nor_forms_the_mean():
       sent.append(message)
       return session_lib.RoundResult("exchanged", 0, (0, 1), (0, 0), [message, message], [progress, progress - 3])
 
-    def serve_joins(self, state_fn, progress):
-      del state_fn, progress
+    def join_requests(self):
+      threads["join_requests"].add(threading.current_thread().name)
+      return {}
+
+    def serve_joins(self, state_fn, progress, requests=None):
+      del state_fn, progress, requests
+      threads["serve_joins"].add(threading.current_thread().name)
       return 0
 
     def close(self, **kwargs):
@@ -295,8 +301,9 @@ def test_the_loop_thread_neither_waits_for_the_message_nor_forms_the_mean():
   assert driver._inflight.sent_at == 0 and run.loop.round == 1  # pylint: disable=protected-access
   main = threading.current_thread().name
   assert threads["message"] == threads["merge"] == {main}
-  assert threads["round"] == threads["combine2w"] == {"async-round_0"}, dict(threads)  # unequal progress: weighted
-  assert "combine2" not in threads
+  # The group, the exchange, the mean (unequal progress: weighted) and the store read for joiners: the round's thread.
+  assert threads["round"] == threads["combine2w"] == threads["join_requests"] == {"async-round_0"}, dict(threads)
+  assert "combine2" not in threads and "serve_joins" not in threads  # no joiner asked: nothing to serve
   _assert_same(sent[0], payload)  # the message read the state before the inner step that donated it
   driver.close(failed=False)
 

@@ -17,7 +17,8 @@ thread (base.InFlight, as streaming overlap's) while the inner steps go on; its 
 the first step by which it is done, at the latest after step tH + τ, with streaming overlap's delayed merge
 (λ = outer.overlap.mix). The loop's thread only dispatches the message program (it reads the state, neither
 donated nor returned, so the next inner step is dispatched at once) and, at the merge, the merge program:
-finding the group, the exchange and the group's mean (`combine`) are the round's thread's (`_round`). A round in flight is not part of a checkpoint (a resume goes on as if it had been
+finding the group, the exchange, the group's mean (`combine`) and the store read for joiners' requests are the
+round's thread's (`_round`). A round in flight is not part of a checkpoint (a resume goes on as if it had been
 skipped); the run's last step merges it.
 
 Every codec (outer.codec: bfloat16 messages, int8, int4, top-k with error feedback) travels here as in
@@ -50,6 +51,7 @@ collective exists in this schedule, so `settle` has nothing to wait for.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -67,6 +69,17 @@ from noloco_jax.outer import async_rules, wire
 from noloco_jax.outer import programs as programs_lib
 from noloco_jax.outer import streaming
 from noloco_jax.training.rounds.base import InFlight, RoundDriver
+
+@dataclasses.dataclass
+class _Done:
+  """What the round's thread hands the loop's (AsyncRounds._round): the session's answer; if it exchanged, the
+  group's mean (computed), the merged progress and the programs compiled for it; the joiners' requests."""
+  result: session_lib.RoundResult
+  mean: object = None
+  merged: float | None = None
+  compiles: int = 0
+  joins: dict = dataclasses.field(default_factory=dict)
+
 
 COUNTERS = ("exchanged_rounds", "skipped_rounds", "failed_rounds", "wait_s", "exchange_s", "round_compiles")
 _COMPILES = threading.local()  # `counter`: the compiles of this thread while it does round work
@@ -230,32 +243,33 @@ class AsyncRounds(RoundDriver):
                         metrics=round_metrics, fragment=f)
     if not self._tau:  # the round at once: the exchange has happened (or not) inside `send`
       self._finish(run, step)
-    # A joiner may be waiting for this process: it is offered a copy (the inner steps donate the state).
-    self.session.serve_joins(lambda: self._compiled["copy"](run.state), progress=int(round(self._progress(step))))
 
-  def _round(self, own, payload, progress: int, step: int, fragment: int):
-    """The round's work off the loop's thread (with τ > 0, on InFlight's): find the group, exchange, and
-    form the group's mean (`_combine`), so that the loop's part of the round is the merge alone.
-    (result, mean or None, merged progress or None, programs compiled for the mean)."""
+  def _round(self, own, payload, progress: int, step: int, fragment: int) -> "_Done":
+    """The round's work off the loop's thread (with τ > 0, on InFlight's): find the group, exchange, form
+    the group's mean (`_combine`), and read whether a joiner asked for this process's state, so that the
+    loop's part of the round is the merge (and serving a joiner, if one asked)."""
     # Without fragments the round is called as before (Session.round's own default: fragment 0 of 1).
     result = (self.session.round(payload, progress, step) if self._F == 1 else
               self.session.round(payload, progress, step, fragment=fragment))
-    if not result.exchanged:
-      return result, None, None, 0
-    # Its compiles (none: every program was compiled ahead) are counted apart: this may be another thread.
-    outer, _COMPILES.counter = getattr(_COMPILES, "counter", None), [0]
-    try:
-      mean, merged = self._combine(own, result, fragment)
-      # Computed here, on this thread: the merge that reads it then waits for nothing but its own arithmetic.
-      mean = jax.block_until_ready(mean)
-    finally:
-      compiles, _COMPILES.counter = _COMPILES.counter[0], outer
-    return result, mean, merged, compiles
+    done = _Done(result)
+    if result.exchanged:
+      # Its compiles (none: every program was compiled ahead) are counted apart: this may be another thread.
+      outer, _COMPILES.counter = getattr(_COMPILES, "counter", None), [0]
+      try:
+        mean, done.merged = self._combine(own, result, fragment)
+        # Computed here, on this thread: the merge that reads it then waits for nothing but its own arithmetic.
+        done.mean = jax.block_until_ready(mean)
+      finally:
+        done.compiles, _COMPILES.counter = _COMPILES.counter[0], outer
+    done.joins = self.session.join_requests()  # a store read: the loop serves them (`_finish`)
+    return done
 
   def _finish(self, run, step: int) -> None:
-    """The round sent at InFlight.sent_at, at `step`: its update if it exchanged, its counts and bytes."""
+    """The round sent at InFlight.sent_at, at `step`: its update if it exchanged, its counts and bytes; then
+    any joiner that asked for this process's state is served."""
     sent_at, info = self._inflight.sent_at, self._inflight.info
-    result, mean, merged, compiles = self._inflight.result()  # re-raises the round's error on the loop's thread
+    done = self._inflight.result()  # re-raises the round's error on the loop's thread
+    result, mean, merged, compiles = done.result, done.mean, done.merged, done.compiles
     self._inflight.clear()
     if compiles:
       self._counts["async/round_compiles"] += compiles
@@ -275,6 +289,9 @@ class AsyncRounds(RoundDriver):
     counts["async/exchange_s"] += result.exchange_s
     counts["async/progress"] = self._progress(step)
     run.loop.add_round(step, info["metrics"], traffic)
+    if done.joins:  # a joiner is offered a copy (the inner steps donate the state), with its progress now
+      self.session.serve_joins(lambda: self._compiled["copy"](run.state), progress=int(round(self._progress(step))),
+                               requests=done.joins)
 
   def _combine(self, own, result, fragment: int = 0):
     """(the group's mean, merged progress) after an exchange: the staleness-weighted mean of the messages in
