@@ -13,6 +13,7 @@ line (python -m noloco_jax.main under launch_local), each job on the smoke model
 Each job takes 30–90 s on a loaded 2-core machine, most of it starting JAX in every process.
 """
 
+import collections
 import dataclasses
 import json
 import os
@@ -178,8 +179,8 @@ def _driver(setup, process) -> AsyncRounds:
 @pytest.mark.parametrize("codec", ["float32", "topk"])  # every codec on a toy: test_codec_schedules.py
 def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit_and_compiles_nothing(codec):
   """Three replicas in one group, lock-step (exchange.group_mean on one device) and asynchronous (each
-  member's own AsyncRounds: its message program, then `_apply` with the others' messages as the transport
-  delivers them), with every codec: the message (own term, payload, the codec's new residual) and the
+  member's own AsyncRounds: its message program, then `_combine` with the others' messages as the transport
+  delivers them, and the merge), with every codec: the message (own term, payload, the codec's new residual) and the
   state after the round are the lock-step round's, bit for bit. A group of three
   (outer.asynchronous.match_odd='triple') runs programs compiled before the first step: nothing is
   compiled inside the round (its first triple used to compile its mean there, stalling 3.4-6.5 s)."""
@@ -210,20 +211,20 @@ def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit_and_compile
   driver._compile_ahead(one(state, 0))  # pylint: disable=protected-access  (what `start` does)
   for me in range(3):  # every slot's programs are the same: one driver plays each in turn
     driver._process = _Process(me)  # pylint: disable=protected-access
-    # This process's message program: the lock-step message of its replica, and its state as it was.
-    mine = jax.tree.map(jnp.copy, one(state, me))  # the message donates it
+    # This process's message program: the lock-step message of its replica; it only reads the state.
+    mine = jax.tree.map(jnp.copy, one(state, me))
     before = len(compiles)
-    kept, sent, _, codec_state = driver._compiled["message"](mine)  # pylint: disable=protected-access
+    sent, _, codec_state = driver._compiled["message"](mine)  # pylint: disable=protected-access
     assert len(compiles) == before, compiles[before:]
     _assert_same((sent[0], sent[-1], codec_state), (one(own, me), one(payload, me), one(parts.codec_state(states), me)))
-    _assert_same(kept, one(state, me))  # the residual commits with the merge, not here
+    _assert_same(mine, one(state, me))  # not donated; the residual commits with the merge, not here
     others = [s for s in range(3) if s != me]
     result = session_lib.RoundResult("exchanged", 0, (0, 1, 2), (0, 0, 0),
                                      [sent[-1]] + [one(payload, s) for s in others], [30, 30, 30])
-    again = jax.tree.map(jnp.copy, kept)  # the merge donates the state it replaces
     before = len(compiles)
-    new_state, progress = driver._apply(kept, sent[0], codec_state, result)  # pylint: disable=protected-access
-    driver._apply(again, sent[0], codec_state, dataclasses.replace(result, progress=[30, 27, 24]))  # pylint: disable=protected-access
+    mean, progress = driver._combine(sent[0], result)  # pylint: disable=protected-access  (the round's thread)
+    new_state = driver._compiled["merge"](mine, mean, codec_state)  # pylint: disable=protected-access
+    driver._combine(sent[0], dataclasses.replace(result, progress=[30, 27, 24]))  # pylint: disable=protected-access
     assert len(compiles) == before, compiles[before:]  # the triple's programs, equal and weighted, were ready
     assert progress == 30.0
     assert_bitwise(new_state, one(lockstep, me), codec)
@@ -232,21 +233,87 @@ def test_a_round_at_equal_progress_is_the_lockstep_round_bit_for_bit_and_compile
 
 def test_the_message_program_reads_theta_and_phi_and_writes_the_message_once():
   """Bytes the driver's message program reads and writes (XLA's cost analysis) in model copies: c from θ and φ
-  (3) and the norm ‖φ − θ‖ (2). It donates the state it returns (undonated, XLA copied every leaf: 17) and
-  returns the float32 payload once, as the own term too."""
+  (3) and the norm ‖φ − θ‖ (2). It only reads the state (neither donated nor returned: returned undonated,
+  XLA copied every leaf, 17) and returns the float32 payload once, as the own term too."""
   from noloco_jax.outer import programs as programs_lib  # pylint: disable=g-import-not-at-top
   from noloco_jax.tools import hlo as hlo_lib  # pylint: disable=g-import-not-at-top
   cfg = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 2, "model.d_model": 256}))
   local = build_lib.build(job_lib.process_config(cfg))
   driver = _driver(local, _Process(0))
   state = programs_lib.abstract(local.init_state())
-  _, sent, _, codec_state = jax.eval_shape(driver.programs.jitted("message", state), state)
+  sent, _, codec_state = jax.eval_shape(driver.programs.jitted("message", state), state)
   assert codec_state == ()  # no residual to hand on
   assert len(sent) == 1 and jax.tree.structure(sent[0]) == jax.tree.structure(state.params)  # own = payload, once
   compiled = driver.programs._lower("message").compile()  # pylint: disable=protected-access
   copies = hlo_lib.bytes_accessed(compiled) / outer_base.tree_bytes(state.params)
   assert 5 - 0.05 <= copies <= 5 + 0.05, copies
   assert hlo_lib.parameter_copies(compiled.as_text()) == 0
+
+
+def test_the_loop_thread_neither_waits_for_the_message_nor_forms_the_mean():
+  """What the loop's thread does of a round with τ > 0 (issue 37: idle at 10 Mbit/s): at the boundary it
+  dispatches the message program, which only reads the state (run.state stays the same arrays, none donated:
+  the next inner step is dispatched at once); the round's own thread finds the group, exchanges, forms the
+  group's mean (the combine program) and reads the joiners' requests from the store; at the merge the loop's
+  thread runs the merge program alone (and serves a joiner, if one asked). The merge
+  then gives what the message, mean and merge in order give (the equal-progress tests above: bit for bit)."""
+  import threading  # pylint: disable=g-import-not-at-top
+  from test_overlap import _ToyRun  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load(_smoke(**{"outer.schedule": "async", "num_replicas": 2, "outer.overlap.steps": 2,
+                                  **CODECS["int8"]}))
+  local = build_lib.build(job_lib.process_config(cfg))
+  run = _ToyRun(local.init_state())
+  driver = AsyncRounds(local, _Process(0))
+  driver.restore({})
+  driver._record = {"progress": 0.0, "progress_step": 0}  # pylint: disable=protected-access  (what `start` does)
+  driver._compile_ahead(run.state)  # pylint: disable=protected-access
+  threads = collections.defaultdict(set)  # program -> the threads that called it
+
+  def on_thread(name, program):
+    def called(*args):
+      threads[name].add(threading.current_thread().name)
+      return program(*args)
+    return called
+  compiled = driver._compiled  # pylint: disable=protected-access
+  for name in ("message", "merge", "combine2", "combine2w"):
+    compiled[name] = on_thread(name, compiled[name])
+
+  class Session:
+    def round(self, message, progress, step=None, fragment=0):
+      del step, fragment
+      threads["round"].add(threading.current_thread().name)
+      sent.append(message)
+      return session_lib.RoundResult("exchanged", 0, (0, 1), (0, 0), [message, message], [progress, progress - 3])
+
+    def join_requests(self):
+      threads["join_requests"].add(threading.current_thread().name)
+      return {}
+
+    def serve_joins(self, state_fn, progress, requests=None):
+      del state_fn, progress, requests
+      threads["serve_joins"].add(threading.current_thread().name)
+      return 0
+
+    def close(self, **kwargs):
+      del kwargs
+
+  driver.session, sent = Session(), []
+  H = cfg.outer.inner_steps
+  before = run.state
+  payload = jax.jit(local.method.parts.message)(jax.tree.map(jnp.copy, run.state))[2]
+  driver.after_step(run, H, {})  # the boundary: the message, the round sent
+  assert run.state is before and not any(x.is_deleted() for x in jax.tree.leaves(run.state))
+  run.state = jax.jit(lambda s: s.replace(step=s.step + 1), donate_argnums=0)(run.state)  # the next inner step
+  driver.before_step(run, H + 2)
+  driver.after_step(run, H + 2, {})  # τ steps on: merged
+  assert driver._inflight.sent_at == 0 and run.loop.round == 1  # pylint: disable=protected-access
+  main = threading.current_thread().name
+  assert threads["message"] == threads["merge"] == {main}
+  # The group, the exchange, the mean (unequal progress: weighted) and the store read for joiners: the round's thread.
+  assert threads["round"] == threads["combine2w"] == threads["join_requests"] == {"async-round_0"}, dict(threads)
+  assert "combine2" not in threads and "serve_joins" not in threads  # no joiner asked: nothing to serve
+  _assert_same(sent[0], payload)  # the message read the state before the inner step that donated it
+  driver.close(failed=False)
 
 
 # ---- On real processes ----

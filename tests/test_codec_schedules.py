@@ -150,8 +150,11 @@ class _Pair:
         return session_lib.RoundResult("exchanged", r, (0, 1), (0, 0), [message, theirs], [progress, their_progress],
                                        bytes_sent=nbytes, bytes_received=sum(x.nbytes for x in jax.tree.leaves(theirs)))
 
-      def serve_joins(self, state_fn, progress):
-        del state_fn, progress
+      def join_requests(self):
+        return {}
+
+      def serve_joins(self, state_fn, progress, requests=None):
+        del state_fn, progress, requests
         return 0
 
       def close(self, **kwargs):

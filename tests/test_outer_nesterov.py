@@ -242,9 +242,10 @@ def test_an_asynchronous_round_matches_numpy():
   driver = AsyncRounds(setup.method, setup.mesh, setup.state_shardings, setup.fragments, c.outer, seed=c.seed,
                        last_step=c.num_steps, process=Process())
   driver._compile_ahead(mine)  # pylint: disable=protected-access  (what its `start` does)
-  state, sent, _, codec_state = driver._compiled["message"](mine)  # pylint: disable=protected-access
+  sent, _, codec_state = driver._compiled["message"](mine)  # pylint: disable=protected-access
   result = session_lib.RoundResult("exchanged", 0, (0, 1), (0, 0), [sent[-1], theirs], [60, 57])  # one round behind
-  new, progress = driver._apply(state, sent[0], codec_state, result)  # pylint: disable=protected-access
+  mean, progress = driver._combine(sent[0], result)  # pylint: disable=protected-access
+  new = driver._compiled["merge"](mine, mean, codec_state)  # pylint: disable=protected-access
   driver.programs.close()
   H = config.outer.inner_steps
   q = np.exp(-config.outer.asynchronous.staleness_decay * np.array([0.0, 3.0]) / H)  # weights, own first

@@ -65,10 +65,14 @@ class Donor:
     self._served: set[str] = set()
     self.served: list[dict] = []
 
-  def serve(self, state_fn, progress: int, offer_s: float = 120.0) -> int:
-    """Offers `state_fn()` (a pytree of arrays) to every new joiner that asked this slot; returns how many."""
-    requests = self.kv.dir(f"join/{self.slot}/")
-    fresh = {k: v for k, v in requests.items() if k not in self._served}
+  def requests(self) -> dict[str, str]:
+    """The joiners' requests to this slot not served yet (one store read; any thread may ask)."""
+    return {k: v for k, v in self.kv.dir(f"join/{self.slot}/").items() if k not in self._served}
+
+  def serve(self, state_fn, progress: int, offer_s: float = 120.0, requests: dict[str, str] | None = None) -> int:
+    """Offers `state_fn()` (a pytree of arrays) to every new joiner that asked this slot (`requests`, as
+    `requests()` read them; None: read now); returns how many."""
+    fresh = {k: v for k, v in (self.requests() if requests is None else requests).items() if k not in self._served}
     for key, raw in fresh.items():
       self._served.add(key)
       request = json.loads(raw)

@@ -8,6 +8,7 @@ The driver's calls (training/rounds/asynchronous.py), in a process that trains a
         result = session.round(payload, progress=steps_done, step=step)  # never waits for anyone but its group
         if result.exchanged: the method's merge with the group's weighted mean of result.messages
         session.serve_joins(lambda: state, progress)                # a joiner may be waiting for us
+                                                                    # (or join_requests() read elsewhere, passed in)
     session.close()                                                 # others see us leave at once
 
 `round` answers exchanged (the group's messages, own first, with their progress), skipped (no partner
@@ -180,9 +181,15 @@ class Session:
                              **({"fragment": fragment} if F > 1 else {})})
     return result
 
-  def serve_joins(self, state_fn, progress: int) -> int:
-    """Offers `state_fn()` to joiners that picked this process as their donor (one store read)."""
-    served = self.donor.serve(state_fn, progress, offer_s=self.options.join_timeout_s)
+  def join_requests(self) -> dict[str, str]:
+    """The requests of joiners that picked this process as their donor, not served yet (one store read, from
+    any thread: the driver reads them on its round's thread and serves them on the loop's)."""
+    return self.donor.requests()
+
+  def serve_joins(self, state_fn, progress: int, requests: dict[str, str] | None = None) -> int:
+    """Offers `state_fn()` to joiners that picked this process as their donor: `requests` (join_requests'),
+    or, None, those a store read finds now."""
+    served = self.donor.serve(state_fn, progress, offer_s=self.options.join_timeout_s, requests=requests)
     for s in self.donor.served[-served:] if served else ():
       self._event({**s, "slot": self.slot, "event": "served_join"})
     return served

@@ -8,7 +8,7 @@ what arrived is formed:
 |---|---|---|---|
 | lock-step (`merge`) | the payload | the routes of the round's grouping: ppermutes on a mesh, a gather on one device; values moved, nothing computed | the group mean of what arrived and the own term (recomputed from the state), then the rule |
 | overlapped (`exchange`) | the payload and, unless it is the own term, the own term | routes and the group mean, in flight while τ inner steps run; the mean waits in the state (base.INFLIGHT) | the rule with the mean from the state, θ mixed with λ |
-| asynchronous (`host`) | as overlapped, plus the codec's new state (its residual); the state stays as it was | the transfer server, at run time (asynchronous/); then the staleness-weighted mean of the group's messages, a local program (`combine`) | the codec's state committed, then the rule with that mean |
+| asynchronous (`host`) | as overlapped, plus the codec's new state (its residual); it only reads the state (neither donated nor returned) | the transfer server, at run time (asynchronous/); then the staleness-weighted mean of the group's messages, a local program (`combine`), on the round's own thread | the codec's state committed, then the rule with that mean |
 
 Every codec (outer/exchange.py) runs in every schedule: the codec is part of the message and the merge,
 never of the exchange. In the lock-step and overlapped schedules the message commits the codec's new
@@ -25,7 +25,9 @@ program per grouping (`make_round_fn`). On one device the grouping is data (a ga
 
 Every program that touches the outer state brings φ and δ from host memory and back with outer.offload
 (`_outer_on_device`), is jitted with the state's home shardings in and out (so donated buffers are reused
-and the next inner step needs no reshard), and donates the state. Where the payload is the own term bit
+and the next inner step needs no reshard), and donates the state it changes (the asynchronous message
+changes nothing in it, so it only reads it: the loop dispatches the next inner step without waiting for it,
+and the device runs that step once the message has read its inputs). Where the payload is the own term bit
 for bit (the plain float32 codec) it is handed on once: XLA gives every output a buffer of its own.
 """
 
@@ -52,8 +54,9 @@ from noloco_jax.parallel.mesh import REPLICA
 
 
 
-def _outer_on_device(fn: Callable, state_shardings) -> Callable:
-  """fn(state, *args) -> (state, *rest) with state.outer on the device while fn runs.
+def _outer_on_device(fn: Callable, state_shardings, returns_state: bool = True) -> Callable:
+  """fn(state, *args) -> (state, *rest) with state.outer on the device while fn runs (`returns_state`
+  False: fn(state, *args) -> rest, a program that only reads the state).
 
   φ and δ may live in pinned host memory between rounds (outer.offload): they are brought to the device
   for the round's arithmetic and the new ones sent back. Without offload both puts are no-ops.
@@ -65,6 +68,8 @@ def _outer_on_device(fn: Callable, state_shardings) -> Callable:
 
   def wrapped(state: TrainState, *args):
     out = fn(state.replace(outer=jax.device_put(state.outer, device)), *args)
+    if not returns_state:
+      return out
     state, rest = out[0], out[1:]
     return (state.replace(outer=jax.device_put(state.outer, home)), *rest)
 
@@ -184,21 +189,28 @@ class RoundPrograms:
   def _build(self, name, s) -> Callable:
     parts, outer_sh = self.parts, self._state_sh
     if name == "message":
-      single, host = len(s["sent"]) == 1, self.where == "host"
+      single = len(s["sent"]) == 1
 
       def message(states):
         new, own, payload, metrics = parts.message(states)
         sent = (payload,) if single else (own, payload)
-        if host:  # the state as it was, and the codec's new state, which the merge commits (class docstring)
-          return states, sent, metrics, parts.codec_state(new)
+        if self.where == "host":  # the codec's new state, which the merge commits (module docstring)
+          return sent, metrics, parts.codec_state(new)
         return new, sent, metrics
+      if self.where == "host":
+        # It only reads the state, so it neither donates nor returns it: the next inner step is dispatched on
+        # the state as it is, and the device runs it once the message has read its inputs (a donation waits
+        # for the reads before it), so the loop never waits for the message (docs/async.md §3).
+        local = self._map(message, (P(REPLICA),), (P(REPLICA),) * 3)
+        return jax.jit(_outer_on_device(local, outer_sh, returns_state=False),
+                       out_shardings=(s["sent_sh"], self._replicas, s["codec_sh"]))
       # The message donates the state and returns it (only the codec's residual changes), so the next inner
       # step takes it without a copy. Every output's layout is given, the state's too: JAX gives a donated
       # buffer to the first output of its shape and layout, so a state left unplaced would lose θ's buffers
       # to a payload of θ's shapes, and XLA would copy every leaf over.
-      local = self._map(message, (P(REPLICA),), (P(REPLICA),) * (4 if host else 3))
+      local = self._map(message, (P(REPLICA),), (P(REPLICA),) * 3)
       return jax.jit(_outer_on_device(local, outer_sh), donate_argnums=0,
-                     out_shardings=(s["state_sh"], s["sent_sh"], self._replicas) + ((s["codec_sh"],) if host else ()))
+                     out_shardings=(s["state_sh"], s["sent_sh"], self._replicas))
     if name == "merge":  # the rule; the merge donates the state it replaces
       mix = self.mix
       if self.where == "merge":  # (state, received): the group mean formed here, the own term recomputed

@@ -15,7 +15,10 @@ compile inside a round would keep the partners waiting (`async/round_compiles` c
 Training while waiting (`outer.overlap.steps` = τ > 0, docs/async.md §3): the round runs on a second host
 thread (base.InFlight, as streaming overlap's) while the inner steps go on; its update is applied after
 the first step by which it is done, at the latest after step tH + τ, with streaming overlap's delayed merge
-(λ = outer.overlap.mix). A round in flight is not part of a checkpoint (a resume goes on as if it had been
+(λ = outer.overlap.mix). The loop's thread only dispatches the message program (it reads the state, neither
+donated nor returned, so the next inner step is dispatched at once) and, at the merge, the merge program:
+finding the group, the exchange, the group's mean (`combine`) and the store read for joiners' requests are the
+round's thread's (`_round`). A round in flight is not part of a checkpoint (a resume goes on as if it had been
 skipped); the run's last step merges it.
 
 Every codec (outer.codec: bfloat16 messages, int8, int4, top-k with error feedback) travels here as in
@@ -48,6 +51,7 @@ collective exists in this schedule, so `settle` has nothing to wait for.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -65,6 +69,17 @@ from noloco_jax.outer import async_rules, wire
 from noloco_jax.outer import programs as programs_lib
 from noloco_jax.outer import streaming
 from noloco_jax.training.rounds.base import InFlight, RoundDriver
+
+@dataclasses.dataclass
+class _Done:
+  """What the round's thread hands the loop's (AsyncRounds._round): the session's answer; if it exchanged, the
+  group's mean (computed), the merged progress and the programs compiled for it; the joiners' requests."""
+  result: session_lib.RoundResult
+  mean: object = None
+  merged: float | None = None
+  compiles: int = 0
+  joins: dict = dataclasses.field(default_factory=dict)
+
 
 COUNTERS = ("exchanged_rounds", "skipped_rounds", "failed_rounds", "wait_s", "exchange_s", "round_compiles")
 _COMPILES = threading.local()  # `counter`: the compiles of this thread while it does round work
@@ -217,30 +232,54 @@ class AsyncRounds(RoundDriver):
         logging.warning("Step %d: %d program(s) compiled inside the round (its partners waited).", step, counter[0])
 
   def _send(self, run, step: int) -> None:
-    # The state's buffers go to the message program (donated): the state it returns is the state now, its
-    # codec's residual as it was; the new one (`codec_state`) commits with the merge, if the exchange completes.
+    # The message program only reads the state (it is not donated, run.state stays as it is): the loop goes on
+    # to the next inner step without waiting for it. The codec's new state (`codec_state`) commits with the
+    # merge, if the exchange completes.
     f = streaming.boundary_fragment(step // self._every, self._F)[0] if self._F > 1 else 0
-    run.state, sent, round_metrics, codec_state = self._by_fragment[f]["message"](run.state)
+    sent, round_metrics, codec_state = self._by_fragment[f]["message"](run.state)
     own, payload = sent[0], sent[-1]  # the plain float32 payload is the own term itself, handed on once
     progress = int(round(self._progress(step)))
-    # Without fragments the round is called as before (Session.round's own default: fragment 0 of 1).
-    round_of = self.session.round if self._F == 1 else (lambda *a: self.session.round(*a, fragment=f))
-    self._inflight.send(step, round_of, payload, progress, step, own=own, codec_state=codec_state,
+    self._inflight.send(step, self._round, own, payload, progress, step, f, codec_state=codec_state,
                         metrics=round_metrics, fragment=f)
     if not self._tau:  # the round at once: the exchange has happened (or not) inside `send`
       self._finish(run, step)
-    # A joiner may be waiting for this process: it is offered a copy (the inner steps donate the state).
-    self.session.serve_joins(lambda: self._compiled["copy"](run.state), progress=int(round(self._progress(step))))
+
+  def _round(self, own, payload, progress: int, step: int, fragment: int) -> "_Done":
+    """The round's work off the loop's thread (with τ > 0, on InFlight's): find the group, exchange, form
+    the group's mean (`_combine`), and read whether a joiner asked for this process's state, so that the
+    loop's part of the round is the merge (and serving a joiner, if one asked)."""
+    # Without fragments the round is called as before (Session.round's own default: fragment 0 of 1).
+    result = (self.session.round(payload, progress, step) if self._F == 1 else
+              self.session.round(payload, progress, step, fragment=fragment))
+    done = _Done(result)
+    if result.exchanged:
+      # Its compiles (none: every program was compiled ahead) are counted apart: this may be another thread.
+      outer, _COMPILES.counter = getattr(_COMPILES, "counter", None), [0]
+      try:
+        mean, done.merged = self._combine(own, result, fragment)
+        # Computed here, on this thread: the merge that reads it then waits for nothing but its own arithmetic.
+        done.mean = jax.block_until_ready(mean)
+      finally:
+        done.compiles, _COMPILES.counter = _COMPILES.counter[0], outer
+    done.joins = self.session.join_requests()  # a store read: the loop serves them (`_finish`)
+    return done
 
   def _finish(self, run, step: int) -> None:
-    """The round sent at InFlight.sent_at, at `step`: its update if it exchanged, its counts and bytes."""
+    """The round sent at InFlight.sent_at, at `step`: its update if it exchanged, its counts and bytes; then
+    any joiner that asked for this process's state is served."""
     sent_at, info = self._inflight.sent_at, self._inflight.info
-    result = self._inflight.result()  # re-raises the round's error on the loop's thread
+    done = self._inflight.result()  # re-raises the round's error on the loop's thread
+    result, mean, merged, compiles = done.result, done.mean, done.merged, done.compiles
     self._inflight.clear()
+    if compiles:
+      self._counts["async/round_compiles"] += compiles
+      logging.warning("Step %d: %d program(s) compiled for the mean of the round sent at step %d.", step, compiles,
+                      sent_at)
     self._merge_at = 0
     traffic = wire.NOTHING
     if result.exchanged:
-      run.state, merged = self._apply(run.state, info["own"], info["codec_state"], result, info["fragment"])
+      # The merge commits the codec's new state (from the message program) with the rule.
+      run.state = self._by_fragment[info["fragment"]]["merge"](run.state, mean, info["codec_state"])
       # The τ inner steps since the message are this replica's own, on top of the group's progress.
       self._record.update(progress=merged + (step - sent_at), progress_step=step)
       traffic = wire.measured(result.bytes_sent, result.bytes_received, len(result.group) - 1)
@@ -250,11 +289,14 @@ class AsyncRounds(RoundDriver):
     counts["async/exchange_s"] += result.exchange_s
     counts["async/progress"] = self._progress(step)
     run.loop.add_round(step, info["metrics"], traffic)
+    if done.joins:  # a joiner is offered a copy (the inner steps donate the state), with its progress now
+      self.session.serve_joins(lambda: self._compiled["copy"](run.state), progress=int(round(self._progress(step))),
+                               requests=done.joins)
 
-  def _apply(self, states, own, codec_state, result, fragment: int = 0):
-    """(new state, merged progress) after an exchange: the weighted mean in the lock-step order, the merge,
-    which commits the codec's new state (`codec_state`, from the message program); with fragment streaming,
-    fragment `fragment`'s programs."""
+  def _combine(self, own, result, fragment: int = 0):
+    """(the group's mean, merged progress) after an exchange: the staleness-weighted mean of the messages in
+    the lock-step order; with fragment streaming, fragment `fragment`'s program. It reads no state: the
+    round's thread forms it (`_round`)."""
     compiled = self._by_fragment[fragment]
     me = self._process.slot
     group = list(result.group)  # sorted by slot, this process included
@@ -269,7 +311,7 @@ class AsyncRounds(RoundDriver):
       mean = compiled[f"combine{len(group)}"](own, others)
     else:
       mean = compiled[f"combine{len(group)}w"](own, others, np.asarray(weights, np.float32))  # no jnp: a compile
-    return compiled["merge"](states, mean, codec_state), async_rules.merged_progress(progress, weights)
+    return mean, async_rules.merged_progress(progress, weights)
 
   def flush(self) -> None:
     for log in self._logs:
