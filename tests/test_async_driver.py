@@ -263,7 +263,7 @@ def test_the_loop_thread_neither_waits_for_the_message_nor_forms_the_mean():
                                   **CODECS["int8"]}))
   local = build_lib.build(job_lib.process_config(cfg))
   run = _ToyRun(local.init_state())
-  driver = AsyncRounds(local, _Process(0))
+  driver = _driver(local, _Process(0))
   driver.restore({})
   driver._record = {"progress": 0.0, "progress_step": 0}  # pylint: disable=protected-access  (what `start` does)
   driver._compile_ahead(run.state)  # pylint: disable=protected-access
