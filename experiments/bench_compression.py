@@ -17,8 +17,8 @@ Three parts, each one JSON object (the last line with --json):
   seed; `loss_vs_float32_same_seeds` their mean) too. vs_float32 is the counted bytes per
   round of the trained model over float32's (checked against the compiled collectives with --hlo);
   each run's comm/bytes_sent_per_replica per round is kept beside it. `no exchange` (outer.kind=none:
-  independent replicas, 0 bytes) is the reference of what exchanging buys. --plot PATH draws eval_loss and
-  the final spread against vs_float32 (Pareto front).
+  independent replicas, 0 bytes) is the reference of what exchanging buys. --plot PATH draws the loss (÷
+  float32's of the same seeds) and the final spread against vs_float32 (Pareto front).
 
       python experiments/bench_compression.py --train --json [--seeds 0,1] [--settings NAME,...] [--out FILE]
 
@@ -297,8 +297,9 @@ def merge(parts: list[dict]) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-  """eval/loss and the final replicas/weight_std against bytes per round / float32 (log), one point per
-  setting (means over seeds), the Pareto front of the loss drawn through the points no cheaper one beats."""
+  """eval/loss (÷ float32's of the same seeds) and the final replicas/weight_std against bytes per round /
+  float32 (log), one point per setting (means over seeds), the Pareto front of the loss drawn through the
+  points no cheaper one beats."""
   from experiments.lib import plots  # pylint: disable=g-import-not-at-top  (matplotlib: the `plots` extra)
   del plots
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -307,10 +308,15 @@ def plot(result: dict, path: str) -> None:
 
   rows = sorted(result["settings"], key=lambda s: s["vs_float32"])
   color = {s["setting"]: f"C{i}" for i, s in enumerate(result["settings"])}  # one colour per setting, every panel
-  fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+  fig, axes = plt.subplots(1, 3, figsize=(18, 6))
   floor = min([s["vs_float32"] for s in rows if s["vs_float32"] > 0] or [1.0]) / 4  # 0 bytes on a log axis
   x = lambda s: max(s["vs_float32"], floor)
-  for ax, key, label in ((axes[0], "eval_loss", "final eval/loss"), (axes[1], "weight_std", "final replicas/weight_std")):
+  # The loss against float32's run of the same seed where every seed has one (settings run at one seed are then
+  # not measured against a two-seed mean), else the loss itself.
+  paired = all(s.get("loss_vs_float32_same_seeds") is not None for s in rows)
+  loss_key, loss_label = (("loss_vs_float32_same_seeds", "final eval/loss ÷ float32's (same seeds)") if paired
+                          else ("eval_loss", "final eval/loss"))
+  for ax, key, label in ((axes[0], loss_key, loss_label), (axes[1], "weight_std", "final replicas/weight_std")):
     for s in rows:
       ax.scatter(x(s), s[key], s=25, color=color[s["setting"]])
       ax.annotate(s["setting"], (x(s), s[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
@@ -334,7 +340,7 @@ def plot(result: dict, path: str) -> None:
   axes[2].set_xlabel("inner step")
   axes[2].set_ylabel("replicas/weight_std (mean over seeds)")
   axes[2].grid(alpha=0.3)
-  axes[2].legend(fontsize=7)
+  axes[2].legend(fontsize=6, ncol=2)
   fig.suptitle(f"NoLoCo message codecs, {result['job']} job, seeds {result['seeds']} (means)", fontsize=10)
   fig.tight_layout()
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
