@@ -13,11 +13,12 @@ Three parts, each one JSON object (the last line with --json):
 - --train: trains each setting of TRAIN on the default job (configs/default.py: 8 replicas, tiny, 500
   steps, H = 50) for every seed of --seeds and prints {"settings": [{"setting", "vs_float32",
   "eval_loss", "loss_vs_float32", "consensus_loss", "weight_std", "seeds": [...]}, ...]}: means over
-  seeds, each seed's values (with its curve of replicas/weight_std) too. vs_float32 is the counted bytes per
+  seeds, each seed's values (with its curve of replicas/weight_std, and its loss over float32's of the same
+  seed; `loss_vs_float32_same_seeds` their mean) too. vs_float32 is the counted bytes per
   round of the trained model over float32's (checked against the compiled collectives with --hlo);
   each run's comm/bytes_sent_per_replica per round is kept beside it. `no exchange` (outer.kind=none:
-  independent replicas, 0 bytes) is the reference of what exchanging buys. --plot PATH draws eval_loss and
-  the final spread against vs_float32 (Pareto front).
+  independent replicas, 0 bytes) is the reference of what exchanging buys. --plot PATH draws the loss (÷
+  float32's of the same seeds) and the final spread against vs_float32 (Pareto front).
 
       python experiments/bench_compression.py --train --json [--seeds 0,1] [--settings NAME,...] [--out FILE]
 
@@ -73,7 +74,19 @@ SETTINGS = {
     "coset 50% 4-bit": dict(COSET, coset_density=0.5, coset_bits=4),  # 6.25 %, as 100% 2-bit
     # Every value every round: each group of 1/density values as one signed sum (a random projection of D).
     "coset sum 1/4 2-bit": dict(COSET, coset_density=0.25, coset_mode="sum"),
+    # Off the fragment (coset_rest): no outer step there (keep: θ as trained, φ ← θ), or the anchor kept (anchor:
+    # the pseudo-gradient grows until the value is next in a fragment) instead of the local outer step.
+    "coset 30% 2-bit keep": dict(COSET, coset_density=0.3, coset_rest="keep"),
+    "coset 30% 2-bit anchor": dict(COSET, coset_density=0.3, coset_rest="anchor"),
+    "coset 15% 2-bit keep": dict(COSET, coset_density=0.15, coset_rest="keep"),
+    "coset 15% 2-bit anchor": dict(COSET, coset_density=0.15, coset_rest="anchor"),
+    # Plain averaging of the fragment's θ and nothing elsewhere: gossip (α = 0, β = γ = 1: c = θ) with keep.
+    "gossip coset 30% 2-bit keep": dict(COSET, coset_density=0.3, coset_rest="keep"),
+    "gossip coset 15% 2-bit keep": dict(COSET, coset_density=0.15, coset_rest="keep"),
+    "gossip coset sum 1/4 2-bit": dict(COSET, coset_density=0.25, coset_mode="sum"),  # every value, projected
 }
+KINDS = {"gossip coset 30% 2-bit keep": "gossip", "gossip coset 15% 2-bit keep": "gossip",  # outer.kind if not noloco
+         "gossip coset sum 1/4 2-bit": "gossip"}
 # Fragment streaming (outer.streaming.*, docs/compression.md): a codec of SETTINGS, its message in F fragments,
 # one every H/F steps; "own": each fragment round with a partner of its own.
 STREAMED = {
@@ -185,7 +198,7 @@ def message_bytes(preset: str, hlo: bool) -> list[dict]:
     base.model.d_model = base.model.num_layers = base.model.num_heads = base.model.mlp_dim = 0
   dense, rows = None, []
   for name in [*SETTINGS, *STREAMED]:
-    config = experiment.method_config(base, "noloco", codec=SETTINGS[STREAMED[name][0] if name in STREAMED else name])
+    config = experiment.method_config(base, KINDS.get(name, "noloco"), codec=SETTINGS[STREAMED[name][0] if name in STREAMED else name])
     if name in STREAMED:  # at the default job's H = 50, which every F of STREAMED divides (bytes do not depend on H)
       config.outer.inner_steps = 50
       config.outer.streaming.update(STREAMED[name][1])
@@ -213,6 +226,7 @@ def train(names, seeds, *, quick: bool, hlo: bool, note, save: str | None = None
       if name == NO_EXCHANGE:
         config.outer.kind = "none"
       else:
+        config.outer.kind = KINDS.get(name, config.outer.kind)
         config.outer.codec.update(SETTINGS[STREAMED[name][0] if name in STREAMED else name])
         if name in STREAMED:
           config.outer.streaming.update(STREAMED[name][1])
@@ -250,15 +264,22 @@ def summarise(result: dict) -> dict:
       entry[key] = float(np.mean(values)) if all(v is not None for v in values) else None
     if entry["setting"] == "float32":
       float32 = entry
+  same_seed = {r["seed"]: r["eval_loss"] for r in float32["seeds"]} if float32 else {}
   for entry in result["settings"]:
     entry["vs_float32"] = entry["bytes_per_round"] / float32["bytes_per_round"] if float32 else None
     entry["loss_vs_float32"] = entry["eval_loss"] / float32["eval_loss"] if float32 else None
+    # Each seed against float32's run of the same seed (the seeds' losses differ by more than most settings).
+    for row in entry["seeds"]:
+      row["loss_vs_float32"] = row["eval_loss"] / same_seed[row["seed"]] if row["seed"] in same_seed else None
+    paired = [row["loss_vs_float32"] for row in entry["seeds"]]
+    entry["loss_vs_float32_same_seeds"] = float(np.mean(paired)) if paired and None not in paired else None
   return result
 
 
 def merge(parts: list[dict]) -> dict:
   """--train results of one job, joined by setting (runs of the same setting over other seeds, or other
-  settings), in the order of SETTINGS; `summarise`d again."""
+  settings), in the order of SETTINGS; `summarise`d again. A setting's seed found in two parts (the same run,
+  e.g. float32 saved beside each part) is taken once, from the first."""
   if len({part["job"] for part in parts}) != 1:
     harness.usage_error("--merge: the results are of different jobs")
   by_name: dict[str, dict] = {}
@@ -266,7 +287,8 @@ def merge(parts: list[dict]) -> dict:
     for s in part["settings"]:
       entry = by_name.setdefault(s["setting"], {k: v for k, v in s.items() if k not in (
           "eval_loss", "consensus_loss", "weight_std", "vs_float32", "loss_vs_float32", "seeds")} | {"seeds": []})
-      entry["seeds"] += s["seeds"]
+      have = {row["seed"] for row in entry["seeds"]}  # a run saved in two files (float32 beside each part) once
+      entry["seeds"] += [row for row in s["seeds"] if row["seed"] not in have]
   order = [*SETTINGS, *STREAMED, NO_EXCHANGE]
   settings = sorted(by_name.values(), key=lambda s: order.index(s["setting"]) if s["setting"] in order else len(order))
   seeds = sorted({row["seed"] for s in settings for row in s["seeds"]})
@@ -275,8 +297,9 @@ def merge(parts: list[dict]) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-  """eval/loss and the final replicas/weight_std against bytes per round / float32 (log), one point per
-  setting (means over seeds), the Pareto front of the loss drawn through the points no cheaper one beats."""
+  """eval/loss (÷ float32's of the same seeds) and the final replicas/weight_std against bytes per round /
+  float32 (log), one point per setting (means over seeds), the Pareto front of the loss drawn through the
+  points no cheaper one beats."""
   from experiments.lib import plots  # pylint: disable=g-import-not-at-top  (matplotlib: the `plots` extra)
   del plots
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -285,10 +308,15 @@ def plot(result: dict, path: str) -> None:
 
   rows = sorted(result["settings"], key=lambda s: s["vs_float32"])
   color = {s["setting"]: f"C{i}" for i, s in enumerate(result["settings"])}  # one colour per setting, every panel
-  fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+  fig, axes = plt.subplots(1, 3, figsize=(18, 6))
   floor = min([s["vs_float32"] for s in rows if s["vs_float32"] > 0] or [1.0]) / 4  # 0 bytes on a log axis
   x = lambda s: max(s["vs_float32"], floor)
-  for ax, key, label in ((axes[0], "eval_loss", "final eval/loss"), (axes[1], "weight_std", "final replicas/weight_std")):
+  # The loss against float32's run of the same seed where every seed has one (settings run at one seed are then
+  # not measured against a two-seed mean), else the loss itself.
+  paired = all(s.get("loss_vs_float32_same_seeds") is not None for s in rows)
+  loss_key, loss_label = (("loss_vs_float32_same_seeds", "final eval/loss ÷ float32's (same seeds)") if paired
+                          else ("eval_loss", "final eval/loss"))
+  for ax, key, label in ((axes[0], loss_key, loss_label), (axes[1], "weight_std", "final replicas/weight_std")):
     for s in rows:
       ax.scatter(x(s), s[key], s=25, color=color[s["setting"]])
       ax.annotate(s["setting"], (x(s), s[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
@@ -312,7 +340,7 @@ def plot(result: dict, path: str) -> None:
   axes[2].set_xlabel("inner step")
   axes[2].set_ylabel("replicas/weight_std (mean over seeds)")
   axes[2].grid(alpha=0.3)
-  axes[2].legend(fontsize=7)
+  axes[2].legend(fontsize=6, ncol=2)
   fig.suptitle(f"NoLoCo message codecs, {result['job']} job, seeds {result['seeds']} (means)", fontsize=10)
   fig.tight_layout()
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -394,6 +394,41 @@ def test_off_the_fragment_a_round_is_a_local_outer_step():
   assert 0.75 < same.mean() < 1.0  # 2 of 19 blocks of 64 were sent (the rest: exactly the local step)
 
 
+@pytest.mark.parametrize("rest,order", [("keep", "cyclic"), ("anchor", "cyclic"), ("anchor", "random")])
+def test_off_the_fragment_rule_matches_numpy(rest, order):
+  """coset_rest: on the round's fragment the round's rule (np_coset_round), off it `keep` leaves θ as trained
+  and sets φ ← θ, `anchor` leaves θ and φ as they were; δ stays as it was off the fragment in both."""
+  theta, phi, delta = _replicas(7)
+  cfg = _outer_cfg(outer_momentum=0.5, outer_lr=0.7, consensus_weight=0.9, inner_steps=5, compression="coset",
+                   coset_bits=2, coset_density=0.3, coset_block=64, coset_order=order, coset_rest=rest)
+  method, codec = _make(cfg, seed=3)
+  h = [np.full(N, 1e-4, np.float32) for _ in theta]
+  outer = {"slow": phi, "momentum": delta, "codec": {"h": h, "eps": [np.zeros(N, np.float32) for _ in theta]}}
+  groups = pairing.groups_from_permutation(np.random.default_rng(2).permutation(N), 2)
+  step = 25  # round 5
+  got = _round(method, (groups,), 0, theta, outer, step)
+  eps = got.outer["codec"]["eps"]
+  want = np_coset_round(codec, theta, phi, delta, h, eps, None, groups, step, alpha=0.5, beta=0.7, gamma=0.9)
+  for leaf, k in enumerate(sorted(theta)):
+    n = theta[k][0].size
+    num, width = coset.block_shape(n, 64)
+    idx = np_fragment(codec, leaf, step // 5, num, coset.fragment_count(num, 0.3))
+    on = np.zeros((num, width), bool)
+    on[idx] = True
+    on = on.ravel()[:n].reshape(theta[k][0].shape)
+    assert 0 < on.mean() < 1 or k == "b"  # b: 5 values, one block (always sent); w: 19 blocks, 6 sent
+    want_theta = np.where(on, want["theta"][k], theta[k])
+    want_phi = np.where(on, want["theta"][k], theta[k] if rest == "keep" else phi[k])
+    want_delta = np.where(on, want["delta"][k], delta[k])
+    np.testing.assert_allclose(got.params[k], want_theta, atol=2e-6)
+    np.testing.assert_allclose(got.outer["slow"][k], want_phi, atol=2e-6)
+    np.testing.assert_allclose(got.outer["momentum"][k], want_delta, atol=2e-6)
+    # Off the fragment the values are the old ones, bit for bit.
+    np.testing.assert_array_equal(got.params[k][:, ~on], theta[k][:, ~on])
+    np.testing.assert_array_equal(got.outer["slow"][k][:, ~on], (theta if rest == "keep" else phi)[k][:, ~on])
+    np.testing.assert_array_equal(got.outer["momentum"][k][:, ~on], delta[k][:, ~on])
+
+
 @pytest.mark.parametrize("num_devices", [1])
 def test_coset_mesh_and_simulator_agree_bitwise(num_devices):
   theta, phi, delta = _replicas(5)
@@ -453,6 +488,11 @@ def test_coset_bytes_match_the_compiled_collectives(mode, order, bits, density):
     ({"outer.codec.compression": "coset", "outer.codec.coset_mode": "sum", "outer.codec.coset_density": 0.3}, "outer.codec.coset_density"),
     ({"outer.codec.compression": "coset", "outer.codec.coset_mode": "global", "outer.codec.coset_bits": 32}, "outer.codec.coset_bits"),
     ({"outer.codec.compression": "coset", "outer.codec.coset_mode": "tree"}, "outer.codec.coset_mode"),
+    ({"outer.codec.compression": "coset", "outer.codec.coset_rest": "none"}, "outer.codec.coset_rest"),
+    ({"outer.codec.compression": "coset", "outer.codec.coset_rest": "keep", "outer.codec.coset_mode": "sum",
+      "outer.codec.coset_density": 0.5}, "outer.codec.coset_rest"),
+    ({"outer.codec.compression": "coset", "outer.codec.coset_rest": "anchor", "outer.codec.coset_order": "fisher"},
+     "outer.codec.coset_rest"),
 ])
 def test_bad_coset_settings_name_the_field(overrides, field):
   assert_one_line_config_error(overrides, field)
@@ -520,7 +560,8 @@ def test_coded_spread_matches_the_second_moment_recursion(coverage_blocks, kappa
 def test_bench_compression_trains_each_setting_and_reports_loss_and_bytes_against_float32(tmp_path):
   """--train --quick: float32 and the coset codec at 30 % on the smoke job. vs_float32 is the counted
   bytes over float32's, and every run sent exactly the counted bytes per round (its comm metric); the
-  means are over the seeds; --merge of the same result twice doubles the seeds and keeps the means."""
+  means are over the seeds; --merge joins another seed's runs (the means kept here: the same values) and takes
+  a run found in two parts (the same setting and seed) once."""
   from experiments import bench_compression as bench
   result = bench.main(["--train", "--quick"])
   by_name = {s["setting"]: s for s in result["settings"]}
@@ -534,8 +575,12 @@ def test_bench_compression_trains_each_setting_and_reports_loss_and_bytes_agains
     (row,) = s["seeds"]
     assert row["bytes_sent_per_round"] == s["bytes_per_round"] and row["error"] is None
     assert s["eval_loss"] == row["eval_loss"] and np.isfinite(row["eval_loss"])
-  path = tmp_path / "one.json"
-  path.write_text(__import__("json").dumps(result))
-  merged = bench.main([f"--merge={path},{path}"])
+  json = __import__("json")
+  path, other = tmp_path / "one.json", tmp_path / "other.json"
+  path.write_text(json.dumps(result))
+  other.write_text(json.dumps({**result, "settings": [{**s, "seeds": [{**s["seeds"][0], "seed": 7}]}
+                                                      for s in result["settings"]]}))
+  merged = bench.main([f"--merge={path},{other},{path}"])
   for a, b in zip(merged["settings"], result["settings"]):
-    assert len(a["seeds"]) == 2 and a["eval_loss"] == pytest.approx(b["eval_loss"]) and a["vs_float32"] == b["vs_float32"]
+    assert [r["seed"] for r in a["seeds"]] == [0, 7]
+    assert a["eval_loss"] == pytest.approx(b["eval_loss"]) and a["vs_float32"] == b["vs_float32"]

@@ -48,6 +48,7 @@ COSET_BITS = (2, 3, 4, 5, 6, 7, 8, 16, 32)  # coset codes of 2..8 bits; 16 / 32:
 COSET_ORDERS = ("cyclic", "random", "fixed", "fisher", "mixed", "damage")  # how a coset fragment is chosen (outer/coset.py)
 COSET_MODES = ("fragment", "sum", "global")  # which values a coset message codes (outer/coset.py)
 COSET_SCALES = ("leaf", "block")
+COSET_RESTS = ("step", "keep", "anchor")  # the rule off a coset fragment (outer/coset.py: off_fragment)
 # Fragment streaming (noloco_jax/outer/streaming.py): how the message is cut, and whose partner a fragment has.
 STREAM_SPLITS = ("slices", "layers")
 STREAM_PARTNERS = ("shared", "own")  # one lattice step per leaf, or per block of a fragment
@@ -141,6 +142,10 @@ class CodecConfig(Section):
   # largest expected damage (the sender's Adam second moment × its spread estimate)
   coset_mode: str = "fragment"
   coset_scale: str = "leaf"  # leaf: one lattice step per leaf | block: one per block (coset_mode='fragment')
+  # Off the fragment: step (the round's rule with the partner's value taken as the receiver's own: a local
+  # outer step) | keep (no outer step: θ as trained, φ ← θ, δ kept) | anchor (θ, φ, δ kept: the pseudo-gradient
+  # grows until the value is next in a fragment). keep / anchor: coset_mode='fragment', a shared coset_order.
+  coset_rest: str = "step"
   # The key of the pair's shared randomness (which blocks, the dither), the same on every replica. The
   # run's config.seed does not change it: a sweep over seeds sets it too (experiments/bench_compression.py).
   coset_seed: int = 0
@@ -175,6 +180,12 @@ class CodecConfig(Section):
            "coset_mode='sum'")
     if self.coset_mode == "global" and self.coset_bits > 8:
       fail("outer.codec.coset_bits", self.coset_bits, "2..8 with coset_mode='global' (it sends coset codes only)")
+    one_of("outer.codec.coset_rest", self.coset_rest, COSET_RESTS)
+    shared = self.coset_mode == "fragment" and self.coset_order in ("cyclic", "random", "fixed")
+    if self.coset_rest != "step" and not shared:
+      fail("outer.codec.coset_rest", self.coset_rest, f"'step' with coset_mode={self.coset_mode!r}, "
+           f"coset_order={self.coset_order!r} (keep / anchor need coset_mode='fragment' and a shared coset_order: "
+           "cyclic, random or fixed)")
     if not self.coset_kappa >= 0:
       fail("outer.codec.coset_kappa", self.coset_kappa, "a number ≥ 0 (0 = the default for coset_bits)")
 

@@ -137,7 +137,7 @@ def make_codec(codec_cfg, *, inner_steps: int = 1, beta: float = 1.0):
     c = codec_cfg
     return coset.CosetCodec(density=c.coset_density, bits=c.coset_bits, block=c.coset_block, order=c.coset_order,
                             kappa=c.coset_kappa, inner_steps=inner_steps, seed=c.coset_seed, mode=c.coset_mode,
-                            scale=c.coset_scale, beta=beta)
+                            scale=c.coset_scale, rest=c.coset_rest, beta=beta)
   if codec_cfg.compression == "none":
     return exchange.PlainCodec(MESSAGE_DTYPES[codec_cfg.message_dtype])
   return exchange.CompressedCodec(kind=codec_cfg.compression, chunk=codec_cfg.chunk, density=codec_cfg.topk_density,
@@ -211,6 +211,13 @@ def group_rule(kind: str, *, beta: float, gamma: float, update: Callable, codec,
     phi = jax.tree.map(lambda p, n: n[0].astype(p.dtype), outer["slow"], new)
     delta = jax.tree.map(lambda d, n: n[1].astype(d.dtype), outer["momentum"], new)
     theta = phi
+    if side_info and codec.rest != "step":  # off the round's fragment, the codec's own rule (coset.off_fragment)
+      on = jax.vmap(codec.coverage)(outer["slow"], states.step)
+      kept = jax.tree.map(lambda o, t, p, d, n: coset.off_fragment(codec.rest, o, f32(t), f32(p), f32(d), n[0], n[1]),
+                          on, states.params, outer["slow"], outer["momentum"], new)
+      theta = jax.tree.map(lambda t, k: k[0].astype(t.dtype), states.params, kept)
+      phi = jax.tree.map(lambda p, k: k[1].astype(p.dtype), outer["slow"], kept)
+      delta = jax.tree.map(lambda d, k: k[2].astype(d.dtype), outer["momentum"], kept)
     if mix is not None:
       theta = jax.tree.map(lambda t, p: (mix * t.astype(jnp.float32) + (1.0 - mix) * p.astype(jnp.float32)).astype(t.dtype),
                            states.params, phi)

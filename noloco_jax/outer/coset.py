@@ -20,7 +20,8 @@ own progress β·(θ − φ)). Neither side knows D, and partners are new every 
    No state about the partner is needed, and nothing is fed back: what is not sent stays in the sender's
    own weights and reaches the others through later rounds.
 2. **A fragment: which values are coded** (`mode`). Elsewhere the receiver takes the partner's value to be
-   its own (its best guess), and the round is a local outer step there, δ ← α·δ + β·(θ − φ).
+   its own (its best guess), and the round is a local outer step there, δ ← α·δ + β·(θ − φ) (`rest='step'`),
+   unless `rest` says otherwise (3.).
    - `fragment`: each leaf is cut into blocks of `block` values and m = ceil(density · blocks) of them are
      sent (`order`): `cyclic` walks a per-run random permutation of the blocks, m at a time (every block
      once per ceil(blocks / m) rounds), `random` draws a new m-subset per round, `fixed` sends the same
@@ -33,6 +34,14 @@ own progress β·(θ − φ)). Neither side knows D, and partners are new every 
      round's random direction s).
    - `global`: one fragment of the whole message's blocks, the sender's blocks of largest ν × its leaf's
      spread estimate, across leaves (indices and one exponent per block travel).
+
+3. **Off the fragment** (`rest`, mode `fragment` with a shared order): `step` (the default) is the round's
+   rule with the partner's value taken to be the receiver's own, i.e. the local outer step above. `keep`
+   takes no outer step there, as if the replica had no partner: θ stays as trained, the anchor φ ← θ, δ
+   stays as it was (what independent replicas do on those values). `anchor` leaves θ, φ and δ as they
+   were: the value trains on from θ and its pseudo-gradient θ − φ keeps growing until the value is next in
+   a fragment, whose round then applies all of it (Streaming DiLoCo's schedule per block, with period
+   ⌈1/density⌉·H under `cyclic`; no residual: the anchor is the feedback). `off_fragment` is the rule.
 
 The lattice step is set by the sender per leaf: ε = 2^e, e = round(log2(κ·s)), from s² = max(h, 2·ms(β·(θ − φ)))
 (× g for a sum of g values): h is its running estimate of ms(D) (from what it decoded from its previous
@@ -147,6 +156,18 @@ def signs(key, leaf: int, round_, shape):
 
 
 MODES = ("fragment", "sum", "global")
+RESTS = ("step", "keep", "anchor")  # the rule off the fragment (module doc, 3.)
+SHARED_ORDERS = ("cyclic", "random", "fixed")  # orders both sides draw from the key (the fragment known from the round)
+
+
+def off_fragment(rest: str, on, theta, phi, delta, new_phi, new_delta):
+  """One leaf's (θ, φ, δ) after a round, given the round's rule everywhere (new_φ, new_δ; θ ← new_φ) and
+  `on` (1.0 on the fragment's values, 0.0 elsewhere): `step` the rule everywhere; off the fragment `keep`
+  (θ, θ, δ) and `anchor` (θ, φ, δ), all as they were before the round. float32 in, float32 out."""
+  if rest == "step":
+    return new_phi, new_phi, new_delta
+  pick = lambda a, b: jnp.where(on > 0, a, b)
+  return (pick(new_phi, theta), pick(new_phi, theta if rest == "keep" else phi), pick(new_delta, delta))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +197,7 @@ class CosetCodec:
   beta: float = 0.7
   mode: str = "fragment"
   scale: str = "leaf"  # leaf: one ε per leaf | block: one ε per block, from a running estimate per block
+  rest: str = "step"  # the rule off the fragment: step | keep | anchor (module doc, 3.; off_fragment)
   feedback = False  # no error-feedback residual: what is not sent stays in the replica's own weights
   side_info = True
 
@@ -276,6 +298,18 @@ class CosetCodec:
     """ms of the coded values' difference when the replicas differ by this round's progress only:
     2·ms(β·(θ − φ)) per value; a signed sum of g independent values has g times that."""
     return 2.0 * jnp.mean(jnp.square(fresh)) * (self.group if self.mode == "sum" else 1)
+
+  def coverage(self, like, step):
+    """1.0 on the values of the round at `step` sends (its fragment), 0.0 elsewhere: a float32 tree like
+    `like` (mode `fragment`, a shared order: the blocks are known from the round alone)."""
+    round_ = (step // self.inner_steps).astype(jnp.int32)
+    out = []
+    leaves, treedef = jax.tree.flatten(like)
+    for leaf, x in enumerate(leaves):
+      num, width, m = self._layout(x.size)
+      idx = fragment_index(self.key, leaf, round_, num, m, self.order)
+      out.append(compression.from_chunks(jnp.zeros((num, width), jnp.float32).at[idx].set(1.0), x.shape))
+    return treedef.unflatten(out)
 
   # ---- the codec ----
 
