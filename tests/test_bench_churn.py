@@ -83,6 +83,10 @@ def test_the_last_evaluations_outside_the_peers_spread_count_as_corrupt(tmp_path
   assert churn.audit_states(job)[0] == 0
   job["rows"] = [[{"step": 0, "eval/loss": float("nan")}]]
   assert churn.audit_states(job)[0] == 1
+  # A job killed before its first evaluation and checkpoint every time (DDP at mtbf 30 s): no model survived
+  # to be corrupt, so nothing to count.
+  job["rows"] = [[{"step": 0, "model/num_params": 26784.0}]]
+  assert churn.audit_states(job)[0] == 0
 
 
 def test_the_healthy_pace_is_measured_before_the_first_failure():

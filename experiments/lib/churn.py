@@ -48,7 +48,7 @@ Accounting (`account`):
   [min − d, max + d] of the others' last evaluations, d = the larger of their range and 1 nat: processes
   at different progress differ by up to about 1 nat early in a run (seen: 3.90 against 2.92 at step 20
   on the smoke model), so only a gross fault is caught; a last evaluation of step 0 itself, a job that
-  never saved a later step, is only checked finite). A last
+  never saved a later step, is only checked finite; one that never evaluated nor saved at all, not at all). A last
   evaluation is the last one at or before that process's (job's) last checkpoint: the model that survived.
 """
 
@@ -446,15 +446,18 @@ def audit_states(run_: dict) -> tuple[int, list[float]]:
         read_lib.read(d, step)
       except Exception:  # pylint: disable=broad-except  (any failure to read it back is a corrupt checkpoint)
         bad += 1
-  last, at_start = [], []
+  last, at_start, nothing = [], [], []
   for d, rows in zip(run_["dirs"], run_["rows"]):
     top = failures.last_checkpoint(d)
     evals = [r for r in rows if "eval/loss" in r and (top is None or r["step"] <= top)]
     last.append(evals[-1]["eval/loss"] if evals else math.nan)
     at_start.append(bool(evals) and evals[-1]["step"] == 0)
+    nothing.append(not evals and top is None)  # killed before any evaluation and checkpoint: no model survived
   initial = [r["eval/loss"] for rows in run_["rows"] for r in rows if "eval/loss" in r and r["step"] == 0]
   for i, value in enumerate(last):
     others = [v for j, v in enumerate(last) if j != i and math.isfinite(v)]
+    if nothing[i]:  # nothing to be corrupt (goodput's loss, not a fault)
+      continue
     if at_start[i]:  # no trained model survived (a job that never saved past step 0): goodput's loss, not a fault
       bad += not math.isfinite(value)
     elif not math.isfinite(value) or (initial and value >= min(initial)):
