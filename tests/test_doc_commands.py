@@ -181,7 +181,7 @@ def _harness_declaration(path: str, tree: ast.AST) -> None:
     config = isinstance(kw.get("config"), ast.Constant) and kw["config"].value is True
     groups = [e.value for e in getattr(kw.get("groups"), "elts", []) if isinstance(e, ast.Constant)]
     _OVERRIDE_GROUPS[path] = (("config",) if config else ()) + tuple(groups)
-    if config:
+    if config or "config" in groups:  # a `config` group's overrides are checked against the schema's defaults too
       from experiments.lib import harness  # pylint: disable=g-import-not-at-top
       _CONFIG_DEFAULT[path] = harness.DEFAULT_CONFIG
 
