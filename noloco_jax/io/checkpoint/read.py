@@ -9,8 +9,8 @@ and fsdp shards are logical [N, ...] arrays on disk, checkpoint/manager.py). The
 checkpoint's meta item recorded when it was saved (WORKDIR/config.json may have been rewritten by a
 later resume), validated by the schema like any config.
 
-Everything read is verified exactly as a resume verifies it (io/checkpoint/manager.py `_read`, with the
-same functions of checksum.py): the meta record and every process's data file against their digests,
+Everything read is verified exactly as a resume verifies it (restoring.Restorer._read, with the same
+data_item.restore_items and checksum.py): the meta record and every process's data file against their digests,
 and the whole state (every leaf, the optimizer's included, read for this) against the checksums stored
 at save time. A step that fails is set aside, never used: without `--step` the newest valid step is
 read instead and the skipped ones are named (`Snapshot.skipped`, which the tools print as a warning);
