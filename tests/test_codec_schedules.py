@@ -29,7 +29,7 @@ from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.outer import streaming
 from noloco_jax.training.rounds import LockstepRounds, OverlappedRounds, StreamingRounds
 from noloco_jax.training.rounds.asynchronous import AsyncRounds
-from test_overlap import _ToyRun, np_overlapped_run, np_sent  # pylint: disable=g-bad-import-order
+from test_overlap import _ToyRun, drive, np_overlapped_run, np_sent  # pylint: disable=g-bad-import-order
 
 N = 2  # the asynchronous schedule pairs two processes: every round's group is (0, 1) in every schedule
 SHAPES = {"w": (6, 5), "b": (3,)}
@@ -102,8 +102,6 @@ def _lockstep_run(config, theta0, targets, tau):
   method = outer_lib.make(config.outer)
   mesh = mesh_lib.make_mesh(N, N)
   schedule = pairing.PairingSchedule(seed=0, num_replicas=N, group_size=2, mode="fresh")
-  state = TrainState(step=np.zeros(N, np.int32), params=theta0, opt_state=(), outer=method.init(theta0))
-  run = _ToyRun(jax.device_put(state, mesh_lib.replica_sharding(mesh)))
   if fragments := _fragments(config):
     driver = StreamingRounds(method, fragments, mesh, streaming.Pairing(schedule, fragments=len(fragments),
                                                                         partners="own"), None, inner_steps=H,
@@ -113,11 +111,7 @@ def _lockstep_run(config, theta0, targets, tau):
                               traffic=wire.NOTHING, threaded=False)
   else:
     driver = LockstepRounds(programs_lib.RoundPrograms(method, mesh, schedule), H, wire.NOTHING, last_step=STEPS)
-  driver.start(run)
-  try:
-    _loop(driver, run, jax.device_put(targets, mesh_lib.replica_sharding(mesh)), STEPS)
-  finally:
-    driver.close(failed=False)
+  run = drive(driver, method, mesh, theta0, targets, steps=STEPS, lr=LR)
   return jax.tree.map(np.asarray, run.state), run.loop
 
 

@@ -12,7 +12,7 @@ import pytest
 from configs import default
 from noloco_jax.inner.state import TrainState
 from noloco_jax.config.outer import OuterConfig
-from noloco_jax.outer import base, coset, exchange, methods, pairing
+from noloco_jax.outer import base, compression, coset, exchange, methods, pairing
 from noloco_jax.outer import programs as programs_lib
 from noloco_jax.parallel import mesh as mesh_lib
 from noloco_jax.tools import hlo as hlo_lib
@@ -223,7 +223,7 @@ def np_received(codec, c_partner, c_own, eps_partner, round_, nu_partner, s2_par
       out.append(moved.ravel()[:co.size].reshape(co.shape))
       continue
     n = co.size
-    num, width = coset.block_shape(n, codec.block)
+    num, width = compression.chunk_shape(n, codec.block)
     m = coset.fragment_count(num, codec.density)
     idx = np_fragment(codec, leaf, round_, num, m, None if nu_partner is None else nu_partner[leaf], width)
     cut = lambda x: np.concatenate([x.ravel(), np.zeros(num * width - n, np.float32)]).reshape(num, width)
@@ -241,7 +241,7 @@ def np_coded_ms(codec, sum_sq, moved_blocks, n):
   if codec.mode == "sum":
     g = codec.group
     return sum_sq * g * g / (-(-n // g) * g)
-  num, width = coset.block_shape(n, codec.block)
+  num, width = compression.chunk_shape(n, codec.block)
   return sum_sq / min(coset.fragment_count(num, codec.density) * width, n)
 
 
@@ -334,7 +334,7 @@ def test_coset_round_with_a_step_per_block_matches_numpy(bits, kappa):
   method, codec = _make(cfg, seed=5)
   keys = sorted(theta)
   rng = np.random.default_rng(bits)
-  nums = [coset.block_shape(theta[k][0].size, 64)[0] for k in keys]
+  nums = [compression.chunk_shape(theta[k][0].size, 64)[0] for k in keys]
   # Some blocks with an estimate (from earlier rounds), some without (h = 0: the fallback sets their step).
   hb = [(rng.uniform(0, 4e-4, (N, n)) * (rng.uniform(size=(N, n)) < 0.5)).astype(np.float32) for n in nums]
   zeros = lambda: [np.zeros(N, np.float32) for _ in keys]
@@ -348,7 +348,7 @@ def test_coset_round_with_a_step_per_block_matches_numpy(bits, kappa):
   fresh = [0.7 * (theta[k].astype(np.float64) - phi[k]) for k in keys]
   for leaf, k in enumerate(keys):
     n = theta[k][0].size
-    num, width = coset.block_shape(n, 64)
+    num, width = compression.chunk_shape(n, 64)
     m = coset.fragment_count(num, 0.3)
     idx = np.asarray(coset.fragment_index(codec.key, leaf, round_, num, m, "cyclic"))
     cut = lambda x: np.concatenate([x.ravel(), np.zeros(num * width - n, x.dtype)]).reshape(num, width)
@@ -411,7 +411,7 @@ def test_off_the_fragment_rule_matches_numpy(rest, order):
   want = np_coset_round(codec, theta, phi, delta, h, eps, None, groups, step, alpha=0.5, beta=0.7, gamma=0.9)
   for leaf, k in enumerate(sorted(theta)):
     n = theta[k][0].size
-    num, width = coset.block_shape(n, 64)
+    num, width = compression.chunk_shape(n, 64)
     idx = np_fragment(codec, leaf, step // 5, num, coset.fragment_count(num, 0.3))
     on = np.zeros((num, width), bool)
     on[idx] = True
@@ -506,12 +506,13 @@ def test_coded_spread_matches_the_second_moment_recursion(coverage_blocks, kappa
   """192 independent runs of 8 replicas × 64 values (8 blocks of 8), 10 rounds: fresh pairs, a random
   fragment of `coverage_blocks` blocks per round (coset.fragment_index), the partner's message decoded by
   coset_encode / coset_decode at ε = κ·rms(D) (b = 8: no wraps; κ = 0: exact values), methods/noloco.update.
-  The sample second moments match stability.coded_second_moments within 4 standard errors."""
-  from noloco_jax.outer import stability
+  The sample second moments match the exact coded recursion (test_stability.coded_second_moments) within 4
+  standard errors."""
   from noloco_jax.outer.methods import noloco
+  from tests.test_stability import coded_second_moments
   alpha, beta, gamma, sigma2, rounds, trials, blocks, width = 0.5, 0.7, 0.7, 1.0, 10, 192, 8, 8
   p = coverage_blocks / blocks
-  exact = stability.coded_second_moments(rounds, np.zeros((2, 2)), alpha=alpha, beta=beta, gamma=gamma, num_replicas=N,
+  exact = coded_second_moments(rounds, np.zeros((2, 2)), alpha=alpha, beta=beta, gamma=gamma, num_replicas=N,
                                          coverage=p, relative_noise=kappa ** 2 / 12, noise_var=sigma2)
   rng = np.random.default_rng(0)
   phi = np.zeros((trials, N, blocks * width), np.float32)

@@ -268,7 +268,7 @@ def test_outer_rounds_compile_once_per_pairing_program(mode, num_devices):
   state = setup.init_state()
   routes = []
   for round_ in range(6):
-    round_fn, route = setup.outer_round(round_)
+    round_fn, route = setup.rounds(round_)
     state, _ = round_fn(state, route)
     routes.append(np.asarray(route).tobytes())
   programs = setup.rounds  # NoLoCo runs in parts: message and merge, one program each
@@ -281,7 +281,7 @@ def test_outer_rounds_compile_once_per_pairing_program(mode, num_devices):
 
 
 def test_compiled_ahead_rounds_equal_jitted_rounds():
-  """The run's programs (AOT, compiled in the background) are Setup.outer_round's: bitwise equal states."""
+  """The run's programs (AOT, compiled in the background) are Setup.rounds': bitwise equal states."""
   cfg = default.get_config("smoke")
   setup = build_lib.build(cfg, vocab_size=257)
   a = setup.init_state()
@@ -292,7 +292,7 @@ def test_compiled_ahead_rounds_equal_jitted_rounds():
     for round_ in range(3):
       compiled, route = programs.program(round_)
       a, _ = programs_lib.lockstep_round(compiled)(a, route)
-      jitted, route_b = setup.outer_round(round_)
+      jitted, route_b = setup.rounds(round_)
       b, _ = jitted(b, route_b)
       assert np.array_equal(route, route_b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):

@@ -112,17 +112,16 @@ class _ToyRun:
     self.state, self.loop = state, LoopState()
 
 
-def _toy_run(method, schedule, num_devices, theta0, targets, *, steps, H, tau, lr, mix):
-  """The loop's calls (training/loop.py) to the overlapped round driver around a jitted toy inner step."""
-  mesh = mesh_lib.make_mesh(N, num_devices)
+def drive(driver, method, mesh, theta0, targets, *, steps, lr):
+  """The loop's calls (training/loop.py) to a round driver around a jitted toy inner step (θ ← θ − lr·(θ − target)),
+  from θ0 on the replica layout of `mesh`: the run, after `steps` steps. Shared by the drivers' tests."""
   sharding = mesh_lib.replica_sharding(mesh)
-  state = TrainState(step=np.zeros(N, np.int32), params=theta0, opt_state=(), outer=method.init(theta0))
+  n = jax.tree.leaves(theta0)[0].shape[0]
+  state = TrainState(step=np.zeros(n, np.int32), params=theta0, opt_state=(), outer=method.init(theta0))
   run = _ToyRun(jax.device_put(state, sharding))
   targets = jax.device_put(targets, sharding)
   inner = jax.jit(lambda s, a: s.replace(params=jax.tree.map(lambda t, x: t - lr * (t - x), s.params, a)),
                   donate_argnums=0)
-  driver = OverlappedRounds(method, mesh, schedule, None, inner_steps=H, tau=tau, mix=mix, last_step=steps,
-                            traffic=wire.NOTHING, threaded=False)
   driver.start(run)
   try:
     for step in range(1, steps + 1):
@@ -131,6 +130,15 @@ def _toy_run(method, schedule, num_devices, theta0, targets, *, steps, H, tau, l
       driver.after_step(run, step, {})
   finally:
     driver.close(failed=False)
+  return run
+
+
+def _toy_run(method, schedule, num_devices, theta0, targets, *, steps, H, tau, lr, mix):
+  """The overlapped round driver's run (`drive`)."""
+  mesh = mesh_lib.make_mesh(N, num_devices)
+  driver = OverlappedRounds(method, mesh, schedule, None, inner_steps=H, tau=tau, mix=mix, last_step=steps,
+                            traffic=wire.NOTHING, threaded=False)
+  run = drive(driver, method, mesh, theta0, targets, steps=steps, lr=lr)
   assert not driver.sent_at and driver.save() == {} and run.loop.round == steps // H
   return jax.tree.map(np.asarray, run.state)
 

@@ -29,7 +29,7 @@ from noloco_jax.training import build as build_lib
 from noloco_jax.training import loop as train
 from noloco_jax.training.rounds import StreamingRounds
 from test_compression import assert_one_line_config_error
-from test_overlap import _ToyRun, np_sent  # pylint: disable=g-bad-import-order
+from test_overlap import drive, np_sent  # pylint: disable=g-bad-import-order
 
 N = 8
 SHAPES = {"w": (6, 5), "b": (3,)}  # 33 values: tree order b, w
@@ -116,30 +116,17 @@ def np_streamed_run(theta0, targets, schedule, *, F, steps, H, tau, lr, mix, cod
 
 
 def _toy_run(outer, num_devices, theta0, targets, *, steps, lr):
-  """The loop's calls to the streaming round driver around a jitted toy inner step."""
+  """The streaming round driver's run (test_overlap.drive)."""
   o = OuterConfig.parse(outer)
   method = outer_lib.make(outer)
   mesh = mesh_lib.make_mesh(N, num_devices)
   base = pairing.PairingSchedule(seed=4, num_replicas=N, group_size=2, mode="fresh")
   s = o.streaming
   fragments = streaming.cut(jax.tree.map(lambda x: x[0], theta0), None, fragments=s.fragments, split=s.split)
-  sharding = mesh_lib.replica_sharding(mesh)
-  state = TrainState(step=np.zeros(N, np.int32), params=theta0, opt_state=(), outer=method.init(theta0))
-  run = _ToyRun(jax.device_put(state, sharding))
-  targets = jax.device_put(targets, sharding)
-  inner = jax.jit(lambda s, a: s.replace(params=jax.tree.map(lambda t, x: t - lr * (t - x), s.params, a)),
-                  donate_argnums=0)
   driver = StreamingRounds(method, fragments, mesh, streaming.Pairing(base, fragments=s.fragments, partners=s.partners),
                            None, inner_steps=o.inner_steps, tau=o.overlap.steps, mix=o.overlap.mix, last_step=steps,
                            traffic=[wire.NOTHING] * s.fragments)
-  driver.start(run)
-  try:
-    for step in range(1, steps + 1):
-      driver.before_step(run, step)
-      run.state = inner(run.state, targets)
-      driver.after_step(run, step, {})
-  finally:
-    driver.close(failed=False)
+  run = drive(driver, method, mesh, theta0, targets, steps=steps, lr=lr)
   assert not driver.sent_at and run.loop.round == steps // (o.inner_steps // s.fragments)
   return jax.tree.map(np.asarray, run.state), base
 
@@ -186,16 +173,8 @@ def test_one_fragment_is_the_unstreamed_round_bitwise(codec):
   streamed, schedule = _toy_run(_outer(1, 3, 0, codec), N, theta0, targets, steps=10, lr=0.3)
   method = outer_lib.make(_outer(1, 3, 0, codec))
   mesh = mesh_lib.make_mesh(N, N)
-  run = _ToyRun(jax.device_put(TrainState(step=np.zeros(N, np.int32), params=theta0, opt_state=(),
-                                          outer=method.init(theta0)), mesh_lib.replica_sharding(mesh)))
   driver = LockstepRounds(programs_lib.RoundPrograms(method, mesh, schedule), 3, wire.NOTHING, last_step=10)
-  driver.start(run)
-  inner = jax.jit(lambda s, a: s.replace(params=jax.tree.map(lambda t, x: t - 0.3 * (t - x), s.params, a)))
-  targets = jax.device_put(targets, mesh_lib.replica_sharding(mesh))
-  for step in range(1, 11):
-    run.state = inner(run.state, targets)
-    driver.after_step(run, step, {})
-  driver.close(failed=False)
+  run = drive(driver, method, mesh, theta0, targets, steps=10, lr=0.3)
   # Bitwise with plain messages. int8's program is compiled for the fragment's flattened leaves, the
   # unstreamed one for the leaves' own shapes, and XLA rounds a chunk's extreme value (255 · (M / 255))
   # differently in the two (as between the mesh and one device, test_overlap.py): an ulp of the chunk's scale.

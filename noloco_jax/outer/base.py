@@ -145,8 +145,7 @@ def make_codec(codec_cfg, *, inner_steps: int = 1, beta: float = 1.0):
                                   feedback_decay=codec_cfg.feedback_decay)
 
 
-def group_rule(kind: str, *, beta: float, gamma: float, update: Callable, codec, inflight: bool = False,
-               new_momentum: Callable | None = None) -> OuterMethod:
+def group_rule(kind: str, *, beta: float, gamma: float, update: Callable, codec, inflight: bool = False) -> OuterMethod:
   """A method in parts whose round sends each replica's c = β·θ + (γ − β)·φ to its group and, given
   m = mean_G(c), updates its slow weights φ and momentum δ per parameter leaf: `update(φ, δ, m) -> (φ, δ)`
   in float32 (NoLoCo's family). θ ← φ, or with streaming overlap the delayed merge. Messages travel through

@@ -69,7 +69,6 @@ import numpy as np
 
 from noloco_jax.outer import compression
 
-ORDERS = ("cyclic", "random", "fixed", "fisher", "mixed", "damage")
 SENDER_CHOSEN = ("fisher", "mixed", "damage")  # orders whose blocks the sender picks (their indices travel)
 RAW_BITS = {32: jnp.float32, 16: jnp.bfloat16}  # bits that send the fragment's values as they are
 # κ = ε / rms(D) by bits. b = 2, 3, 4: chosen offline on the default job's messages (the capture
@@ -78,11 +77,6 @@ RAW_BITS = {32: jnp.float32, 16: jnp.bfloat16}  # bits that send the fragment's 
 # 2^(b−1)·κ kept at 4.8 rms(D), b = 4's.
 DEFAULT_KAPPA = {2: 2.0, 3: 1.3, 4: 0.6, 5: 0.3, 6: 0.15, 7: 0.075, 8: 0.0375}
 _FRAGMENT, _DITHER, _SIGNS = 0, 1, 2  # purposes folded into the run's key
-
-
-def block_shape(n: int, block: int) -> tuple[int, int]:
-  """(number of blocks, block width) for a leaf of n values: compression.chunk_shape's rule."""
-  return compression.chunk_shape(n, block)
 
 
 def fragment_count(num_blocks: int, density: float) -> int:
@@ -156,8 +150,6 @@ def signs(key, leaf: int, round_, shape):
 
 
 MODES = ("fragment", "sum", "global")
-RESTS = ("step", "keep", "anchor")  # the rule off the fragment (module doc, 3.)
-SHARED_ORDERS = ("cyclic", "random", "fixed")  # orders both sides draw from the key (the fragment known from the round)
 
 
 def off_fragment(rest: str, on, theta, phi, delta, new_phi, new_delta):
@@ -226,7 +218,7 @@ class CosetCodec:
     return self.kappa or DEFAULT_KAPPA[self.bits]
 
   def _layout(self, n: int) -> tuple[int, int, int]:
-    num, width = block_shape(n, self.block)
+    num, width = compression.chunk_shape(n, self.block)
     return num, width, fragment_count(num, self.density)
 
   def init_state(self, params):

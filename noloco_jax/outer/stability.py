@@ -66,19 +66,6 @@ def spread_growth_per_round(alpha: float, gamma: float, group_size: int, num_rep
   return math.sqrt(spectral_radius(alpha, gamma, group_size, num_replicas, **kwargs))
 
 
-def second_moments(rounds: int, C0: np.ndarray, *, alpha: float, beta: float, gamma: float, group_size: int,
-                   num_replicas: int, noise_var: float = 0.0, inner_contraction: float = 0.0) -> np.ndarray:
-  """[rounds + 1, 2, 2]: the exact C after 0 … rounds rounds, from C0 (E[(x, y)(x, y)ᵀ] = C ⊗ Q)."""
-  B0, B1 = _blocks(alpha, beta, gamma, inner_contraction)
-  a = averaging_shrink(group_size, num_replicas)
-  noise = a * beta ** 2 * noise_var * np.ones((2, 2))
-  out = [np.asarray(C0, np.float64)]
-  for _ in range(rounds):
-    C = out[-1]
-    out.append(B0 @ C @ B0.T + a * (B0 @ C @ B1.T + B1 @ C @ B0.T + B1 @ C @ B1.T) + noise)
-  return np.stack(out)
-
-
 def stationary_second_moments(*, alpha: float, beta: float, gamma: float, group_size: int, num_replicas: int,
                               noise_var: float = 1.0, inner_contraction: float = 0.0) -> np.ndarray | None:
   """The fixed point C* of the noise-driven recursion (None when unstable): the spread it settles at."""
@@ -118,26 +105,6 @@ def coded_second_moment_map(alpha: float, gamma: float, group_size: int, num_rep
   noise[:, 0] = relative_noise / 4 * 2 * c * c  # C_xx -> every entry of C
   group = second_moment_map(alpha, gamma, group_size, num_replicas, beta=beta, inner_contraction=inner_contraction)
   return coverage * (group + noise) + (1 - coverage) * np.kron(B, B)
-
-
-def coded_spectral_radius(alpha: float, gamma: float, group_size: int, num_replicas: int, **kwargs) -> float:
-  """ρ of `coded_second_moment_map`: the long-run factor per round of the cross-replica variance."""
-  return float(np.max(np.abs(np.linalg.eigvals(coded_second_moment_map(alpha, gamma, group_size, num_replicas,
-                                                                         **kwargs)))))
-
-
-def coded_second_moments(rounds: int, C0: np.ndarray, *, alpha: float, beta: float, gamma: float, num_replicas: int,
-                         coverage: float, relative_noise: float = 0.0, noise_var: float = 0.0,
-                         inner_contraction: float = 0.0) -> np.ndarray:
-  """[rounds + 1, 2, 2]: C after 0 … rounds coded rounds (pairs), from C0, with inner-step noise σ² = noise_var."""
-  L = coded_second_moment_map(alpha, gamma, 2, num_replicas, coverage=coverage, relative_noise=relative_noise,
-                              beta=beta, inner_contraction=inner_contraction)
-  a = averaging_shrink(2, num_replicas)
-  drive = beta ** 2 * noise_var * (coverage * (a + relative_noise / 2) + (1 - coverage)) * np.ones(4)
-  out = [np.asarray(C0, np.float64)]
-  for _ in range(rounds):
-    out.append((L @ out[-1].reshape(4) + drive).reshape(2, 2))
-  return np.stack(out)
 
 
 def paper_interval(alpha: float, group_size: int) -> tuple[float, float]:

@@ -326,9 +326,9 @@ def log_layout(mesh, num_replicas: int, batch_size: int, seq_len: int) -> None:
 
 
 def check_consistency(config_json: str, mesh, state, *, seed: int, num_replicas: int, batch: tuple[int, int],
-                      identical_replicas: bool = True, workdir: str | None = None) -> np.ndarray:
+                      workdir: str | None = None) -> np.ndarray:
   """Raises ConsistencyError unless all processes agree on the config (`config_json`: the whole config as
-  sorted JSON text), seed and layout, share `workdir` (when given; job_checks.py), and (by default) every
+  sorted JSON text), seed and layout, share `workdir` (when given; job_checks.py), and every
   replica's state is bit-identical to replica 0's. `batch`: (sequences, tokens) per replica, for the layout's
   log line. Returns the [N, 2] replica checksums.
 
@@ -350,12 +350,11 @@ def check_consistency(config_json: str, mesh, state, *, seed: int, num_replicas:
   sums = replica_checksums(mesh, state)
   logging.info("Start-up check: %d processes agree on config, seed and replica layout; replica 0 state "
                "checksum %s.", jax.process_count(), sums[0].tobytes().hex())
-  if identical_replicas:
-    differ = [r for r in range(sums.shape[0]) if not np.array_equal(sums[r], sums[0])]
-    if differ:
-      owner = {r: p for p, e in mesh_lib.process_layout(mesh, num_replicas).items() for r in e["replicas"]}
-      raise ConsistencyError(
-          f"Replicas {differ} (on processes {sorted({owner[r] for r in differ})}) do not start bit-identical "
-          f"to replica 0 (on process {owner[0]}): state checksums {[sums[r].tobytes().hex() for r in differ]} "
-          f"vs {sums[0].tobytes().hex()}. All replicas must start from the same weights.")
+  differ = [r for r in range(sums.shape[0]) if not np.array_equal(sums[r], sums[0])]
+  if differ:
+    owner = {r: p for p, e in mesh_lib.process_layout(mesh, num_replicas).items() for r in e["replicas"]}
+    raise ConsistencyError(
+        f"Replicas {differ} (on processes {sorted({owner[r] for r in differ})}) do not start bit-identical "
+        f"to replica 0 (on process {owner[0]}): state checksums {[sums[r].tobytes().hex() for r in differ]} "
+        f"vs {sums[0].tobytes().hex()}. All replicas must start from the same weights.")
   return sums

@@ -136,18 +136,14 @@ class Job:
       self.first_failure = min(failed)[1]
 
   def _stop_rest(self, grace_s: float) -> None:
-    end = time.time() + grace_s
-    while time.time() < end and any(p.poll() is None for p in self.procs):
-      time.sleep(0.1)
-    for p in self.procs:
-      if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-    end = time.time() + 10
-    while time.time() < end and any(p.poll() is None for p in self.procs):
-      time.sleep(0.1)
-    for p in self.procs:
-      if p.poll() is None:
-        p.kill()
+    """Gives the processes still running `grace_s` to end, then SIGTERM and 10 s more, then SIGKILL."""
+    for wait_s, stop in ((grace_s, lambda p: p.send_signal(signal.SIGTERM)), (10, lambda p: p.kill())):
+      end = time.time() + wait_s
+      while time.time() < end and any(p.poll() is None for p in self.procs):
+        time.sleep(0.1)
+      for p in self.procs:
+        if p.poll() is None:
+          stop(p)
 
 
 def exit_status(code: int) -> int:

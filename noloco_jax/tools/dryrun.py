@@ -136,9 +136,8 @@ def analyse(config: ml_collections.ConfigDict, topology: Topology, *, vocab_size
   result["allreduce_algorithm"] = config.outer.rule.allreduce_algorithm
   result["wire_per_round_formula"] = dataclasses.asdict(per_round)
   result["wire_per_step_formula"] = dataclasses.asdict(per_step)
-  # The devices of one replica group (fsdp × stages) and the replicas each group holds.
+  # The devices of one replica group (fsdp × stages).
   per_group = mesh.devices.size // mesh.shape[REPLICA]
-  replicas_per_group = n // mesh.shape[REPLICA]
 
   def counted(text: str) -> dict[str, dict[str, float]]:
     """Per replica: the program's collectives across replica groups (`across`) and within one (`within`:

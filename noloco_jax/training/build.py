@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from noloco_jax import config as config_lib
@@ -58,10 +57,6 @@ class Setup:
   # A process of an asynchronous job (asynchronous/job.Process: its slot, the job's replica it holds, its
   # control plane), set by train_and_evaluate; None: this run is the whole job.
   process: Any = None
-
-  def outer_round(self, round_: int) -> tuple[Callable, np.ndarray]:
-    """(jitted round function, route) for round `round_`, compiled on first use (the loop compiles ahead)."""
-    return self.rounds(round_)
 
   @property
   def num_replicas(self) -> int:

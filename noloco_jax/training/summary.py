@@ -22,8 +22,6 @@ from noloco_jax.training.loop_state import LoopState
 # How the summary writes each outer hyperparameter (a method's spec: `reads`, noloco_jax/outer/methods/).
 SYMBOLS = {"outer_momentum": "α", "outer_lr": "β", "consensus_weight": "γ", "group_size": "n", "fanout": "s",
            "inner_steps": "H", "nesterov": "nesterov"}
-COMM_KEYS = ("comm/bytes_sent_per_replica", "comm/bytes_received_per_replica",
-             "comm/collective_operand_bytes_per_replica")
 
 
 def last_train_row(workdir: str, step: int) -> dict[str, Any] | None:

@@ -14,6 +14,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from noloco_jax.io.checkpoint import checksum
+from noloco_jax.io.checkpoint import records
+
 
 class PerProcessJsonHandler(ocp.JsonCheckpointHandler):
   """Orbax's JSON handler, but every process writes (primary_host=None) a file of its own."""
@@ -40,6 +43,18 @@ class PerProcessJsonSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class PerProcessJsonRestore(ocp.args.CheckpointArgs):
   pass
+
+
+def restore_items(manager, step: int) -> tuple[dict, dict]:
+  """(meta record, {file name: data file}) of `step`, checked as saved: their digests (checksum.py), then the
+  meta's format and step. The resume (restoring.py) and the checkpoint reader (read.py) check a step alike."""
+  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  data = manager.restore(step, args=ocp.args.Composite(data=PerProcessJsonRestore()))["data"]
+  old_format = isinstance(meta, dict) and meta.get("format") == records.FORMAT_WITHOUT_DIGESTS
+  checksum.verify_items(meta, data, step, digests_required=not old_format)
+  if meta.get("format") not in (records.FORMAT, records.FORMAT_WITHOUT_DIGESTS) or meta.get("step") != step:
+    raise ValueError(f"meta item: format {meta.get('format')!r}, step {meta.get('step')!r}")
+  return meta, data
 
 
 def merge_data_states(files: dict[str, Any]) -> dict:

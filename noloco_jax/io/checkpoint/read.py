@@ -9,8 +9,8 @@ and fsdp shards are logical [N, ...] arrays on disk, checkpoint/manager.py). The
 checkpoint's meta item recorded when it was saved (WORKDIR/config.json may have been rewritten by a
 later resume), validated by the schema like any config.
 
-Everything read is verified exactly as a resume verifies it (io/checkpoint/manager.py `_read`, with the
-same functions of checksum.py): the meta record and every process's data file against their digests,
+Everything read is verified exactly as a resume verifies it (restoring.Restorer._read, with the same
+data_item.restore_items and checksum.py): the meta record and every process's data file against their digests,
 and the whole state (every leaf, the optimizer's included, read for this) against the checksums stored
 at save time. A step that fails is set aside, never used: without `--step` the newest valid step is
 read instead and the skipped ones are named (`Snapshot.skipped`, which the tools print as a warning);
@@ -35,8 +35,7 @@ import orbax.checkpoint as ocp
 
 from noloco_jax import config as config_schema
 from noloco_jax.io.checkpoint import checksum
-from noloco_jax.io.checkpoint import records
-from noloco_jax.io.checkpoint.data_item import PerProcessJsonRestore
+from noloco_jax.io.checkpoint import data_item
 from noloco_jax.outer import consensus as consensus_lib
 from noloco_jax.runtime import failures
 
@@ -169,15 +168,9 @@ def _read_step(workdir: str, root: str, step: int, slow: bool) -> Snapshot:
     with _quiet_orbax():
       manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True))
       try:
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        data = manager.restore(step, args=ocp.args.Composite(data=PerProcessJsonRestore()))["data"]
+        meta, data = data_item.restore_items(manager, step)  # the resume's checks of the JSON items
       finally:
         manager.close()
-    # The checks of the resume (Checkpointer._read): the JSON items' digests, then format and step.
-    old_format = isinstance(meta, dict) and meta.get("format") == records.FORMAT_WITHOUT_DIGESTS
-    checksum.verify_items(meta, data, step, digests_required=not old_format)
-    if meta.get("format") not in (records.FORMAT, records.FORMAT_WITHOUT_DIGESTS) or meta.get("step") != step:
-      raise ValueError(f"meta item: format {meta.get('format')!r}, step {meta.get('step')!r}")
     with _quiet_orbax():
       state = _read_state(os.path.join(root, str(step), "state"))
     _verify_state(meta, state)

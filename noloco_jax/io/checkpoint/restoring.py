@@ -21,12 +21,12 @@ from noloco_jax.inner.state import TrainState
 from noloco_jax.runtime import failures
 from noloco_jax.io.checkpoint import checksum
 from noloco_jax.io.checkpoint import compatibility
+from noloco_jax.io.checkpoint import data_item
 from noloco_jax.io.checkpoint import log_repair
 from noloco_jax.io.checkpoint import logs
 from noloco_jax.io.checkpoint import quarantine
 from noloco_jax.io.checkpoint import records
 from noloco_jax.io.checkpoint import resize
-from noloco_jax.io.checkpoint.data_item import PerProcessJsonRestore, merge_data_states
 from noloco_jax.io.checkpoint.run_info import RunInfo
 
 CHECKPOINT_DIR = "checkpoints"  # a run's checkpoints: WORKDIR/checkpoints/<step>/
@@ -83,7 +83,7 @@ class Restorer:
                              self._run.state_shardings)
         record = resize.resize_loop_record(record, plan)
       if plan is None or plan.keeps_data:
-        data_iter.set_state(merge_data_states(data))
+        data_iter.set_state(data_item.merge_data_states(data))
       logs.truncate_logs(self._workdir, saved)
       log_repair.repair(self._workdir, self._expected_logs(meta, saved, plan))  # rows missing before the step
       if plan is not None:
@@ -103,14 +103,9 @@ class Restorer:
     """(meta, elastic plan, state, per-process data files, None), or (..., the error) when a file of
     the step is unreadable. With a plan, the state is the checkpoint's, in host memory (resize.py)."""
     try:
-      meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-      data = self._manager.restore(step, args=ocp.args.Composite(data=PerProcessJsonRestore()))["data"]
       # Everything the resume reads is what was saved: the meta record and each process's data file
       # (their digests, checksum.py); the state is checked against the meta's checksums below.
-      old_format = isinstance(meta, dict) and meta.get("format") == records.FORMAT_WITHOUT_DIGESTS
-      checksum.verify_items(meta, data, step, digests_required=not old_format)
-      if meta.get("format") not in (records.FORMAT, records.FORMAT_WITHOUT_DIGESTS) or meta.get("step") != step:
-        raise ValueError(f"meta item: format {meta.get('format')!r}, step {meta.get('step')!r}")
+      meta, data = data_item.restore_items(self._manager, step)
     except Exception as e:  # pylint: disable=broad-except
       return None, None, None, None, e
     # Outside the try: a different setup, or an elastic setting that does not fit, is an error; a meta

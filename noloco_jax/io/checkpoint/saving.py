@@ -57,6 +57,7 @@ class Saver:
     self._closed = False
 
   def due(self, step: int) -> bool:
+    """Whether the loop saves after `step` (checkpoint_every, the last step)."""
     every = self._run.checkpoint_every
     return step == self._run.num_steps or (every > 0 and step % every == 0)
 

@@ -19,7 +19,6 @@ from absl import logging
 import numpy as np
 
 from noloco_jax.config import ConfigError
-from noloco_jax.config.data import SOURCES  # noqa: F401 (config.data.source; re-exported)
 
 Document = str | np.ndarray  # Text to tokenize, or token ids (pre-tokenized sources).
 

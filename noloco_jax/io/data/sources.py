@@ -1,16 +1,16 @@
 """The document source named by `config.data.source`: stdlib | tfds | c4_json | parquet | text.
 
-The interface and helpers every source shares are in documents.py (re-exported here); the sources
+The interface and helpers every source shares are in documents.py; the sources
 are in tfds_sources.py (the embedded corpus, TFDS datasets) and file_sources.py (C4 JSON, Parquet,
 text files). Heavy readers are imported only by the source that needs them: Grain's TFRecord
 reader inside TfdsSource, pyarrow inside ParquetSource; this module only pulls in tensorflow_datasets
 (via the embedded corpus's builder, about 0.3 s), which does not import TensorFlow.
 """
 
+from noloco_jax.config.data import SOURCES
 from noloco_jax.io.data import file_sources
 from noloco_jax.io.data import tfds_sources
-from noloco_jax.io.data.documents import (SOURCES, Document, InputLog, Source, decode_utf8,  # noqa: F401 (re-exported)
-                                          expand_globs, files_fingerprint)
+from noloco_jax.io.data.documents import Source
 
 
 def make_source(config_data, split: str) -> Source:

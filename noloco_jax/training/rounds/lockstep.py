@@ -21,19 +21,17 @@ def last_round(next_round: int, step: int, last_step: int, inner_steps: int) -> 
 
 class LockstepRounds(RoundDriver):
 
-  def __init__(self, programs: programs_lib.RoundPrograms, inner_steps: int, traffic, last_step: int | None = None):
+  def __init__(self, programs: programs_lib.RoundPrograms, inner_steps: int, traffic, last_step: int):
     """`traffic`: the bytes of one round (outer/wire.Traffic), counted in the loop state; `last_step`:
-    the run's last step (None: no end, every next round is compiled ahead)."""
+    the run's last step."""
     self._programs, self._H, self._traffic, self._last_step = programs, inner_steps, traffic, last_step
     self._started = False
 
   def start(self, run) -> None:
     super().start(run)
-    last = None
-    if self._last_step is not None:
-      last = last_round(run.loop.round, run.loop.step, self._last_step, self._H)
-      if last < run.loop.round:  # no round left to run: compile nothing
-        return
+    last = last_round(run.loop.round, run.loop.step, self._last_step, self._H)
+    if last < run.loop.round:  # no round left to run: compile nothing
+      return
     self._programs.start(run.state, last_round=last, first_round=run.loop.round)
     self._started = True
 

@@ -54,14 +54,15 @@ class OverlappedRounds(RoundDriver):
     """`state_shardings`: the state's home layout (None: every leaf split over `replica`, as tests build)."""
     self._programs = programs_lib.RoundPrograms(method, mesh, schedule, state_shardings, where="exchange", mix=mix)
     self._home = state_shardings.outer[base.INFLIGHT] if state_shardings is not None else None
-    self.tau, self._last, self._H, self._traffic = tau, last_step, inner_steps, traffic
+    self.tau, self._last, self._every, self._traffic = tau, last_step, inner_steps, traffic
+    self._stats = self._programs.stats
     self._inflight = InFlight(threaded, "overlap-exchange")
     self._started = False
 
   def start(self, run) -> None:
     super().start(run)  # resumed inside a window: the mean in flight is in the restored state
     # Nothing is compiled for a round after the run's last step (lockstep.last_round).
-    self._programs.start(run.state, last_round=lockstep.last_round(run.loop.round, run.loop.step, self._last, self._H),
+    self._programs.start(run.state, last_round=lockstep.last_round(run.loop.round, run.loop.step, self._last, self._every),
                          first_round=run.loop.round)
     self._started = True
 
@@ -78,16 +79,16 @@ class OverlappedRounds(RoundDriver):
 
   @property
   def compile_stats(self):
-    return self._programs.stats if self._started else None
+    return self._stats if self._started else None
 
   def _merge_due(self, step: int) -> bool:
     return self.sent_at > 0 and (step == self.sent_at + self.tau or step == self._last)
 
   def due(self, step: int) -> bool:
-    return step % self._H == 0 or self._merge_due(step)
+    return step % self._every == 0 or self._merge_due(step)
 
   def after_step(self, run, step: int, metrics: dict) -> None:
-    if step % self._H == 0:
+    if step % self._every == 0:
       compiled, route = self._programs.program(run.loop.round)  # also announces the next round's exchange
       # `sent`: (own, payload), or the payload alone when it is the own term (outer/programs.py).
       run.state, sent, round_metrics = compiled["message"](run.state)

@@ -21,10 +21,13 @@ import jax
 from noloco_jax.outer import base
 from noloco_jax.outer import programs as programs_lib
 from noloco_jax.outer import streaming
+from noloco_jax.training.rounds import overlapped
 from noloco_jax.training.rounds.base import InFlight, RoundDriver
 
 
-class StreamingRounds(RoundDriver):
+class StreamingRounds(overlapped.OverlappedRounds):
+  """The overlapped driver's bookkeeping (the exchange in flight, `save` / `restore`, when its merge is due) over
+  one set of round programs per fragment, a round every H/F steps; τ = 0: nothing is ever in flight."""
 
   def __init__(self, method, fragments, mesh, pairing: streaming.Pairing, state_shardings, *, inner_steps: int,
                tau: int, mix: float, last_step: int, traffic, threaded: bool = False):
@@ -37,9 +40,9 @@ class StreamingRounds(RoundDriver):
     self._programs = [programs_lib.RoundPrograms(streaming.fragment_method(method, fragment), mesh,
                                                  pairing.of_fragment(f), state_shardings, where=where,
                                                  mix=mix if tau else None) for f, fragment in enumerate(fragments)]
-    stats = self._programs[0].stats
+    self._stats = self._programs[0].stats
     for p in self._programs:  # one record of the compiles for the round trace, whatever the fragment
-      p.stats = stats
+      p.stats = self._stats
     # Overlapped: the arrived mean goes into its fragment's part of the state's in-flight buffer (`settle`).
     self._hold = [jax.jit(streaming.hold(fragment, base.INFLIGHT), donate_argnums=0, out_shardings=state_shardings)
                   for fragment in fragments] if tau else None
@@ -47,7 +50,7 @@ class StreamingRounds(RoundDriver):
     self._started = False
 
   def start(self, run) -> None:
-    super().start(run)
+    RoundDriver.start(self, run)  # the record restored; the overlapped driver's one set of programs is not ours
     b0, b1 = run.loop.step // self._every, self._last // self._every
     for f, programs in enumerate(self._programs):
       # Every fragment's message and merge (a resumed run may have to merge an exchange in flight of a fragment
@@ -55,26 +58,6 @@ class StreamingRounds(RoundDriver):
       first, last = streaming.rounds_done(f, b0, self.F), streaming.rounds_done(f, b1, self.F) - 1
       programs.start(run.state, last_round=last, first_round=first)
     self._started = True
-
-  def save(self) -> dict:
-    return self._inflight.record()
-
-  def restore(self, record: dict) -> None:
-    self._inflight.reopen(record)
-
-  @property
-  def sent_at(self) -> int:
-    return self._inflight.sent_at
-
-  @property
-  def compile_stats(self):
-    return self._programs[0].stats if self._started else None
-
-  def _merge_due(self, step: int) -> bool:
-    return self.sent_at > 0 and (step == self.sent_at + self.tau or step == self._last)
-
-  def due(self, step: int) -> bool:
-    return step % self._every == 0 or self._merge_due(step)
 
   def after_step(self, run, step: int, metrics: dict) -> None:
     if step % self._every == 0:
