@@ -26,8 +26,8 @@ Three parts, each one JSON object (the last line with --json):
   model.preset (tiny, small, medium, large: noloco_jax/config/model.py) or a size of MODELS between tiny and
   small; the result's "job" names it (--merge joins only results of one job).
 
-  --merge A.json,B.json joins --train results of the same settings over other seeds (runs of one seed
-  each, trained side by side) into one, with the means recomputed; --plot draws it.
+  --merge A.json,B.json joins --train results of one job (other seeds or other settings, trained side by
+  side) into one, with the means recomputed; --plot draws it.
 
   With fragment streaming (STREAMED: "float32 F=5", ...) a row also gives `peak_bytes_per_step`: the bytes of
   the largest fragment's round (one round every H/F steps), against the whole round's without streaming
