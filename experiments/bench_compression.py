@@ -2,7 +2,7 @@
 
 Three parts, each one JSON object (the last line with --json):
 
-- bytes (the default): for the model of the mini setting (experiments/lib/experiment.py; or --preset),
+- bytes (the default): for the model of the mini setting (experiments/lib/experiment.py; or --preset MODEL),
   the counted bytes per replica per round of each setting (method.traffic, from the payload shapes) and,
   with --hlo, the operand bytes of the collective-permutes in the compiled round (8 fake CPU devices, one
   replica each), which must be equal. bfloat16 messages are widened to float32 by XLA:CPU after lowering
@@ -22,8 +22,12 @@ Three parts, each one JSON object (the last line with --json):
 
       python experiments/bench_compression.py --train --json [--seeds 0,1] [--settings NAME,...] [--out FILE]
 
-  --merge A.json,B.json joins --train results of the same settings over other seeds (runs of one seed
-  each, trained side by side) into one, with the means recomputed; --plot draws it.
+  --preset MODEL trains the same job (8 replicas, 500 steps, H = 50, the same data) with another model: a
+  model.preset (tiny, small, medium, large: noloco_jax/config/model.py) or a size of MODELS between tiny and
+  small; the result's "job" names it (--merge joins only results of one job).
+
+  --merge A.json,B.json joins --train results of one job (other seeds or other settings, trained side by
+  side) into one, with the means recomputed; --plot draws it.
 
   With fragment streaming (STREAMED: "float32 F=5", ...) a row also gives `peak_bytes_per_step`: the bytes of
   the largest fragment's round (one round every H/F steps), against the whole round's without streaming
@@ -95,6 +99,12 @@ STREAMED = {
     "float32 F=5 own": ("float32", dict(fragments=5, partners="own")),
     "int8 F=5": ("int8", dict(fragments=5)),
 }
+# --preset: model sizes between the default job's tiny (2 layers of width 128, 492,416 parameters) and small
+# (125M), as d_model / num_layers / num_heads / mlp_dim (the rest: the tiny preset's). The parameter counts are
+# with the byte tokenizer's 257 tokens.
+MODELS = {
+    "1m": dict(d_model=128, num_layers=5, num_heads=4, mlp_dim=384),  # 1,132,160 parameters: bench_network's model
+}
 NO_EXCHANGE = "no exchange"  # outer.kind=none: independent replicas (--train only)
 TRAIN = ("float32", "bfloat16", "int8", "int4", "topk 1% 2-bit + int8", "coset 30% 2-bit", "coset 15% 2-bit",
          NO_EXCHANGE)
@@ -107,8 +117,9 @@ def main(argv=None) -> dict:
                         quick={"seeds": "0", "settings": "float32,coset 30% 2-bit", "steps": 12},
                         quick_help="--train / --capture on the smoke job, one seed, float32 and coset 30%%")
   bench.add_argument("--hlo", action="store_true", help="also compile each round and read its collectives")
-  bench.add_argument("--preset", default="", help="bytes: model.preset instead of the mini model")
-  bench.add_argument("--train", action="store_true", help="train each setting on the default job")
+  bench.add_argument("--preset", default="", help="a model.preset or a size of MODELS (1m, ...): bytes: instead "
+                     "of the mini model; --train: instead of the default job's tiny")
+  bench.add_argument("--train", action="store_true", help="train each setting on the default job (--preset: its model)")
   bench.add_argument("--capture", action="store_true", help="the coset codes' capture on the default job's messages")
   bench.add_argument("--seeds", default="0,1", help="--train: comma-separated seeds")
   bench.add_argument("--settings", default=",".join(TRAIN), help="--train: comma-separated names of SETTINGS")
@@ -118,6 +129,11 @@ def main(argv=None) -> dict:
   args = bench.parse(argv)
   if args.train + args.capture + bool(args.merge) > 1:
     harness.usage_error("--train, --capture, --merge: choose one part")
+  from noloco_jax.config.model import PRESETS  # pylint: disable=g-import-not-at-top  (after the devices are set)
+  if args.preset and args.preset not in (*PRESETS, *MODELS):
+    harness.usage_error(f"--preset={args.preset!r} is not a model: one of {', '.join([*PRESETS, *MODELS])}")
+  if args.preset and (args.capture or args.merge):
+    harness.usage_error("--preset: for the bytes part and --train only")
   if args.merge:
     parts = []
     for path in args.merge.split(","):
@@ -140,7 +156,8 @@ def main(argv=None) -> dict:
       seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
       harness.usage_error(f"--seeds={args.seeds!r}: comma-separated integers, e.g. 0,1")
-    result = train(names, seeds, quick=args.quick, hlo=args.hlo, note=bench.note, save=args.out or None)
+    result = train(names, seeds, quick=args.quick, hlo=args.hlo, note=bench.note, save=args.out or None,
+                   preset=args.preset)
     if args.plot:
       plot(result, args.plot)
     return bench.finish(result, text=lambda r: "\n".join(json.dumps({k: v for k, v in s.items() if k != "seeds"})
@@ -188,14 +205,25 @@ def _bytes(config, hlo: bool) -> dict:
   return row
 
 
+def set_model(config, preset: str) -> None:
+  """`config.model` at `preset` (nothing if ''): a model.preset with its own sizes (the job's size overrides
+  cleared), or a size of MODELS."""
+  from noloco_jax.config.model import SIZE_FIELDS  # pylint: disable=g-import-not-at-top
+  if preset in MODELS:
+    config.model.preset = "tiny"
+    config.model.update(MODELS[preset])
+  elif preset:
+    config.model.preset = preset
+    for name in SIZE_FIELDS:
+      config.model[name] = 0  # 0: the preset's
+
+
 def message_bytes(preset: str, hlo: bool) -> list[dict]:
   """The bytes part: every setting on the mini model (or `preset`)."""
   from experiments.lib import experiment  # pylint: disable=g-import-not-at-top
 
   base = experiment.base_config()
-  if preset:
-    base.model.preset = preset
-    base.model.d_model = base.model.num_layers = base.model.num_heads = base.model.mlp_dim = 0
+  set_model(base, preset)
   dense, rows = None, []
   for name in [*SETTINGS, *STREAMED]:
     config = experiment.method_config(base, KINDS.get(name, "noloco"), codec=SETTINGS[STREAMED[name][0] if name in STREAMED else name])
@@ -211,17 +239,20 @@ def message_bytes(preset: str, hlo: bool) -> list[dict]:
   return rows
 
 
-def train(names, seeds, *, quick: bool, hlo: bool, note, save: str | None = None) -> dict:
-  """The --train part: each setting on the default job (the smoke job with `quick`), every seed. `save`:
-  a file the results so far are written to after every run (an interrupted sweep keeps what it ran)."""
+def train(names, seeds, *, quick: bool, hlo: bool, note, save: str | None = None, preset: str = "") -> dict:
+  """The --train part: each setting on the default job (the smoke job with `quick`), every seed; `preset`:
+  with that model (set_model). `save`: a file the results so far are written to after every run (an
+  interrupted sweep keeps what it ran)."""
   from experiments.lib import experiment  # pylint: disable=g-import-not-at-top
 
   experiment.enable_compile_cache()
+  job = ("smoke" if quick else "default") + (f", model {preset}" if preset else "")
   out = []
   for name in names:
     per_seed, counted = [], None
     for seed in seeds:
       config = experiment.load_default_config("smoke" if quick else None)
+      set_model(config, preset)
       config.seed = seed
       if name == NO_EXCHANGE:
         config.outer.kind = "none"
@@ -247,10 +278,10 @@ def train(names, seeds, *, quick: bool, hlo: bool, note, save: str | None = None
       per_seed.append(row)
       if save:
         with open(save, "w") as f:
-          json.dump(summarise({"job": "smoke" if quick else "default", "seeds": seeds,
+          json.dump(summarise({"job": job, "seeds": seeds,
                                "settings": [*out, {"setting": name, **counted, "seeds": per_seed}]}), f, indent=1)
     out.append({"setting": name, **counted, "seeds": per_seed})
-  return summarise({"job": "smoke" if quick else "default", "seeds": seeds, "settings": out})
+  return summarise({"job": job, "seeds": seeds, "settings": out})
 
 
 def summarise(result: dict) -> dict:

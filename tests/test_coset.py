@@ -585,3 +585,30 @@ def test_bench_compression_trains_each_setting_and_reports_loss_and_bytes_agains
   for a, b in zip(merged["settings"], result["settings"]):
     assert [r["seed"] for r in a["seeds"]] == [0, 7]
     assert a["eval_loss"] == pytest.approx(b["eval_loss"]) and a["vs_float32"] == b["vs_float32"]
+
+
+def test_bench_compression_trains_a_larger_model_with_preset(tmp_path, capsys):
+  """--train --preset 1m: the same (here smoke) job with bench_network's 5-layer model, named in the result's
+  job, which --merge does not join with the tiny model's; a model.preset clears the job's size overrides; an
+  unknown preset is one line naming the flag, the value and the valid ones (exit 2)."""
+  from experiments import bench_compression as bench
+  result = bench.main(["--train", "--quick", "--preset", "1m", "--settings", "float32", "--seeds", "0"])
+  (f32,) = result["settings"]
+  assert result["job"] == "smoke, model 1m"
+  assert f32["params"] == 1_132_160 and f32["bytes_per_round"] == 4 * f32["params"]  # 5 layers of width 128
+  assert np.isfinite(f32["eval_loss"]) and f32["seeds"][0]["error"] is None
+  json = __import__("json")
+  big, tiny = tmp_path / "big.json", tmp_path / "tiny.json"
+  big.write_text(json.dumps(result))
+  tiny.write_text(json.dumps({**result, "job": "smoke"}))
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
+    bench.main([f"--merge={big},{tiny}"])
+  assert e.value.code == 2 and capsys.readouterr().err.strip() == "noloco_jax: --merge: the results are of different jobs"
+  config = default.get_config("smoke")
+  bench.set_model(config, "small")
+  assert config.model.preset == "small" and config.model.d_model == config.model.num_layers == 0
+  with pytest.raises(SystemExit) as e:
+    bench.main(["--train", "--quick", "--preset", "nope"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 2 and err == ["noloco_jax: --preset='nope' is not a model: one of tiny, small, medium, large, 1m"]
