@@ -22,6 +22,8 @@ from noloco_jax.asynchronous import churn
 from noloco_jax.outer import methods
 from noloco_jax.runtime import launch_local
 
+import memory_kv  # pylint: disable=g-bad-import-order  (tests/memory_kv.py)
+
 DEMO = "experiments.async_demo"
 
 
@@ -70,6 +72,45 @@ def test_the_first_donor_is_uniform_over_the_live_peers():
   assert set(firsts) == {0, 1, 3, 4}
   assert stats.chisquare(list(firsts.values())).pvalue > 0.01
   assert sorted(churn.donor_order([0, 1, 2, 3, 4], 2, seed=3, incarnation=7)) == [0, 1, 3, 4]
+
+
+class _OfferLog:
+  """A transport that records offers (the Donor's side of a join needs nothing else)."""
+  incarnation = 5
+
+  def __init__(self):
+    self.offers = []
+
+  def offer(self, leaves, tag, puller, expiry_s):
+    self.offers.append((tag, puller))
+
+
+def test_a_donor_serves_a_joiner_that_comes_back():
+  """A joiner that joined from this donor once, failed again and asks it again (the same key, a new tag)
+  is served again. Seen under churn before the fix: the donor took the second request for the first, never
+  served it, and the joiner waited until the donor itself was restarted (26 s)."""
+  kv, transport = memory_kv.MemoryKV(), _OfferLog()
+  donor = churn.Donor(kv, transport, slot=0)
+  for tag in (10, 11):
+    kv.set("join/0/3", json.dumps({"incarnation": tag * 7, "tag": tag}))
+    assert donor.serve(lambda: {"w": np.zeros(2)}, progress=4) == 1
+    assert json.loads(kv.get(f"joinok/3/{tag}"))["donor"] == 0
+    assert donor.serve(lambda: {"w": np.zeros(2)}, progress=4) == 0  # served once: not again
+    kv.delete("join/0/3")  # what the joiner does once it has pulled
+  assert transport.offers == [(10, 3), (11, 3)]
+
+
+def test_peers_that_are_joining_themselves_are_tried_last():
+  """A joiner serves no one until it has joined: a peer whose own request is posted goes to the end of the
+  seeded order (not out of it: if every peer is joining, one of them will serve once it has joined)."""
+  kv = memory_kv.MemoryKV()
+  kv.increment("join/tags", 1)  # the tag counter lives beside the requests and names no slot
+  kv.set("join/4/1", "{}")  # slot 1 asked slot 4
+  kv.set("joinok/2/9", "{}")  # an answer, not a request
+  assert churn.joining(kv) == {1}
+  order = churn.donor_order([0, 1, 2, 4, 5], 3, seed=0, incarnation=2)
+  assert churn.settled_first(order, {1}) == [s for s in order if s != 1] + [1]
+  assert churn.settled_first(order, {0, 1, 2, 4, 5}) == order
 
 
 def test_process_0_can_die_and_a_new_process_joins_through_a_reserved_slot(tmp_path):
