@@ -19,7 +19,9 @@ step, plus the lost steps at the healthy step time), rows_lost and corrupt_state
 checkpoint checksums, every process's last evaluation finite and within its peers' spread);
 phases_per_failure_s (where a restart's time went, from the logs: the restart delay, start-up, init,
 restore, join, compile, first step) and partner_wait_s (what live partners waited in rounds that did not
-exchange). --compile_cache: JAX's persistent cache, one for every method (on by default). `targets` checks,
+exchange). --compile_cache: JAX's persistent cache, one for every method (on by default); before the sweep each
+method trains --warm_s seconds with no failures, not measured, so that every measured run finds its programs
+in that cache (without it the sweep's first run compiled what the later ones load). `targets` checks,
 per seed, issue 38's: at a rate where every lock-step method's goodput is ≤ 0.6, asynchronous NoLoCo's
 ≥ 0.9 and its loss below each lock-step method's; rows_lost = corrupt_states = 0 everywhere.
 
@@ -60,11 +62,30 @@ def _check(args) -> None:
     harness.usage_error(f"--processes={args.processes} is not valid: at least 2 (someone to pair with).")
   if not args.budget_s > 0:
     harness.usage_error(f"--budget_s={args.budget_s:g} is not valid: seconds > 0.")
+  if not args.warm_s >= 0:
+    harness.usage_error(f"--warm_s={args.warm_s:g} is not valid: seconds ≥ 0 (0: no warm-up).")
   if not args.straggler >= 1:
     harness.usage_error(f"--straggler={args.straggler:g} is not valid: a slowdown factor ≥ 1 (1: none).")
   for method in args.methods:
     if method not in churn.METHODS:
       harness.usage_error(f"--methods: {method!r} is not valid; choose from {', '.join(churn.METHODS)}.")
+
+
+def setting(args, mtbf_s: float, seed: int, cache: str, budget_s: float | None = None) -> churn.Setting:
+  return churn.Setting(args.processes, args.budget_s if budget_s is None else budget_s, mtbf_s, args.restart_delay_s,
+                       args.step_s, args.inner_steps, args.checkpoint_every, args.eval_every, args.straggler, seed,
+                       args.max_wait_s, args.lease_s, args.exchange_timeout_s, cache)
+
+
+def warm(args, root: str, cache: str, note) -> None:
+  """Every method, --warm_s seconds past its first step with no failures, into the compilation cache (its
+  workdirs under warm/, not measured). Why: the sweep's first run otherwise compiles what every later run
+  loads. Measured (P = 8, 150 s, seed 0, async first): its first evaluation stalled each process 3.1–3.5 s
+  compiling, against 0.6–1.0 s in a run that found the program cached."""
+  s = setting(args, math.inf, args.seeds[0], cache, budget_s=args.warm_s)
+  for method in args.methods:
+    churn.run(method, os.path.join(root, "warm"), s, trace=[])
+    note(f"warm-up: {method}, {args.warm_s:g} s into the compilation cache {cache or '(the default)'}")
 
 
 def targets(runs: list[dict]) -> dict:
@@ -133,7 +154,7 @@ def _text(result: dict) -> str:
 
 def main(argv=None) -> dict:
   bench = harness.Bench(__doc__, quick={"processes": 2, "methods": ["async", "noloco"], "mtbf_s": [12.0],
-                                        "seeds": [0], "budget_s": 20.0, "restart_delay_s": 1.0},
+                                        "seeds": [0], "budget_s": 20.0, "restart_delay_s": 1.0, "warm_s": 0.0},
                         quick_help="P = 2, async and lock-step NoLoCo, mtbf 12 s, 20 s", out=True, cpu_only=True)
   bench.add_argument("--processes", type=int, default=8)
   bench.add_argument("--methods", nargs="+", default=list(churn.METHODS))
@@ -154,6 +175,9 @@ def main(argv=None) -> dict:
                      help="JAX's persistent compilation cache of every method's processes: a directory, or 'off' (every "
                           "restart compiles again); default: compile_cache/ in the sweep's directory, every program "
                           "written, so each method's first launch (before its origin) compiles and its restarts load")
+  bench.add_argument("--warm_s", type=float, default=30.0,
+                     help="before the sweep, every method trains this long with no failures into the compilation "
+                          "cache (not measured; 0: none, as with --compile_cache off)")
   bench.add_argument("--keep", default="", help="keep the runs' workdirs under this directory")
   bench.add_argument("--plot", default="", help="write the plots into this directory (e.g. experiments/plots)")
   bench.add_argument("--plot_from", default="", help="only plot a saved result (this JSON file) into --plot or experiments/plots")
@@ -190,11 +214,11 @@ def main(argv=None) -> dict:
   if root:
     os.makedirs(root, exist_ok=True)
   cache = args.compile_cache or (os.path.join(os.path.abspath(root), "compile_cache") if root else "")
+  if args.warm_s > 0 and args.compile_cache != "off" and not args.from_raw:
+    warm(args, root, cache, bench.note)
   for seed in args.seeds if not args.from_raw else ():
     for mtbf in args.mtbf_s:
-      s = churn.Setting(args.processes, args.budget_s, mtbf, args.restart_delay_s, args.step_s, args.inner_steps,
-                        args.checkpoint_every, args.eval_every, args.straggler, seed, args.max_wait_s, args.lease_s,
-                        args.exchange_timeout_s, cache)
+      s = setting(args, mtbf, seed, cache)
       trace = churn.failure_trace(seed, args.processes, mtbf, args.budget_s)
       for method in args.methods:
         try:
@@ -216,12 +240,13 @@ def main(argv=None) -> dict:
   records = [churn.account(run, s, healthy_s, TOKENS_PER_STEP) for run, s in runs]
   result = {"setting": {k: getattr(args, k) for k in ("processes", "methods", "mtbf_s", "restart_delay_s", "budget_s",
                                                      "seeds", "step_s", "inner_steps", "checkpoint_every", "eval_every", "straggler",
-                                                     "max_wait_s", "lease_s", "exchange_timeout_s")},
+                                                     "max_wait_s", "lease_s", "exchange_timeout_s", "warm_s")},
             "healthy_step_s": healthy_s, "healthy_tokens_per_s_per_process": TOKENS_PER_STEP / healthy_s,
             "runs": records, "errors": errors}
   result["setting"]["mtbf_s"] = [m if math.isfinite(m) else "inf" for m in args.mtbf_s]
   result["setting"]["compile_cache"] = "off" if args.compile_cache == "off" else "on"
   if args.from_raw:  # what the saved runs ran, not this command's defaults
+    del result["setting"]["warm_s"]  # not in a run's record
     first = dataclasses.asdict(runs[0][1])
     result["setting"].update({k: first[k] for k in result["setting"] if k in first},
                              methods=sorted({r["method"] for r, _ in runs}), seeds=sorted({x.seed for _, x in runs}),

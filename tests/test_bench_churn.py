@@ -108,11 +108,36 @@ def test_targets_are_judged_where_every_lockstep_method_is_at_most_0_6():
   assert out["per_seed"]["0"][0]["async_goodput_at_least_0.9"] and out["per_seed"]["0"][0]["async_loss_below_every_lockstep"]
 
 
+def test_every_method_warms_the_compilation_cache_before_the_first_measured_run(tmp_path, monkeypatch):
+  """Failure-free, --warm_s long, into the sweep's cache, under warm/; then the measured runs (here each
+  fails to start, so the sweep ends with no healthy pace)."""
+  calls = []
+
+  def run(method, root, s, trace):
+    calls.append((method, os.path.relpath(root, tmp_path), s.mtbf_s, s.budget_s, s.compile_cache, list(trace)))
+    if math.isfinite(s.mtbf_s):
+      raise RuntimeError("did not start")
+
+  monkeypatch.setattr(churn, "run", run)
+  with pytest.raises(RuntimeError, match="no healthy pace"):
+    bench_churn.main(["--processes", "2", "--methods", "async", "ddp", "--mtbf_s", "50", "--seeds", "3",
+                      "--warm_s", "7", "--keep", str(tmp_path)])
+  cache = str(tmp_path / "compile_cache")
+  assert calls[:2] == [("async", "warm", math.inf, 7.0, cache, []), ("ddp", "warm", math.inf, 7.0, cache, [])]
+  assert [(c[0], c[1], c[3], c[4]) for c in calls[2:]] == [("async", ".", 180.0, cache), ("ddp", ".", 180.0, cache)]
+  calls.clear()
+  with pytest.raises(RuntimeError, match="no healthy pace"):  # no cache, nothing to warm
+    bench_churn.main(["--processes", "2", "--methods", "async", "--mtbf_s", "50", "--compile_cache", "off",
+                      "--keep", str(tmp_path)])
+  assert [c[1] for c in calls] == [".", "."]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--mtbf_s", "300", "-5"], "--mtbf_s=-5 is not valid: the mean seconds between failures of one process, > 0"),
     (["--restart_delay_s", "-1"], "--restart_delay_s=-1 is not valid: seconds ≥ 0 and below --budget_s=180"),
     (["--restart_delay_s", "200"], "--restart_delay_s=200 is not valid"),
     (["--methods", "async", "gossip"], "--methods: 'gossip' is not valid"),
+    (["--warm_s", "-1"], "--warm_s=-1 is not valid: seconds ≥ 0 (0: no warm-up)"),
 ])
 def test_a_rate_or_delay_out_of_range_is_one_line_naming_the_flag(flags, message, capsys):
   with pytest.raises(SystemExit) as e:
