@@ -135,6 +135,31 @@ def test_a_newcomer_tells_a_beating_peer_from_a_dead_one():
   newcomer.leave()
 
 
+def test_an_observing_newcomer_tells_them_apart_from_what_it_has_read_since_start_up(monkeypatch):
+  """Observing from start-up (what a trainer's process does: job.py), `beating` waits only what is left of
+  its 3 beats since the first read, on a fake clock: a peer whose value moved within them beats; a lease
+  never seen to move (a dead process's last), one that moved and then stopped longer ago, one that left and a
+  restarted peer not yet seen to move since its restart do not."""
+  now, slept = [0.0], []
+  monkeypatch.setattr(liveness.time, "sleep", lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
+  kv = memory_kv.MemoryKV()
+  me = liveness.Liveness(kv, 0, 1, beat_s=0.5, lease_s=30.0, clock=lambda: now[0], observe=True)
+  kv.set("live/1", "2:1"), kv.set("live/2", "3:9"), kv.set("live/3", "4:1"), kv.set("live/4", "5:1")
+  kv.set("live/5", "6:1")
+  me.poll()  # its first read: t = 0
+  now[0] = 0.4
+  kv.set("live/1", "2:2"), kv.set("live/3", "4:2"), kv.set("live/5", "6:left")
+  me.poll()
+  now[0] = 1.0
+  assert me.beating() == {1: 2, 3: 4} and slept == [pytest.approx(0.5)]  # 1.5 s of reads: 0.5 s left to wait
+  kv.set("live/1", "2:3"), kv.set("live/4", "7:1")  # slot 4 restarted: a new incarnation, seen once
+  now[0] = 2.5  # slot 3 last moved at 0.4, 2.1 s ago: stopped since
+  assert me.beating() == {1: 2} and slept[-1] == 0.0
+  kv.set("live/1", "2:4"), kv.set("live/4", "7:2")
+  now[0] = 2.6
+  assert me.beating() == {1: 2, 4: 7}
+
+
 @pytest.mark.parametrize("kwargs,field", [(dict(beat_s=2.0, lease_s=1.0), "beat_s=2.0"),
                                           (dict(beat_s=0.1, lease_s=-1.0), "beat_s=0.1")])
 def test_bad_lease_settings_name_the_value(kwargs, field):

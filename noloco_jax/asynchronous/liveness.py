@@ -48,6 +48,7 @@ class _Seen:
   value: str
   changed_at: float  # observer's monotonic clock
   state: str  # alive | lost | left
+  moved: bool = False  # its value has changed since this observer first saw this incarnation
 
 
 class LeaseTable:
@@ -76,7 +77,7 @@ class LeaseTable:
           events.append(_event(slot, inc, "joined"))
         continue
       if value != seen.value:
-        seen.value, seen.changed_at = value, now
+        seen.value, seen.changed_at, seen.moved = value, now, True
         if is_left(tail):
           if seen.state != LEFT:
             seen.state = LEFT
@@ -93,6 +94,12 @@ class LeaseTable:
   def alive(self) -> dict[int, int]:
     """{slot: incarnation} of the members currently held alive (this process always is)."""
     return {s: v.incarnation for s, v in self._seen.items() if v.state == "alive" or s == self.me}
+
+  def moving(self, now: float, within_s: float) -> dict[int, int]:
+    """{slot: incarnation} of the others whose value this observer has seen change, the last time within
+    `within_s` of `now` (a value seen once may be a dead process's last lease; one that moves is alive)."""
+    return {s: v.incarnation for s, v in self._seen.items()
+            if s != self.me and v.state != LEFT and v.moved and now - v.changed_at <= within_s}
 
   def silent_s(self, slot: int, now: float) -> float:
     """Seconds since `slot`'s lease value last changed, by this observer's clock (0 for itself, and for a slot
@@ -135,6 +142,7 @@ class Liveness:
     self._thread: threading.Thread | None = None
     self._lock = threading.RLock()  # poll's events are emitted under it (_emit takes it again)
     self._observe = observe
+    self._first_poll: float | None = None  # its own clock at its first read of every lease
 
   def attach(self, on_event: Callable[[dict], None]) -> None:
     """From now on every event goes to `on_event`, the ones seen so far first (none is lost in between)."""
@@ -197,8 +205,17 @@ class Liveness:
 
     For a process that has just started: its first poll holds every slot alive (a lease starts at
     first sight), a dead one included until a lease has passed; a beat that moves proves life now.
+    Observing from start-up (`observe`), the heartbeat thread has been reading every lease since: only
+    what is left of `wait_s` since its first read is waited (a restarted process asks after its
+    start-up and restore, so mostly nothing: measured under churn, the join's 1.5 s wait was most of it).
     """
     wait_s = 3 * self.beat_s if wait_s is None else wait_s
+    if self._observe:
+      self.poll()
+      time.sleep(max(0.0, wait_s - (self._clock() - self._first_poll)))
+      with self._lock:
+        self.poll()
+        return self.table.moving(self._clock(), wait_s)
     before = self.kv.dir(PREFIX)
     time.sleep(wait_s)
     after = self.kv.dir(PREFIX)
@@ -216,6 +233,8 @@ class Liveness:
     raw = self.kv.dir(PREFIX)
     values = {int(k[len(PREFIX):]): v for k, v in raw.items()}
     with self._lock:
+      if self._first_poll is None:
+        self._first_poll = self._clock()
       self._emit(self.table.observe(values, self._clock()))
       return self.table.alive()
 
