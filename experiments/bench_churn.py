@@ -22,8 +22,9 @@ restore, join, compile, first step) and partner_wait_s (what live partners waite
 exchange). --compile_cache: JAX's persistent cache, one for every method (on by default); before the sweep each
 method trains --warm_s seconds with no failures, not measured, so that every measured run finds its programs
 in that cache (without it the sweep's first run compiled what the later ones load). `targets` checks,
-per seed (a method's repeated runs by their mean), issue 38's: at a rate where every lock-step method's goodput is ≤ 0.6, asynchronous NoLoCo's
-≥ 0.9 and its loss below each lock-step method's; rows_lost = corrupt_states = 0 everywhere.
+per seed (a method run more than once by the mean of its runs), issue 38's: at a rate where every lock-step
+method's goodput is ≤ 0.6, asynchronous NoLoCo's ≥ 0.9 and its loss below each lock-step method's;
+rows_lost = corrupt_states = 0 everywhere.
 
     python experiments/bench_churn.py --json                       # P = 8, 3 rates, 4 methods, 2 seeds, 180 s each
     python experiments/bench_churn.py --quick --json               # P = 2, one rate, seconds (tests)
@@ -89,12 +90,12 @@ def warm(args, root: str, cache: str, note) -> None:
 
 
 def _mean_run(same: list[dict]) -> dict:
-  """One record standing for runs of one method, rate and seed: the mean goodput and loss, and how many."""
+  """One record standing for runs of one method, rate and seed: their mean goodput and loss."""
   if len(same) == 1:
     return same[0]
   mean = lambda key: None if any(r.get(key) is None for r in same) else sum(r[key] for r in same) / len(same)
   return {**same[-1], "goodput": mean("goodput"), "eval_loss_at_budget": mean("eval_loss_at_budget"),
-          "goodput_own_pace": mean("goodput_own_pace"), "runs": len(same)}
+          "goodput_own_pace": mean("goodput_own_pace")}
 
 
 def targets(runs: list[dict]) -> dict:
@@ -105,15 +106,19 @@ def targets(runs: list[dict]) -> dict:
     met = []
     for rate in sorted({r["mtbf_s"] for r in runs if r["seed"] == seed}):
       # A method run more than once at this rate and seed (repeats, --from_raw): judged on the mean of its runs.
-      at = {m: _mean_run([r for r in runs if r["seed"] == seed and r["mtbf_s"] == rate and r["method"] == m])
-            for m in {r["method"] for r in runs if r["seed"] == seed and r["mtbf_s"] == rate}}
+      by_method: dict[str, list[dict]] = {}
+      for r in runs:
+        if r["seed"] == seed and r["mtbf_s"] == rate:
+          by_method.setdefault(r["method"], []).append(r)
+      at = {m: _mean_run(same) for m, same in by_method.items()}
       lock = [r for m, r in at.items() if m != "async"]
       if "async" not in at or not lock or any(r["goodput"] > 0.6 for r in lock):
         continue
       a = at["async"]
       better = all(r["eval_loss_at_budget"] is None or (a["eval_loss_at_budget"] is not None and
                                                         a["eval_loss_at_budget"] < r["eval_loss_at_budget"]) for r in lock)
-      met.append({"mtbf_s": rate, "runs": {m: r.get("runs", 1) for m, r in sorted(at.items())}, "async_goodput": a["goodput"], "lockstep_goodput": {r["method"]: r["goodput"] for r in lock},
+      met.append({"mtbf_s": rate, "runs": {m: len(same) for m, same in sorted(by_method.items())},
+                  "async_goodput": a["goodput"], "lockstep_goodput": {r["method"]: r["goodput"] for r in lock},
                   "async_goodput_own_pace": a.get("goodput_own_pace"),
                   "lockstep_goodput_own_pace": {r["method"]: r.get("goodput_own_pace") for r in lock},
                   "async_goodput_at_least_0.9": a["goodput"] >= 0.9, "async_loss_below_every_lockstep": better})
